@@ -1,0 +1,65 @@
+# stepguard: the two contract commands are `make demo` and `make test`.
+PY      := .venv/bin/python
+MESON   := .venv/bin/meson
+NATIVE  := build/native
+ASAN    := build/asan
+TSAN    := build/tsan
+FUZZ    := build/fuzz
+FUZZ_SECONDS ?= 30
+CFILES   = $(shell git ls-files '*.c' '*.h')
+
+.PHONY: all bootstrap build test test-c test-py demo sanitize fuzz format format-check clean
+
+all: build
+
+bootstrap:
+	@scripts/bootstrap
+
+# configure a C build tree once; reconfigure happens automatically in ninja
+$(NATIVE)/build.ninja: | bootstrap
+	$(MESON) setup $(NATIVE) -Dpython=false
+$(ASAN)/build.ninja: | bootstrap
+	$(MESON) setup $(ASAN) -Dpython=false -Dsanitizer=asan -Db_lundef=false
+$(TSAN)/build.ninja: | bootstrap
+	$(MESON) setup $(TSAN) -Dpython=false -Dsanitizer=tsan -Db_lundef=false
+
+build: bootstrap $(NATIVE)/build.ninja
+	$(MESON) compile -C $(NATIVE)
+	$(PY) -c 'import stepguard._C'
+
+test-c: build
+	$(MESON) test -C $(NATIVE) --print-errorlogs
+
+test-py: build
+	$(PY) -m pytest tests/py
+
+test: format-check test-c test-py
+
+demo: bootstrap
+	$(PY) examples/fork_safety_demo.py
+
+sanitize: bootstrap $(ASAN)/build.ninja $(TSAN)/build.ninja
+	$(MESON) test -C $(ASAN) --print-errorlogs
+	$(MESON) test -C $(TSAN) --print-errorlogs
+
+$(FUZZ)/build.ninja: | bootstrap
+	CC=clang $(MESON) setup $(FUZZ) -Dpython=false -Dtests=false -Dfuzz=true -Db_lundef=false
+
+# each libFuzzer target for FUZZ_SECONDS, starting from its checked-in corpus
+fuzz: $(FUZZ)/build.ninja
+	$(MESON) compile -C $(FUZZ)
+	@for t in $(FUZZ)/fuzz/fuzz_*; do \
+	  name=$${t##*/fuzz_}; mkdir -p $(FUZZ)/corpus-$$name; \
+	  echo "fuzz: $$name for $(FUZZ_SECONDS) s"; \
+	  $$t -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
+	    $(FUZZ)/corpus-$$name fuzz/corpus/$$name || exit 1; \
+	done
+
+format:
+	clang-format -i $(CFILES)
+
+format-check: bootstrap
+	clang-format --dry-run -Werror $(CFILES)
+
+clean:
+	rm -rf build

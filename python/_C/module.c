@@ -1,0 +1,265 @@
+/*
+ * module.c: stepguard._C, the thin CPython binding over libstepguard.
+ *
+ * Follows CPython's Modules/_sqlite: multi-phase init, per-module state,
+ * no static Python objects.  Arguments are converted here and nothing
+ * Python-shaped reaches libstepguard.  Every call that can wait releases the
+ * GIL, and the C error becomes an exception only after the GIL is back:
+ * SG_ETIMEDOUT -> TimeoutError, the rest -> stepguard._C.Error (a
+ * RuntimeError subclass carrying `.code`), matching torchft's mapping.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "stepguard/base.h"
+
+typedef struct {
+  PyObject *error_type; /* stepguard._C.Error */
+} module_state;
+
+static module_state *get_state(PyObject *module) {
+  return (module_state *)PyModule_GetState(module);
+}
+
+/* raise_sg: set the exception for `code` with `detail`; returns NULL. */
+static PyObject *raise_sg(PyObject *module, int code, const char *detail) {
+  const char *msg = detail && detail[0] ? detail : sg_strerror(code);
+  if (code == SG_ETIMEDOUT || code == SG_ECANCELED) {
+    PyErr_SetString(PyExc_TimeoutError, msg);
+    return NULL;
+  }
+  if (code == SG_ENOMEM)
+    return PyErr_NoMemory();
+  PyObject *exc =
+      PyObject_CallFunction(get_state(module)->error_type, "s", msg);
+  if (!exc)
+    return NULL;
+  PyObject *pycode = PyLong_FromLong(code);
+  if (!pycode || PyObject_SetAttrString(exc, "code", pycode) < 0) {
+    Py_XDECREF(pycode);
+    Py_DECREF(exc);
+    return NULL;
+  }
+  Py_DECREF(pycode);
+  PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+  Py_DECREF(exc);
+  return NULL;
+}
+
+static PyObject *py_version(PyObject *module, PyObject *unused) {
+  return PyUnicode_FromString(sg_version());
+}
+
+static PyObject *py_strerror(PyObject *module, PyObject *arg) {
+  long code = PyLong_AsLong(arg);
+  if (code == -1 && PyErr_Occurred())
+    return NULL;
+  return PyUnicode_FromString(sg_strerror((int)code));
+}
+
+static PyObject *py_err_name(PyObject *module, PyObject *arg) {
+  long code = PyLong_AsLong(arg);
+  if (code == -1 && PyErr_Occurred())
+    return NULL;
+  return PyUnicode_FromString(sg_err_name((int)code));
+}
+
+static PyObject *py_err_is_fatal(PyObject *module, PyObject *arg) {
+  long code = PyLong_AsLong(arg);
+  if (code == -1 && PyErr_Occurred())
+    return NULL;
+  return PyBool_FromLong(sg_err_is_fatal((int)code));
+}
+
+static PyObject *py_monotonic_ns(PyObject *module, PyObject *unused) {
+  return PyLong_FromLongLong(sg_now_ns());
+}
+
+static PyObject *py_log(PyObject *module, PyObject *args) {
+  int level;
+  const char *subsystem, *msg;
+  if (!PyArg_ParseTuple(args, "iss:log", &level, &subsystem, &msg))
+    return NULL;
+  if (level < SG_LOG_ERROR || level > SG_LOG_TRACE) {
+    PyErr_Format(PyExc_ValueError, "log level %d out of range", level);
+    return NULL;
+  }
+  Py_BEGIN_ALLOW_THREADS
+  sg_log((sg_log_level_t)level, subsystem, "%s", msg);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+static PyObject *py_set_log_level(PyObject *module, PyObject *arg) {
+  const char *name = PyUnicode_AsUTF8(arg);
+  if (!name)
+    return NULL;
+  int level = sg_log_level_parse(name);
+  if (level < 0) {
+    PyErr_Format(PyExc_ValueError, "unknown log level %R", arg);
+    return NULL;
+  }
+  sg_log_set_level((sg_log_level_t)level);
+  Py_RETURN_NONE;
+}
+
+static PyObject *py_tcp_listen(PyObject *module, PyObject *args) {
+  const char *host;
+  int port, backlog = 128, fd = -1, bound = 0, rc;
+  sg_err_t err;
+  if (!PyArg_ParseTuple(args, "si|i:tcp_listen", &host, &port, &backlog))
+    return NULL;
+  Py_BEGIN_ALLOW_THREADS
+  rc = sg_sock_listen(host, port, backlog, &fd, &bound, &err);
+  Py_END_ALLOW_THREADS
+  if (rc)
+    return raise_sg(module, rc, err.msg);
+  return Py_BuildValue("(ii)", fd, bound);
+}
+
+static PyObject *py_tcp_connect(PyObject *module, PyObject *args) {
+  const char *host;
+  int port, fd = -1, rc;
+  double timeout_s;
+  sg_err_t err;
+  if (!PyArg_ParseTuple(args, "sid:tcp_connect", &host, &port, &timeout_s))
+    return NULL;
+  if (!(timeout_s >= 0) || timeout_s > 86400.0 * 365) {
+    PyErr_SetString(PyExc_ValueError, "timeout must be in [0, 1 year]");
+    return NULL;
+  }
+  sg_deadline_t d = sg_deadline_in_ms((int64_t)(timeout_s * 1000.0));
+  Py_BEGIN_ALLOW_THREADS
+  rc = sg_sock_connect(host, port, d, &fd, &err);
+  Py_END_ALLOW_THREADS
+  if (rc)
+    return raise_sg(module, rc, err.msg);
+  return PyLong_FromLong(fd);
+}
+
+static PyObject *py_tcp_close(PyObject *module, PyObject *arg) {
+  int fd = PyLong_AsLong(arg);
+  if (fd == -1 && PyErr_Occurred())
+    return NULL;
+  sg_sock_close(fd);
+  Py_RETURN_NONE;
+}
+
+static PyObject *py_registered_sockets(PyObject *module, PyObject *unused) {
+  return PyLong_FromSize_t(sg_sock_registered_count());
+}
+
+static PyObject *py_fork_count(PyObject *module, PyObject *unused) {
+  return PyLong_FromUnsignedLong(sg_sock_fork_count());
+}
+
+static PyObject *py_raise_error(PyObject *module, PyObject *args) {
+  int code;
+  const char *detail = "";
+  if (!PyArg_ParseTuple(args, "i|s:_raise_error", &code, &detail))
+    return NULL;
+  return raise_sg(module, code, detail);
+}
+
+static PyMethodDef module_methods[] = {
+    {"version", py_version, METH_NOARGS,
+     "version() -> str: libstepguard version."},
+    {"strerror", py_strerror, METH_O, "strerror(code) -> str: error text."},
+    {"err_name", py_err_name, METH_O, "err_name(code) -> str: SG_E* name."},
+    {"err_is_fatal", py_err_is_fatal, METH_O,
+     "err_is_fatal(code) -> bool: whether the code poisons its object."},
+    {"monotonic_ns", py_monotonic_ns, METH_NOARGS,
+     "monotonic_ns() -> int: libstepguard's monotonic clock."},
+    {"log", py_log, METH_VARARGS, "log(level, subsystem, msg): emit a line."},
+    {"set_log_level", py_set_log_level, METH_O,
+     "set_log_level(name): error, warn, info, debug or trace."},
+    {"tcp_listen", py_tcp_listen, METH_VARARGS,
+     "tcp_listen(host, port, backlog=128) -> (fd, port): registered socket."},
+    {"tcp_connect", py_tcp_connect, METH_VARARGS,
+     "tcp_connect(host, port, timeout_s) -> fd: registered, non-blocking."},
+    {"tcp_close", py_tcp_close, METH_O, "tcp_close(fd): unregister and close."},
+    {"registered_sockets", py_registered_sockets, METH_NOARGS,
+     "registered_sockets() -> int: sockets a fork would drop."},
+    {"fork_count", py_fork_count, METH_NOARGS,
+     "fork_count() -> int: forks since the original process."},
+    {"_raise_error", py_raise_error, METH_VARARGS,
+     "_raise_error(code, detail=''): raise the exception for a code (tests)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static int add_error_constants(PyObject *module) {
+  static const struct {
+    const char *name;
+    int code;
+  } codes[] = {
+      {"OK", SG_OK},
+      {"EINVAL", SG_EINVAL},
+      {"ENOMEM", SG_ENOMEM},
+      {"EAGAIN", SG_EAGAIN},
+      {"ETIMEDOUT", SG_ETIMEDOUT},
+      {"ECANCELED", SG_ECANCELED},
+      {"ECONNRESET", SG_ECONNRESET},
+      {"ECONNREFUSED", SG_ECONNREFUSED},
+      {"EPIPE", SG_EPIPE},
+      {"EADDRINUSE", SG_EADDRINUSE},
+      {"EIO", SG_EIO},
+      {"ETOOBIG", SG_ETOOBIG},
+      {"EAUTH", SG_EAUTH},
+      {"ENOTFOUND", SG_ENOTFOUND},
+      {"ESTATE", SG_ESTATE},
+      {"ECLOSED", SG_ECLOSED},
+      {"EABORTED", SG_EABORTED},
+      {"EPEER", SG_EPEER},
+      {"EPROTO", SG_EPROTO},
+  };
+  for (size_t i = 0; i < sizeof(codes) / sizeof(codes[0]); i++)
+    if (PyModule_AddIntConstant(module, codes[i].name, codes[i].code) < 0)
+      return -1;
+  return 0;
+}
+
+static int module_exec(PyObject *module) {
+  module_state *st = get_state(module);
+  st->error_type = PyErr_NewExceptionWithDoc(
+      "stepguard._C.Error",
+      "A libstepguard error; `code` holds the negative SG_E* code.",
+      PyExc_RuntimeError, NULL);
+  if (!st->error_type)
+    return -1;
+  if (PyModule_AddObjectRef(module, "Error", st->error_type) < 0)
+    return -1;
+  return add_error_constants(module);
+}
+
+static int module_traverse(PyObject *module, visitproc visit, void *arg) {
+  Py_VISIT(get_state(module)->error_type);
+  return 0;
+}
+
+static int module_clear(PyObject *module) {
+  Py_CLEAR(get_state(module)->error_type);
+  return 0;
+}
+
+static void module_free(void *module) { module_clear((PyObject *)module); }
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "stepguard._C",
+    .m_doc = "libstepguard binding (internal; use the stepguard package).",
+    .m_size = sizeof(module_state),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
+};
+
+PyMODINIT_FUNC PyInit__C(void);
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&module_def); }

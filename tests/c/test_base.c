@@ -1,0 +1,288 @@
+/*
+ * test_base.c: the C core's conventions: error codes, clocks, the bounded
+ * buffer, allocation failure injection, logging and socket flags.
+ */
+#include <fcntl.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "stepguard/base.h"
+
+static void test_error_codes_are_distinct_and_named(void **state) {
+  (void)state;
+  const int codes[] = {
+      SG_OK,        SG_EINVAL,     SG_ENOMEM,       SG_EAGAIN,    SG_ETIMEDOUT,
+      SG_ECANCELED, SG_ECONNRESET, SG_ECONNREFUSED, SG_EPIPE,     SG_EADDRINUSE,
+      SG_EIO,       SG_ETOOBIG,    SG_EAUTH,        SG_ENOTFOUND, SG_ESTATE,
+      SG_ECLOSED,   SG_EABORTED,   SG_EPEER,        SG_EPROTO};
+  size_t n = sizeof(codes) / sizeof(codes[0]);
+  for (size_t i = 0; i < n; i++) {
+    assert_true(codes[i] <= 0);
+    assert_string_not_equal(sg_strerror(codes[i]), "unknown error");
+    assert_string_not_equal(sg_err_name(codes[i]), "SG_E?");
+    for (size_t j = i + 1; j < n; j++)
+      assert_int_not_equal(codes[i], codes[j]);
+  }
+  assert_int_equal(SG_ETIMEDOUT, -ETIMEDOUT);
+  assert_string_equal(sg_err_name(SG_ETIMEDOUT), "SG_ETIMEDOUT");
+  assert_string_equal(sg_strerror(SG_ETOOBIG), "length over limit");
+  assert_string_equal(sg_strerror(12345), "unknown error");
+  assert_string_equal(sg_strerror(-ENOTDIR), "system error");
+  /* project codes sit outside every errno value */
+  assert_true(SG_ETOOBIG < -4095 && SG_EPROTO < -4095);
+}
+
+static void test_fatal_threshold(void **state) {
+  (void)state;
+  assert_true(sg_err_is_fatal(SG_EABORTED));
+  assert_true(sg_err_is_fatal(SG_EPEER));
+  assert_true(sg_err_is_fatal(SG_EPROTO));
+  assert_true(sg_err_is_fatal(SG_ECONNRESET));
+  assert_false(sg_err_is_fatal(SG_OK));
+  assert_false(sg_err_is_fatal(SG_ETIMEDOUT));
+  assert_false(sg_err_is_fatal(SG_ETOOBIG));
+  assert_false(sg_err_is_fatal(SG_EAUTH));
+}
+
+static void test_err_set_formats_and_truncates(void **state) {
+  (void)state;
+  sg_err_t err;
+  sg_err_clear(&err);
+  assert_int_equal(err.code, 0);
+  assert_string_equal(err.msg, "");
+  assert_int_equal(sg_err_set(&err, SG_EPEER, "rank %d: %s", 3, "reset"),
+                   SG_EPEER);
+  assert_int_equal(err.code, SG_EPEER);
+  assert_string_equal(err.msg, "rank 3: reset");
+  char big[600];
+  memset(big, 'x', sizeof(big) - 1);
+  big[sizeof(big) - 1] = '\0';
+  sg_err_set(&err, SG_EINVAL, "%s", big);
+  assert_int_equal(strlen(err.msg), sizeof(err.msg) - 1);
+  assert_int_equal(sg_err_set(NULL, SG_EIO, "ignored"), SG_EIO);
+}
+
+static void test_clock_is_monotonic_and_deadlines_saturate(void **state) {
+  (void)state;
+  int64_t a = sg_now_ns();
+  int64_t b = sg_now_ns();
+  assert_true(b >= a);
+  assert_true(sg_wall_ns() > INT64_C(1600000000) * 1000000000);
+
+  sg_deadline_t d = sg_deadline_in_ms(60000);
+  assert_false(sg_deadline_passed(d));
+  int64_t left = sg_deadline_left_ms(d);
+  assert_true(left > 50000 && left <= 60000);
+
+  assert_true(sg_deadline_passed(sg_deadline_in_ms(0)));
+  assert_true(sg_deadline_passed(sg_deadline_in_ms(-5)));
+  assert_int_equal(sg_deadline_left_ms(sg_deadline_in_ms(-5)), 0);
+  assert_true(sg_deadline_in_ms(INT64_MAX) == INT64_MAX);
+  /* a part of a millisecond left counts as a whole one: rounding is up */
+  assert_int_equal(sg_deadline_left_ms(sg_now_ns() + 1000000000), 1000);
+}
+
+static void test_buf_limits_and_compaction(void **state) {
+  (void)state;
+  sg_buf_t b;
+  sg_buf_init(&b, 1000);
+  uint8_t chunk[300];
+  for (size_t i = 0; i < sizeof(chunk); i++)
+    chunk[i] = (uint8_t)i;
+  assert_int_equal(sg_buf_append(&b, chunk, 300), 0);
+  assert_int_equal(sg_buf_append(&b, chunk, 300), 0);
+  assert_int_equal(sg_buf_append(&b, chunk, 300), 0);
+  assert_int_equal(b.len, 900);
+  /* over the limit: error and nothing changed */
+  assert_int_equal(sg_buf_append(&b, chunk, 101), SG_ETOOBIG);
+  assert_int_equal(b.len, 900);
+  /* overflow-safe check on huge sizes */
+  assert_int_equal(sg_buf_reserve(&b, SIZE_MAX), SG_ETOOBIG);
+  assert_int_equal(sg_buf_reserve(&b, SIZE_MAX - 100), SG_ETOOBIG);
+
+  sg_buf_consume(&b, 600);
+  assert_int_equal(b.len, 300);
+  assert_memory_equal(sg_buf_head(&b), chunk, 300);
+  /* after consuming, the same capacity holds new data: total passing
+   * through far exceeds max while memory stays bounded */
+  for (int round = 0; round < 50; round++) {
+    assert_int_equal(sg_buf_append(&b, chunk, 300), 0);
+    sg_buf_consume(&b, 300);
+    assert_true(b.cap <= 1000);
+  }
+  assert_memory_equal(sg_buf_head(&b), chunk, 300);
+
+  assert_int_equal(sg_buf_reserve(&b, 10), 0);
+  memcpy(sg_buf_tail(&b), "0123456789", 10);
+  sg_buf_commit(&b, 10);
+  assert_int_equal(b.len, 310);
+  assert_memory_equal(sg_buf_head(&b) + 300, "0123456789", 10);
+
+  /* a buffer smaller than the first allocation step never allocates more
+   * than its maximum (found by fuzz_buf) */
+  sg_buf_t small;
+  sg_buf_init(&small, 10);
+  assert_int_equal(sg_buf_append(&small, "0123456789", 10), 0);
+  assert_true(small.cap <= 10);
+  assert_int_equal(sg_buf_append(&small, "x", 1), SG_ETOOBIG);
+  sg_buf_free(&small);
+
+  sg_buf_consume(&b, 1000); /* more than len empties it */
+  assert_int_equal(b.len, 0);
+  sg_buf_free(&b);
+  assert_null(b.data);
+  assert_int_equal(b.max, 1000);
+}
+
+static void test_buf_survives_allocation_failure(void **state) {
+  (void)state;
+  sg_buf_t b;
+  sg_buf_init(&b, 1 << 20);
+  assert_int_equal(sg_buf_append(&b, "abc", 3), 0);
+  sg_test_fail_alloc(1, 0);
+  uint8_t big[4096] = {0};
+  assert_int_equal(sg_buf_append(&b, big, sizeof(big)), SG_ENOMEM);
+  assert_int_equal(sg_test_fail_alloc(0, 0), 1);
+  assert_int_equal(b.len, 3);
+  assert_memory_equal(sg_buf_head(&b), "abc", 3);
+  assert_int_equal(sg_buf_append(&b, big, sizeof(big)), 0);
+  sg_buf_free(&b);
+}
+
+static void test_alloc_injection_counts(void **state) {
+  (void)state;
+  sg_test_fail_alloc(3, 0);
+  void *a = sg_malloc(8), *b = sg_malloc(8), *c = sg_malloc(8);
+  void *d = sg_malloc(8);
+  assert_non_null(a);
+  assert_non_null(b);
+  assert_null(c);
+  assert_non_null(d); /* not sticky: only the third failed */
+  sg_free(a);
+  sg_free(b);
+  sg_free(d);
+  assert_int_equal(sg_test_fail_alloc(1, 1), 1);
+  assert_null(sg_malloc(1));
+  assert_null(sg_strdup("x"));
+  assert_int_equal(sg_test_fail_alloc(0, 0), 2);
+  char *s = sg_strdup("hello");
+  assert_string_equal(s, "hello");
+  sg_free(s);
+}
+
+struct captured {
+  int calls;
+  sg_log_level_t level;
+  char subsystem[32];
+  char line[256];
+};
+
+static void capture_cb(void *ud, sg_log_level_t level, const char *subsystem,
+                       const char *line) {
+  struct captured *c = ud;
+  c->calls++;
+  c->level = level;
+  snprintf(c->subsystem, sizeof(c->subsystem), "%s", subsystem);
+  snprintf(c->line, sizeof(c->line), "%s", line);
+}
+
+static void test_log_levels_and_sink(void **state) {
+  (void)state;
+  struct captured c = {0};
+  sg_log_set_sink(capture_cb, &c);
+  sg_log_set_level(SG_LOG_INFO);
+  sg_log(SG_LOG_DEBUG, "test", "hidden %d", 1);
+  assert_int_equal(c.calls, 0);
+  assert_false(sg_log_enabled(SG_LOG_DEBUG));
+  sg_log(SG_LOG_WARN, "lighthouse", "quorum %d", 7);
+  assert_int_equal(c.calls, 1);
+  assert_int_equal(c.level, SG_LOG_WARN);
+  assert_string_equal(c.subsystem, "lighthouse");
+  assert_string_equal(c.line, "quorum 7");
+  sg_log_set_level(SG_LOG_TRACE);
+  sg_log(SG_LOG_TRACE, "test", "shown");
+  assert_int_equal(c.calls, 2);
+  sg_log_set_sink(NULL, NULL);
+  sg_log_set_level(SG_LOG_INFO);
+
+  assert_int_equal(sg_log_level_parse("debug"), SG_LOG_DEBUG);
+  assert_int_equal(sg_log_level_parse("WARN"), SG_LOG_WARN);
+  assert_int_equal(sg_log_level_parse("warning"), SG_LOG_WARN);
+  assert_int_equal(sg_log_level_parse("loud"), -1);
+  assert_int_equal(sg_log_level_parse(NULL), -1);
+}
+
+static int is_cloexec(int fd) {
+  int flags = fcntl(fd, F_GETFD);
+  return flags >= 0 && (flags & FD_CLOEXEC);
+}
+
+static void test_sockets_are_cloexec_and_registered(void **state) {
+  (void)state;
+  sg_err_t err;
+  int lfd = -1, cfd = -1, afd = -1, port = 0;
+  size_t before = sg_sock_registered_count();
+  assert_int_equal(sg_sock_listen("127.0.0.1", 0, 16, &lfd, &port, &err), 0);
+  assert_true(port > 0);
+  assert_int_equal(
+      sg_sock_connect("127.0.0.1", port, sg_deadline_in_ms(5000), &cfd, &err),
+      0);
+  sg_deadline_t d = sg_deadline_in_ms(5000);
+  int rc;
+  while ((rc = sg_sock_accept(lfd, &afd)) == SG_EAGAIN &&
+         !sg_deadline_passed(d))
+    usleep(1000);
+  assert_int_equal(rc, 0);
+  assert_true(is_cloexec(lfd) && is_cloexec(cfd) && is_cloexec(afd));
+  assert_true(fcntl(cfd, F_GETFL) & O_NONBLOCK);
+  assert_int_equal(sg_sock_registered_count(), before + 3);
+  sg_sock_close(afd);
+  sg_sock_close(cfd);
+  sg_sock_close(lfd);
+  assert_int_equal(sg_sock_registered_count(), before);
+}
+
+static void test_connect_errors(void **state) {
+  (void)state;
+  sg_err_t err;
+  int lfd = -1, port = 0, fd = -1;
+  /* find a port that nobody listens on: bind, note it, close */
+  assert_int_equal(sg_sock_listen("127.0.0.1", 0, 1, &lfd, &port, &err), 0);
+  sg_sock_close(lfd);
+  assert_int_equal(
+      sg_sock_connect("127.0.0.1", port, sg_deadline_in_ms(5000), &fd, &err),
+      SG_ECONNREFUSED);
+  assert_non_null(strstr(err.msg, "connection refused"));
+  assert_int_equal(sg_sock_connect("no-such-host.invalid", 80,
+                                   sg_deadline_in_ms(5000), &fd, &err),
+                   SG_ENOTFOUND);
+  assert_int_equal(sg_sock_listen("127.0.0.1", 70000, 1, &lfd, &port, &err),
+                   SG_EINVAL);
+  assert_int_equal(sg_sock_register(-1), SG_EINVAL);
+  assert_int_equal(sg_sock_unregister(123456), SG_EINVAL);
+  assert_int_equal(sg_sock_registered_count(), 0);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_error_codes_are_distinct_and_named),
+      cmocka_unit_test(test_fatal_threshold),
+      cmocka_unit_test(test_err_set_formats_and_truncates),
+      cmocka_unit_test(test_clock_is_monotonic_and_deadlines_saturate),
+      cmocka_unit_test(test_buf_limits_and_compaction),
+      cmocka_unit_test(test_buf_survives_allocation_failure),
+      cmocka_unit_test(test_alloc_injection_counts),
+      cmocka_unit_test(test_log_levels_and_sink),
+      cmocka_unit_test(test_sockets_are_cloexec_and_registered),
+      cmocka_unit_test(test_connect_errors),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}

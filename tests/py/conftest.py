@@ -1,0 +1,51 @@
+"""Shared fixtures: process cleanup by pid for multi-process tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+
+class Procs:
+    """Starts helper processes and kills every one of them at teardown."""
+
+    def __init__(self) -> None:
+        self.pids: list[int] = []
+        self.popens: list[subprocess.Popen] = []
+
+    def spawn(self, code: str, *args: str, **kw) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-c", code, *args], **kw)
+        self.popens.append(p)
+        return p
+
+    def track(self, pid: int) -> None:
+        self.pids.append(pid)
+
+    def cleanup(self) -> None:
+        for p in self.popens:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+        for pid in self.pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+
+
+@pytest.fixture
+def procs() -> Iterator[Procs]:
+    p = Procs()
+    try:
+        yield p
+    finally:
+        p.cleanup()

@@ -229,6 +229,47 @@ SG_EXPORT const uint8_t *sg_buf_head(const sg_buf_t *b);
 /* sg_buf_consume: drop `n` <= len bytes from the front. */
 SG_EXPORT void sg_buf_consume(sg_buf_t *b, size_t n);
 
+/* ---- string-keyed hash map ------------------------------------------------
+ */
+
+/*
+ * sg_map_t maps NUL-terminated string keys (copied) to void * values
+ * (borrowed).  Open addressing with a per-map random SipHash key, so keys
+ * chosen by a peer cannot force collisions.  Not thread-safe.
+ */
+typedef struct sg_map_s {
+  struct sg_map_slot_s *slots;
+  size_t cap;  /* power of two or 0 */
+  size_t len;  /* live entries */
+  size_t used; /* live + deleted slots */
+  uint64_t k0, k1;
+} sg_map_t;
+
+/* sg_map_init: an empty map (allocates nothing).  sg_map_free frees keys
+ * and slots, not values. */
+SG_EXPORT void sg_map_init(sg_map_t *m);
+SG_EXPORT void sg_map_free(sg_map_t *m);
+
+/* sg_map_get: the value for `key`, or NULL when absent. */
+SG_EXPORT void *sg_map_get(const sg_map_t *m, const char *key);
+
+/*
+ * sg_map_put: set `key` to `value` (non-NULL).  *old (may be NULL) gets the
+ * previous value or NULL.  Returns 0 or SG_ENOMEM (map unchanged).
+ */
+SG_EXPORT int sg_map_put(sg_map_t *m, const char *key, void *value, void **old);
+
+/* sg_map_del: remove `key`; returns its value or NULL when absent. */
+SG_EXPORT void *sg_map_del(sg_map_t *m, const char *key);
+
+/*
+ * sg_map_next: iterate.  Start with *pos = 0; returns 1 and sets *key and
+ * *value for each live entry, 0 at the end.  The map must not change while
+ * iterating, except by sg_map_del of the entry just returned.
+ */
+SG_EXPORT int sg_map_next(const sg_map_t *m, size_t *pos, const char **key,
+                          void **value);
+
 /* ---- sockets and fork safety --------------------------------------------- */
 
 /*

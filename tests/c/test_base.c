@@ -271,6 +271,75 @@ static void test_connect_errors(void **state) {
   assert_int_equal(sg_sock_registered_count(), 0);
 }
 
+static void test_map_put_get_del_iterate(void **state) {
+  (void)state;
+  sg_map_t m;
+  sg_map_init(&m);
+  assert_null(sg_map_get(&m, "missing"));
+  assert_null(sg_map_del(&m, "missing"));
+  static int vals[5000];
+  char key[32];
+  for (int i = 0; i < 5000; i++) {
+    snprintf(key, sizeof(key), "replica-%d", i);
+    void *old = &m;
+    assert_int_equal(sg_map_put(&m, key, &vals[i], &old), 0);
+    assert_null(old);
+  }
+  assert_int_equal(m.len, 5000);
+  void *old = NULL;
+  assert_int_equal(sg_map_put(&m, "replica-7", &vals[8], &old), 0);
+  assert_ptr_equal(old, &vals[7]);
+  assert_int_equal(m.len, 5000);
+  /* delete every other key, then churn: tombstones must not fill the table */
+  for (int i = 0; i < 5000; i += 2) {
+    snprintf(key, sizeof(key), "replica-%d", i);
+    assert_non_null(sg_map_del(&m, key));
+  }
+  for (int round = 0; round < 20000; round++) {
+    snprintf(key, sizeof(key), "churn-%d", round);
+    assert_int_equal(sg_map_put(&m, key, &vals[0], NULL), 0);
+    assert_ptr_equal(sg_map_del(&m, key), &vals[0]);
+  }
+  assert_true(m.cap <= 16384);
+  for (int i = 0; i < 5000; i++) {
+    snprintf(key, sizeof(key), "replica-%d", i);
+    void *v = sg_map_get(&m, key);
+    if (i % 2 == 0)
+      assert_null(v);
+    else
+      assert_ptr_equal(v, i == 7 ? &vals[8] : &vals[i]);
+  }
+  size_t pos = 0, n = 0;
+  const char *k;
+  void *v;
+  while (sg_map_next(&m, &pos, &k, &v)) {
+    assert_non_null(strstr(k, "replica-"));
+    n++;
+  }
+  assert_int_equal(n, 2500);
+  sg_map_free(&m);
+  assert_int_equal(m.len, 0);
+}
+
+static void test_map_survives_allocation_failure(void **state) {
+  (void)state;
+  sg_map_t m;
+  sg_map_init(&m);
+  int v = 1;
+  for (long nth = 1; nth <= 3; nth++) {
+    sg_test_fail_alloc(nth, 0);
+    int rc = sg_map_put(&m, "a", &v, NULL);
+    sg_test_fail_alloc(0, 0);
+    if (rc == 0)
+      break;
+    assert_int_equal(rc, SG_ENOMEM);
+    assert_int_equal(m.len, 0);
+    assert_null(sg_map_get(&m, "a"));
+  }
+  assert_ptr_equal(sg_map_get(&m, "a"), &v);
+  sg_map_free(&m);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_error_codes_are_distinct_and_named),
@@ -283,6 +352,8 @@ int main(void) {
       cmocka_unit_test(test_log_levels_and_sink),
       cmocka_unit_test(test_sockets_are_cloexec_and_registered),
       cmocka_unit_test(test_connect_errors),
+      cmocka_unit_test(test_map_put_get_del_iterate),
+      cmocka_unit_test(test_map_survives_allocation_failure),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,0 +1,772 @@
+/*
+ * quorum.c: the lighthouse's quorum state and decision (see quorum.h).
+ *
+ *   time helpers     saturating ms -> ns, ages that never go negative
+ *   idmap            a string-keyed hash index over a dense array
+ *   state            heartbeats, participants, previous quorum, quorum id
+ *   inputs           heartbeat, join, leave, mark_dead
+ *   decision         decide (torchft quorum_compute), tick (apply), deadline
+ *   upkeep/readers   prune, id floor, accessors
+ *
+ * Layout.  Heartbeat records and participant entries each live in a dense
+ * array (so iteration and *_at(i) are O(1) per item) with an idmap beside
+ * it that maps a replica id to its dense index.  Removal swaps the last
+ * entry into the hole.  Every participant also has a heartbeat record (a
+ * join is an implicit heartbeat; prune spares participants; mark_dead drops
+ * both), so max_replicas bounds both arrays.
+ *
+ * Out-of-memory safety.  Every mutating call first acquires everything it
+ * may need (string copies, array and index capacity) and only then changes
+ * the state in steps that cannot fail, so an SG_ENOMEM leaves the state as
+ * it was.  Growing capacity is not a visible change.
+ *
+ * Cost of a decision with H heartbeat records, P participants and Q members
+ * in the previous quorum: O(H + P + Q) hash lookups, O(P log Q) for the
+ * shrink_only filter (binary search in the sorted previous quorum) and one
+ * O(P log P) sort of the candidates.
+ */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "lighthouse/quorum.h"
+
+#define MAX_TRACKED ((size_t)1 << 28) /* keeps dense indexes in uint32_t */
+#define MIN_CAP 8
+
+/* ---- time helpers -------------------------------------------------------- */
+
+/* ms_to_ns: milliseconds to nanoseconds; < 0 gives 0, saturates high. */
+static uint64_t ms_to_ns(int64_t ms) {
+  if (ms <= 0)
+    return 0;
+  if (ms > INT64_MAX / 1000000)
+    return (uint64_t)INT64_MAX;
+  return (uint64_t)ms * 1000000u;
+}
+
+/* age_ns: now - t, or 0 when t is not in the past (Rust's saturating
+ * Instant::duration_since).  Computed unsigned, so it cannot overflow. */
+static uint64_t age_ns(int64_t now, int64_t t) {
+  return now > t ? (uint64_t)now - (uint64_t)t : 0;
+}
+
+/* add_ns: t + d, saturating at INT64_MAX. */
+static int64_t add_ns(int64_t t, uint64_t d) {
+  if (d > (uint64_t)INT64_MAX || t > INT64_MAX - (int64_t)d)
+    return INT64_MAX;
+  return t + (int64_t)d;
+}
+
+/* ---- idmap: replica id -> dense index ------------------------------------ */
+
+/*
+ * Open addressing with linear probing and backward-shift deletion (no
+ * tombstones).  The table has at least twice as many slots as the dense
+ * capacity, so probes stay short.  Keys are borrowed from the owner's dense
+ * entries; the owner moves its entries exactly as the idmap moves its keys.
+ */
+typedef struct idmap_s {
+  const char **keys; /* dense, borrowed from the owner's entries */
+  uint64_t *hashes;  /* dense, hash of keys[i] */
+  uint32_t *slots;   /* 0 = empty, else dense index + 1 */
+  size_t n;          /* dense entries in use */
+  size_t cap;        /* capacity of keys and hashes */
+  size_t nslots;     /* power of two, >= 2 * cap, or 0 */
+} idmap_t;
+
+/* hash_id: FNV-1a, then a 64-bit finaliser so the low bits mix well. */
+static uint64_t hash_id(const char *s) {
+  uint64_t h = 1469598103934665603u;
+  for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+    h ^= *p;
+    h *= 1099511628211u;
+  }
+  h ^= h >> 33;
+  h *= 0xff51afd7ed558ccdu;
+  h ^= h >> 33;
+  return h;
+}
+
+static long idmap_find(const idmap_t *m, const char *key, uint64_t h) {
+  if (m->nslots == 0)
+    return -1;
+  size_t mask = m->nslots - 1;
+  for (size_t i = (size_t)h & mask;; i = (i + 1) & mask) {
+    uint32_t s = m->slots[i];
+    if (s == 0)
+      return -1;
+    if (m->hashes[s - 1] == h && strcmp(m->keys[s - 1], key) == 0)
+      return (long)(s - 1);
+  }
+}
+
+/* put_slot: enter dense index `idx` in a table that has a free slot. */
+static void put_slot(uint32_t *slots, size_t nslots, uint64_t h, size_t idx) {
+  size_t mask = nslots - 1;
+  size_t i = (size_t)h & mask;
+  while (slots[i] != 0)
+    i = (i + 1) & mask;
+  slots[i] = (uint32_t)(idx + 1);
+}
+
+/* slot_of: the table position holding dense index `idx` (which exists). */
+static size_t slot_of(const idmap_t *m, size_t idx) {
+  size_t mask = m->nslots - 1;
+  size_t i = (size_t)m->hashes[idx] & mask;
+  while (m->slots[i] != idx + 1)
+    i = (i + 1) & mask;
+  return i;
+}
+
+/* grow: make *p hold at least `want` elements of `size` bytes (capacity
+ * doubles).  On failure *p and *cap are unchanged. */
+static int grow(void **p, size_t *cap, size_t want, size_t size) {
+  if (want <= *cap)
+    return 0;
+  size_t c = *cap < MIN_CAP ? MIN_CAP : *cap;
+  while (c < want)
+    c *= 2;
+  void *q = sg_realloc(*p, c * size);
+  if (!q)
+    return SG_ENOMEM;
+  *p = q;
+  *cap = c;
+  return 0;
+}
+
+/*
+ * idmap_reserve: room for `want` entries without further allocation.
+ * Contents are unchanged whether it succeeds or not.
+ */
+static int idmap_reserve(idmap_t *m, size_t want) {
+  size_t kcap = m->cap, hcap = m->cap;
+  void *keys = (void *)m->keys;
+  int rc = grow(&keys, &kcap, want, sizeof(*m->keys));
+  m->keys = keys; /* a bigger block with the same contents */
+  if (rc)
+    return rc;
+  rc = grow((void **)&m->hashes, &hcap, want, sizeof(*m->hashes));
+  if (rc)
+    return rc;
+  m->cap = kcap; /* both arrays now hold at least kcap (== hcap) */
+  if (m->nslots >= 2 * m->cap)
+    return 0;
+  size_t ns = MIN_CAP * 2;
+  while (ns < 2 * m->cap)
+    ns *= 2;
+  uint32_t *slots = sg_calloc(ns, sizeof(*slots));
+  if (!slots)
+    return SG_ENOMEM;
+  for (size_t i = 0; i < m->n; i++)
+    put_slot(slots, ns, m->hashes[i], i);
+  sg_free(m->slots);
+  m->slots = slots;
+  m->nslots = ns;
+  return 0;
+}
+
+/* idmap_insert: append `key` (reserved beforehand); returns its index. */
+static size_t idmap_insert(idmap_t *m, const char *key, uint64_t h) {
+  size_t idx = m->n++;
+  m->keys[idx] = key;
+  m->hashes[idx] = h;
+  put_slot(m->slots, m->nslots, h, idx);
+  return idx;
+}
+
+/*
+ * idmap_remove: drop dense index `idx`; the last entry moves into its
+ * place (the owner must move its entry the same way).
+ */
+static void idmap_remove(idmap_t *m, size_t idx) {
+  size_t mask = m->nslots - 1;
+  size_t i = slot_of(m, idx);
+  /* Backward shift: pull later entries of the probe run into the hole when
+   * the hole lies between their home slot and where they sit. */
+  for (size_t j = (i + 1) & mask; m->slots[j] != 0; j = (j + 1) & mask) {
+    size_t home = (size_t)m->hashes[m->slots[j] - 1] & mask;
+    if (((j - home) & mask) >= ((j - i) & mask)) {
+      m->slots[i] = m->slots[j];
+      i = j;
+    }
+  }
+  m->slots[i] = 0;
+  size_t last = m->n - 1;
+  if (idx != last) {
+    m->slots[slot_of(m, last)] = (uint32_t)(idx + 1);
+    m->keys[idx] = m->keys[last];
+    m->hashes[idx] = m->hashes[last];
+  }
+  m->n--;
+}
+
+static void idmap_free(idmap_t *m) {
+  sg_free((void *)m->keys);
+  sg_free(m->hashes);
+  sg_free(m->slots);
+  memset(m, 0, sizeof(*m));
+}
+
+/* ---- state --------------------------------------------------------------- */
+
+typedef struct hb_s {
+  char *id;        /* owned */
+  int64_t last_ns; /* monotonic time last seen */
+} hb_t;
+
+typedef struct part_s {
+  sg__lh_member_t m; /* owned copy of the request */
+  int64_t joined_ns; /* monotonic time of the request (or of its re-entry) */
+} part_t;
+
+struct sg__lh_state_s {
+  size_t max_replicas; /* limit on heartbeat records (and so participants) */
+  hb_t *hb;            /* dense heartbeat records */
+  size_t hb_cap;
+  idmap_t hb_map;
+  part_t *part; /* dense participant entries */
+  size_t part_cap;
+  idmap_t part_map;
+  int has_prev;         /* prev holds the last issued quorum */
+  sg__lh_quorum_t prev; /* owned */
+  int64_t quorum_id;    /* last issued id, or the restored floor */
+  size_t pruned_total;  /* heartbeat records dropped by prune */
+};
+
+static void quorum_clear(sg__lh_quorum_t *q) {
+  for (size_t i = 0; i < q->n; i++)
+    sg__lh_member_free(&q->members[i]);
+  sg_free(q->members);
+  memset(q, 0, sizeof(*q));
+}
+
+int sg__lh_state_new(size_t max_replicas, sg__lh_state_t **out) {
+  if (!out)
+    return SG_EINVAL;
+  *out = NULL;
+  if (max_replicas == 0 || max_replicas > MAX_TRACKED)
+    return SG_EINVAL;
+  sg__lh_state_t *st = sg_calloc(1, sizeof(*st));
+  if (!st)
+    return SG_ENOMEM;
+  st->max_replicas = max_replicas;
+  *out = st;
+  return 0;
+}
+
+void sg__lh_state_free(sg__lh_state_t *st) {
+  if (!st)
+    return;
+  for (size_t i = 0; i < st->hb_map.n; i++)
+    sg_free(st->hb[i].id);
+  for (size_t i = 0; i < st->part_map.n; i++)
+    sg__lh_member_free(&st->part[i].m);
+  sg_free(st->hb);
+  sg_free(st->part);
+  idmap_free(&st->hb_map);
+  idmap_free(&st->part_map);
+  quorum_clear(&st->prev);
+  sg_free(st);
+}
+
+void sg__lh_member_free(sg__lh_member_t *m) {
+  if (!m)
+    return;
+  sg_free(m->replica_id);
+  sg_free(m->address);
+  sg_free(m->store_address);
+  sg_free(m->data);
+  m->replica_id = m->address = m->store_address = m->data = NULL;
+}
+
+int sg__lh_member_copy(sg__lh_member_t *dst, const sg__lh_member_t *src) {
+  if (!dst || !src)
+    return SG_EINVAL;
+  memset(dst, 0, sizeof(*dst));
+  dst->replica_id = sg_strdup(src->replica_id ? src->replica_id : "");
+  dst->address = sg_strdup(src->address ? src->address : "");
+  dst->store_address = sg_strdup(src->store_address ? src->store_address : "");
+  dst->data = sg_strdup(src->data ? src->data : "");
+  if (!dst->replica_id || !dst->address || !dst->store_address || !dst->data) {
+    sg__lh_member_free(dst);
+    memset(dst, 0, sizeof(*dst));
+    return SG_ENOMEM;
+  }
+  dst->step = src->step;
+  dst->world_size = src->world_size;
+  dst->commit_failures = src->commit_failures;
+  dst->shrink_only = src->shrink_only ? 1 : 0;
+  return 0;
+}
+
+/* hb_reserve / part_reserve: room for one more entry, all or nothing as far
+ * as contents go. */
+static int hb_reserve(sg__lh_state_t *st) {
+  void *p = st->hb;
+  int rc = grow(&p, &st->hb_cap, st->hb_map.n + 1, sizeof(*st->hb));
+  st->hb = p;
+  return rc ? rc : idmap_reserve(&st->hb_map, st->hb_map.n + 1);
+}
+
+static int part_reserve(sg__lh_state_t *st) {
+  void *p = st->part;
+  int rc = grow(&p, &st->part_cap, st->part_map.n + 1, sizeof(*st->part));
+  st->part = p;
+  return rc ? rc : idmap_reserve(&st->part_map, st->part_map.n + 1);
+}
+
+/* hb_remove: drop heartbeat record `idx`, freeing its id. */
+static void hb_remove(sg__lh_state_t *st, size_t idx) {
+  size_t last = st->hb_map.n - 1;
+  sg_free(st->hb[idx].id);
+  idmap_remove(&st->hb_map, idx);
+  if (idx != last)
+    st->hb[idx] = st->hb[last];
+}
+
+/* part_remove: drop participant entry `idx`; its strings are freed unless
+ * `keep_strings` (they were moved elsewhere). */
+static void part_remove(sg__lh_state_t *st, size_t idx, int keep_strings) {
+  size_t last = st->part_map.n - 1;
+  if (!keep_strings)
+    sg__lh_member_free(&st->part[idx].m);
+  idmap_remove(&st->part_map, idx);
+  if (idx != last)
+    st->part[idx] = st->part[last];
+}
+
+/* in_prev: nonzero if `id` is a member of the previous quorum (sorted). */
+static int cmp_id_member(const void *key, const void *elem) {
+  return strcmp((const char *)key, ((const sg__lh_member_t *)elem)->replica_id);
+}
+
+static int in_prev(const sg__lh_state_t *st, const char *id) {
+  return st->has_prev && st->prev.n > 0 &&
+         bsearch(id, st->prev.members, st->prev.n, sizeof(*st->prev.members),
+                 cmp_id_member) != NULL;
+}
+
+/* ---- inputs -------------------------------------------------------------- */
+
+int sg__lh_heartbeat(sg__lh_state_t *st, const char *replica_id,
+                     int64_t now_ns) {
+  if (!st || !replica_id)
+    return SG_EINVAL;
+  uint64_t h = hash_id(replica_id);
+  long hi = idmap_find(&st->hb_map, replica_id, h);
+  if (hi >= 0) {
+    st->hb[hi].last_ns = now_ns;
+    return 0;
+  }
+  if (st->hb_map.n >= st->max_replicas)
+    return SG_ETOOBIG;
+  char *id = sg_strdup(replica_id);
+  if (!id)
+    return SG_ENOMEM;
+  int rc = hb_reserve(st);
+  if (rc) {
+    sg_free(id);
+    return rc;
+  }
+  size_t idx = idmap_insert(&st->hb_map, id, h);
+  st->hb[idx].id = id;
+  st->hb[idx].last_ns = now_ns;
+  return 0;
+}
+
+int sg__lh_join(sg__lh_state_t *st, const sg__lh_member_t *m, int64_t now_ns) {
+  if (!st || !m || !m->replica_id)
+    return SG_EINVAL;
+  const char *id = m->replica_id;
+  uint64_t h = hash_id(id);
+  long hi = idmap_find(&st->hb_map, id, h);
+  long pi = idmap_find(&st->part_map, id, h);
+  char *hb_id = NULL;
+  sg__lh_member_t copy;
+  memset(&copy, 0, sizeof(copy));
+  int rc = 0;
+
+  if (hi < 0 && st->hb_map.n >= st->max_replicas)
+    return SG_ETOOBIG;
+  /* acquire */
+  rc = sg__lh_member_copy(&copy, m);
+  if (rc)
+    goto out;
+  if (hi < 0) {
+    hb_id = sg_strdup(id);
+    if (!hb_id) {
+      rc = SG_ENOMEM;
+      goto out;
+    }
+    rc = hb_reserve(st);
+    if (rc)
+      goto out;
+  }
+  if (pi < 0) {
+    rc = part_reserve(st);
+    if (rc)
+      goto out;
+  }
+  /* commit: nothing below can fail */
+  if (hi < 0) {
+    size_t idx = idmap_insert(&st->hb_map, hb_id, h);
+    st->hb[idx].id = hb_id;
+    hb_id = NULL;
+    hi = (long)idx;
+  }
+  st->hb[hi].last_ns = now_ns;
+  if (pi >= 0) {
+    sg__lh_member_free(&st->part[pi].m);
+    st->part[pi].m = copy;
+    st->part_map.keys[pi] = copy.replica_id;
+  } else {
+    pi = (long)idmap_insert(&st->part_map, copy.replica_id, h);
+    st->part[pi].m = copy;
+  }
+  st->part[pi].joined_ns = now_ns;
+  memset(&copy, 0, sizeof(copy));
+out:
+  sg_free(hb_id);
+  sg__lh_member_free(&copy);
+  return rc;
+}
+
+int sg__lh_leave(sg__lh_state_t *st, const char *replica_id) {
+  if (!st || !replica_id)
+    return SG_EINVAL;
+  long pi = idmap_find(&st->part_map, replica_id, hash_id(replica_id));
+  if (pi < 0)
+    return SG_ENOTFOUND;
+  part_remove(st, (size_t)pi, 0);
+  return 0;
+}
+
+int sg__lh_mark_dead(sg__lh_state_t *st, const char *replica_id) {
+  if (!st || !replica_id)
+    return SG_EINVAL;
+  uint64_t h = hash_id(replica_id);
+  long hi = idmap_find(&st->hb_map, replica_id, h);
+  long pi = idmap_find(&st->part_map, replica_id, h);
+  if (hi < 0 && pi < 0)
+    return SG_ENOTFOUND;
+  if (pi >= 0)
+    part_remove(st, (size_t)pi, 0);
+  if (hi >= 0)
+    hb_remove(st, (size_t)hi);
+  return 0;
+}
+
+/* ---- decision ------------------------------------------------------------ */
+
+/* part_healthy: participant `i` has a heartbeat younger than hb_ns. */
+static int part_healthy(const sg__lh_state_t *st, size_t i, int64_t now,
+                        uint64_t hb_ns) {
+  long hi =
+      idmap_find(&st->hb_map, st->part_map.keys[i], st->part_map.hashes[i]);
+  return hi >= 0 && age_ns(now, st->hb[hi].last_ns) < hb_ns;
+}
+
+static int cmp_member_ptr(const void *a, const void *b) {
+  const sg__lh_member_t *x = *(const sg__lh_member_t *const *)a;
+  const sg__lh_member_t *y = *(const sg__lh_member_t *const *)b;
+  return strcmp(x->replica_id, y->replica_id);
+}
+
+/*
+ * sg__lh_decide follows torchft's quorum_compute step by step: count the
+ * healthy replicas and participants, build the metadata suffix, then try
+ * the fast quorum, min_replicas, split brain and the join timeout in that
+ * order.  Candidates are gathered and sorted only once a quorum is met.
+ */
+int sg__lh_decide(const sg__lh_state_t *st, int64_t now_ns,
+                  const sg__lh_opts_t *o, sg__lh_decision_t *out) {
+  if (!out)
+    return SG_EINVAL;
+  memset(out, 0, sizeof(*out));
+  if (!st || !o)
+    return SG_EINVAL;
+  uint64_t hb_ns = ms_to_ns(o->heartbeat_timeout_ms);
+  uint64_t join_ns = ms_to_ns(o->join_timeout_ms);
+  uint64_t min_replicas = o->min_replicas < 0 ? 0 : (uint64_t)o->min_replicas;
+
+  /* steps 1, 2 and 4 */
+  size_t healthy_replicas = 0;
+  for (size_t i = 0; i < st->hb_map.n; i++)
+    if (age_ns(now_ns, st->hb[i].last_ns) < hb_ns)
+      healthy_replicas++;
+  size_t healthy = 0;
+  int shrink_only = 0;
+  int64_t first_joined = now_ns;
+  for (size_t i = 0; i < st->part_map.n; i++) {
+    if (!part_healthy(st, i, now_ns, hb_ns))
+      continue;
+    if (healthy == 0 || st->part[i].joined_ns < first_joined)
+      first_joined = st->part[i].joined_ns;
+    healthy++;
+    if (st->part[i].m.shrink_only)
+      shrink_only = 1;
+  }
+
+  /* step 5 */
+  char meta[160];
+  snprintf(meta, sizeof(meta),
+           "[%zu/%zu participants healthy][%zu heartbeating][shrink_only=%s]",
+           healthy, st->part_map.n, healthy_replicas,
+           shrink_only ? "true" : "false");
+
+  /* step 6: fast quorum, when every previous member is a healthy
+   * participant; it skips the checks below */
+  int met = 0;
+  if (st->has_prev) {
+    met = 1;
+    for (size_t k = 0; k < st->prev.n && met; k++) {
+      const char *id = st->prev.members[k].replica_id;
+      long pi = idmap_find(&st->part_map, id, hash_id(id));
+      met = pi >= 0 && part_healthy(st, (size_t)pi, now_ns, hb_ns);
+    }
+    if (met)
+      snprintf(out->reason, sizeof(out->reason), "Fast quorum found! %s", meta);
+  }
+  if (!met) {
+    if ((uint64_t)healthy < min_replicas) { /* step 7 */
+      snprintf(out->reason, sizeof(out->reason),
+               "New quorum not ready, only have %zu participants, need "
+               "min_replicas %" PRIu64 " %s",
+               healthy, min_replicas, meta);
+      return 0;
+    }
+    if (healthy <= healthy_replicas / 2) { /* step 8 */
+      snprintf(out->reason, sizeof(out->reason),
+               "New quorum not ready, only have %zu participants, need at "
+               "least half of %zu healthy workers %s",
+               healthy, healthy_replicas, meta);
+      return 0;
+    }
+    /* step 9 */
+    if (healthy != healthy_replicas && age_ns(now_ns, first_joined) < join_ns) {
+      snprintf(out->reason, sizeof(out->reason),
+               "Valid quorum with %zu participants, waiting for %zu healthy "
+               "but not participating stragglers due to join timeout %s",
+               healthy, healthy_replicas - healthy, meta);
+      return 0;
+    }
+    snprintf(out->reason, sizeof(out->reason), "Valid quorum found %s", meta);
+  }
+
+  /* steps 3 and 6 (shrink_only filter), then one sort */
+  const sg__lh_member_t **c = NULL;
+  size_t n = 0;
+  if (healthy > 0) {
+    c = sg_malloc(healthy * sizeof(*c));
+    if (!c)
+      return SG_ENOMEM; /* out->met stays 0; the reason is kept */
+    int filter = st->has_prev && shrink_only;
+    for (size_t i = 0; i < st->part_map.n; i++) {
+      if (!part_healthy(st, i, now_ns, hb_ns))
+        continue;
+      if (filter && !in_prev(st, st->part_map.keys[i]))
+        continue;
+      c[n++] = &st->part[i].m;
+    }
+    qsort(c, n, sizeof(*c), cmp_member_ptr);
+  }
+  if (n == 0) {
+    sg_free(c);
+    c = NULL;
+  }
+  out->met = 1;
+  out->n = n;
+  out->members = c;
+  return 0;
+}
+
+void sg__lh_decision_free(sg__lh_decision_t *d) {
+  if (!d)
+    return;
+  sg_free((void *)d->members);
+  d->members = NULL;
+  d->n = 0;
+  d->met = 0;
+}
+
+/*
+ * sg__lh_tick: one allocation (the new quorum's member array) besides the
+ * decision's; the members' strings move from the participant entries into
+ * the quorum, so applying it cannot fail.
+ */
+int sg__lh_tick(sg__lh_state_t *st, int64_t now_ns, int64_t wall_ns,
+                const sg__lh_opts_t *o, const sg__lh_quorum_t **issued,
+                char *reason, size_t reason_len) {
+  sg__lh_decision_t d;
+  sg__lh_member_t *qm = NULL;
+  if (issued)
+    *issued = NULL;
+  if (reason && reason_len > 0)
+    reason[0] = '\0';
+  int rc = sg__lh_decide(st, now_ns, o, &d);
+  if (reason && reason_len > 0)
+    snprintf(reason, reason_len, "%s", d.reason);
+  if (rc || !d.met)
+    goto out;
+
+  if (d.n > 0) {
+    qm = sg_malloc(d.n * sizeof(*qm));
+    if (!qm) {
+      rc = SG_ENOMEM;
+      goto out;
+    }
+  }
+  /* shallow copies first: removing entries below moves them in memory */
+  for (size_t k = 0; k < d.n; k++)
+    qm[k] = *d.members[k];
+
+  /* the bump rule (reference 2.3) */
+  int changed = !st->has_prev || st->prev.n != d.n;
+  for (size_t k = 0; k < d.n && !changed; k++)
+    changed = strcmp(st->prev.members[k].replica_id, qm[k].replica_id) != 0;
+  int failures = 0;
+  for (size_t k = 0; k < d.n && !failures; k++)
+    failures = qm[k].commit_failures > 0;
+  if ((changed || failures) && st->quorum_id < INT64_MAX)
+    st->quorum_id++;
+
+  /* included entries leave (their strings now belong to qm); the others
+   * stay, re-entered at now_ns like torchft's waiting requesters */
+  for (size_t k = 0; k < d.n; k++) {
+    const char *id = qm[k].replica_id;
+    long pi = idmap_find(&st->part_map, id, hash_id(id));
+    part_remove(st, (size_t)pi, 1);
+  }
+  for (size_t i = 0; i < st->part_map.n; i++)
+    st->part[i].joined_ns = now_ns;
+
+  quorum_clear(&st->prev);
+  st->prev.quorum_id = st->quorum_id;
+  st->prev.created_wall_ns = wall_ns;
+  st->prev.n = d.n;
+  st->prev.members = qm;
+  st->has_prev = 1;
+  qm = NULL;
+  if (issued)
+    *issued = &st->prev;
+  rc = 1;
+out:
+  sg_free(qm);
+  sg__lh_decision_free(&d);
+  return rc;
+}
+
+int64_t sg__lh_next_deadline(const sg__lh_state_t *st, int64_t now_ns,
+                             const sg__lh_opts_t *o) {
+  if (!st || !o)
+    return INT64_MAX;
+  uint64_t hb_ns = ms_to_ns(o->heartbeat_timeout_ms);
+  uint64_t join_ns = ms_to_ns(o->join_timeout_ms);
+  int64_t best = INT64_MAX;
+  for (size_t i = 0; i < st->hb_map.n; i++) {
+    if (age_ns(now_ns, st->hb[i].last_ns) >= hb_ns)
+      continue; /* already expired: nothing more to change */
+    int64_t t = add_ns(st->hb[i].last_ns, hb_ns);
+    if (t > now_ns && t < best)
+      best = t;
+  }
+  int any = 0;
+  int64_t first = 0;
+  for (size_t i = 0; i < st->part_map.n; i++) {
+    if (!part_healthy(st, i, now_ns, hb_ns))
+      continue;
+    if (!any || st->part[i].joined_ns < first)
+      first = st->part[i].joined_ns;
+    any = 1;
+  }
+  if (any) {
+    int64_t t = add_ns(first, join_ns);
+    if (t > now_ns && t < best)
+      best = t;
+  }
+  return best;
+}
+
+/* ---- upkeep and readers -------------------------------------------------- */
+
+size_t sg__lh_prune(sg__lh_state_t *st, int64_t now_ns, int64_t older_than_ms) {
+  if (!st)
+    return 0;
+  uint64_t older_ns = ms_to_ns(older_than_ms);
+  size_t dropped = 0;
+  /* walk down so that the entry swapped into a hole was already visited */
+  for (size_t i = st->hb_map.n; i-- > 0;) {
+    if (age_ns(now_ns, st->hb[i].last_ns) < older_ns)
+      continue;
+    const char *id = st->hb[i].id;
+    if (idmap_find(&st->part_map, id, st->hb_map.hashes[i]) >= 0 ||
+        in_prev(st, id))
+      continue;
+    hb_remove(st, i);
+    dropped++;
+  }
+  st->pruned_total += dropped;
+  return dropped;
+}
+
+void sg__lh_set_quorum_id_floor(sg__lh_state_t *st, int64_t id) {
+  if (st && id > st->quorum_id)
+    st->quorum_id = id;
+}
+
+int64_t sg__lh_quorum_id(const sg__lh_state_t *st) {
+  return st ? st->quorum_id : 0;
+}
+
+const sg__lh_quorum_t *sg__lh_prev_quorum(const sg__lh_state_t *st) {
+  return st && st->has_prev ? &st->prev : NULL;
+}
+
+size_t sg__lh_heartbeat_count(const sg__lh_state_t *st) {
+  return st ? st->hb_map.n : 0;
+}
+
+int sg__lh_heartbeat_at(const sg__lh_state_t *st, size_t i, const char **id,
+                        int64_t *last_ns) {
+  if (!st || i >= st->hb_map.n)
+    return SG_EINVAL;
+  if (id)
+    *id = st->hb[i].id;
+  if (last_ns)
+    *last_ns = st->hb[i].last_ns;
+  return 0;
+}
+
+size_t sg__lh_participant_count(const sg__lh_state_t *st) {
+  return st ? st->part_map.n : 0;
+}
+
+const sg__lh_member_t *sg__lh_participant_at(const sg__lh_state_t *st, size_t i,
+                                             int64_t *joined_ns) {
+  if (!st || i >= st->part_map.n)
+    return NULL;
+  if (joined_ns)
+    *joined_ns = st->part[i].joined_ns;
+  return &st->part[i].m;
+}
+
+int sg__lh_is_participant(const sg__lh_state_t *st, const char *replica_id) {
+  if (!st || !replica_id)
+    return 0;
+  return idmap_find(&st->part_map, replica_id, hash_id(replica_id)) >= 0;
+}
+
+size_t sg__lh_pruned_total(const sg__lh_state_t *st) {
+  return st ? st->pruned_total : 0;
+}
+
+int sg__lh_is_healthy(const sg__lh_state_t *st, const char *replica_id,
+                      int64_t now_ns, const sg__lh_opts_t *o) {
+  if (!st || !replica_id || !o)
+    return 0;
+  long hi = idmap_find(&st->hb_map, replica_id, hash_id(replica_id));
+  return hi >= 0 &&
+         age_ns(now_ns, st->hb[hi].last_ns) < ms_to_ns(o->heartbeat_timeout_ms);
+}

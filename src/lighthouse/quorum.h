@@ -1,0 +1,208 @@
+/*
+ * quorum.h: the lighthouse's quorum decision as a pure state machine.
+ *
+ *   state        heartbeats (id -> last seen), participants (id -> pending
+ *                quorum request), the previous quorum and the quorum id
+ *   inputs       sg__lh_heartbeat, sg__lh_join, sg__lh_leave, sg__lh_mark_dead
+ *   decision     sg__lh_decide (read-only), sg__lh_tick (decide + apply)
+ *   timers       sg__lh_next_deadline: when the decision could change alone
+ *   upkeep       sg__lh_prune, sg__lh_set_quorum_id_floor
+ *   inspection   counts and *_at accessors for the dashboard and /metrics
+ *
+ * The rules are torchft's (reference/torchft-semantics.md, sections 2.1-2.4),
+ * with the reason strings byte for byte.  Nothing here does I/O, takes a
+ * lock, reads a clock or touches global state: every call is given the
+ * monotonic time `now_ns` (and `wall_ns` where a wall timestamp is stored).
+ * A state object is not thread-safe; its owner (the lighthouse server)
+ * serialises all calls.  No call blocks.
+ *
+ * Ownership: strings passed in are copied; pointers handed out are borrowed
+ * from the state and stay valid until the next call that mutates it (any
+ * call taking a non-const state), unless a function says otherwise.
+ * Out-of-memory returns SG_ENOMEM and leaves the state exactly as it was.
+ */
+#ifndef SG_LIGHTHOUSE_QUORUM_H
+#define SG_LIGHTHOUSE_QUORUM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "stepguard/base.h"
+
+/* One replica group's quorum request (torchft QuorumMember). */
+typedef struct sg__lh_member_s {
+  char *replica_id;    /* owned, NUL-terminated; never NULL in a copy */
+  char *address;       /* manager address, e.g. "http://host:port" */
+  char *store_address; /* "MASTER_ADDR:MASTER_PORT" of the group */
+  char *data;          /* opaque user JSON string */
+  int64_t step;
+  uint64_t world_size;
+  int64_t commit_failures; /* consecutive failed commits of the requester */
+  int shrink_only;         /* bool */
+} sg__lh_member_t;
+
+typedef struct sg__lh_opts_s {
+  int64_t min_replicas;         /* < 0 is treated as 0 */
+  int64_t join_timeout_ms;      /* < 0 is treated as 0 */
+  int64_t heartbeat_timeout_ms; /* < 0 is treated as 0 */
+} sg__lh_opts_t;
+
+typedef struct sg__lh_quorum_s {
+  int64_t quorum_id;
+  int64_t created_wall_ns; /* wall_ns given to the sg__lh_tick that made it */
+  size_t n;
+  sg__lh_member_t *members; /* sorted by replica_id, byte order (strcmp) */
+} sg__lh_quorum_t;
+
+typedef struct sg__lh_state_s sg__lh_state_t; /* opaque */
+
+/*
+ * sg__lh_state_new: an empty state tracking at most `max_replicas` (1 ..
+ * 2^28) replica ids at once.  *out is owned by the caller and freed with
+ * sg__lh_state_free.  Returns 0, SG_EINVAL or SG_ENOMEM.
+ */
+int sg__lh_state_new(size_t max_replicas, sg__lh_state_t **out);
+
+/* sg__lh_state_free: release `st` and everything it owns; NULL is a no-op. */
+void sg__lh_state_free(sg__lh_state_t *st);
+
+/*
+ * sg__lh_member_free: free the strings of `m` (not `m` itself) and set the
+ * pointers to NULL.  NULL is a no-op.
+ */
+void sg__lh_member_free(sg__lh_member_t *m);
+
+/*
+ * sg__lh_member_copy: deep-copy `src` into `dst` (which is overwritten, not
+ * freed first).  A NULL string in `src` becomes "".  The caller owns the
+ * copy.  Returns 0 or SG_ENOMEM (then `dst` is zeroed and holds nothing).
+ */
+int sg__lh_member_copy(sg__lh_member_t *dst, const sg__lh_member_t *src);
+
+/*
+ * sg__lh_heartbeat: record that `replica_id` was seen at `now_ns`.
+ * Returns 0, SG_EINVAL (NULL id), SG_ETOOBIG (a new id while max_replicas
+ * ids are tracked) or SG_ENOMEM.
+ */
+int sg__lh_heartbeat(sg__lh_state_t *st, const char *replica_id,
+                     int64_t now_ns);
+
+/*
+ * sg__lh_join: a quorum request from `m` arrived at `now_ns`: an implicit
+ * heartbeat, then the participant entry for m->replica_id becomes
+ * {joined: now_ns, a copy of *m}, replacing any earlier entry.  `m` stays
+ * the caller's.  Returns 0, SG_EINVAL, SG_ETOOBIG or SG_ENOMEM; on error
+ * neither the heartbeat nor the entry is recorded.
+ */
+int sg__lh_join(sg__lh_state_t *st, const sg__lh_member_t *m, int64_t now_ns);
+
+/*
+ * sg__lh_leave: the pending request of `replica_id` was cancelled; drop
+ * its participant entry now (its heartbeat record stays).
+ * Returns 0 or SG_ENOTFOUND.
+ */
+int sg__lh_leave(sg__lh_state_t *st, const char *replica_id);
+
+/*
+ * sg__lh_mark_dead: the replica's last connection closed and its grace
+ * period passed: remove its heartbeat record (so it is unhealthy at once)
+ * and its participant entry.  A later heartbeat or join makes it healthy
+ * again.  Returns 0, or SG_ENOTFOUND when neither record existed.
+ */
+int sg__lh_mark_dead(sg__lh_state_t *st, const char *replica_id);
+
+typedef struct sg__lh_decision_s {
+  int met;                         /* a quorum would be issued now */
+  size_t n;                        /* candidates (valid when met) */
+  const sg__lh_member_t **members; /* owned array of pointers borrowed from
+                                      the state, sorted by replica_id; NULL
+                                      when n == 0 */
+  char reason[512];                /* torchft's reason string */
+} sg__lh_decision_t;
+
+/*
+ * sg__lh_decide: torchft's quorum_compute at `now_ns` (reference 2.4, same
+ * order, same strings).  Does not change the state.  `out` is overwritten;
+ * release it with sg__lh_decision_free (also after an error).  Its member
+ * pointers are valid until the next mutation of `st`.
+ * Returns 0, SG_EINVAL or SG_ENOMEM.
+ */
+int sg__lh_decide(const sg__lh_state_t *st, int64_t now_ns,
+                  const sg__lh_opts_t *o, sg__lh_decision_t *out);
+
+/* sg__lh_decision_free: free the members array; `d` may be reused. */
+void sg__lh_decision_free(sg__lh_decision_t *d);
+
+/*
+ * sg__lh_tick: decide, and if a quorum is met apply it (reference 2.3):
+ * bump the quorum id (+1 when there is no previous quorum or the ordered
+ * replica_id lists differ, else +1 when a member of the new quorum has
+ * commit_failures > 0), store it as the previous quorum with
+ * created_wall_ns = wall_ns, drop the participant entries it includes, and
+ * reset `joined` to now_ns on the entries it leaves out (torchft's waiting
+ * requesters re-insert themselves at that moment).
+ * `reason` (may be NULL) receives the decision's reason, truncated to
+ * reason_len.  Returns 1 with *issued set (borrowed, valid until the next
+ * sg__lh_tick or sg__lh_state_free) when a quorum was issued, 0 when not,
+ * or SG_EINVAL / SG_ENOMEM (state unchanged).
+ */
+int sg__lh_tick(sg__lh_state_t *st, int64_t now_ns, int64_t wall_ns,
+                const sg__lh_opts_t *o, const sg__lh_quorum_t **issued,
+                char *reason, size_t reason_len);
+
+/*
+ * sg__lh_next_deadline: the earliest monotonic time > now_ns at which
+ * sg__lh_decide could give another result with no new input: a healthy
+ * replica's heartbeat expiring, or the join timeout of the earliest healthy
+ * participant elapsing.  INT64_MAX if none.
+ */
+int64_t sg__lh_next_deadline(const sg__lh_state_t *st, int64_t now_ns,
+                             const sg__lh_opts_t *o);
+
+/*
+ * sg__lh_prune: drop heartbeat records last seen at least older_than_ms
+ * ago, except those of participants and of members of the previous quorum.
+ * Returns how many were dropped (also added to sg__lh_pruned_total).
+ */
+size_t sg__lh_prune(sg__lh_state_t *st, int64_t now_ns, int64_t older_than_ms);
+
+/*
+ * sg__lh_set_quorum_id_floor: quorum ids never go backwards, also across
+ * lighthouse restarts: the current id becomes max(current, id), so the
+ * next bump yields at least id + 1.
+ */
+void sg__lh_set_quorum_id_floor(sg__lh_state_t *st, int64_t id);
+
+/* sg__lh_quorum_id: the id of the last issued quorum (or the floor); 0. */
+int64_t sg__lh_quorum_id(const sg__lh_state_t *st);
+
+/* sg__lh_prev_quorum: the last issued quorum (borrowed) or NULL if none. */
+const sg__lh_quorum_t *sg__lh_prev_quorum(const sg__lh_state_t *st);
+
+/*
+ * Read-only iteration.  Indexes run 0 .. count-1 in an order that is stable
+ * until the next mutation.
+ */
+size_t sg__lh_heartbeat_count(const sg__lh_state_t *st);
+/* sg__lh_heartbeat_at: 0, or SG_EINVAL when i is out of range.  `id`
+ * (borrowed) and `last_ns` may be NULL. */
+int sg__lh_heartbeat_at(const sg__lh_state_t *st, size_t i, const char **id,
+                        int64_t *last_ns);
+size_t sg__lh_participant_count(const sg__lh_state_t *st);
+/* sg__lh_participant_at: the entry (borrowed) or NULL when out of range;
+ * `joined_ns` may be NULL. */
+const sg__lh_member_t *sg__lh_participant_at(const sg__lh_state_t *st, size_t i,
+                                             int64_t *joined_ns);
+/*
+ * sg__lh_is_healthy: nonzero when `replica_id` has a heartbeat younger than
+ * the heartbeat timeout at `now_ns` (the same test sg__lh_decide applies).
+ */
+int sg__lh_is_healthy(const sg__lh_state_t *st, const char *replica_id,
+                      int64_t now_ns, const sg__lh_opts_t *o);
+
+/* sg__lh_is_participant: 1 if `replica_id` has a pending entry, else 0. */
+int sg__lh_is_participant(const sg__lh_state_t *st, const char *replica_id);
+/* sg__lh_pruned_total: heartbeat records dropped by sg__lh_prune so far. */
+size_t sg__lh_pruned_total(const sg__lh_state_t *st);
+
+#endif /* SG_LIGHTHOUSE_QUORUM_H */

@@ -1,0 +1,1645 @@
+/*
+ * client.c: the gRPC unary client channel (see stepguard/rpc_client.h).
+ *
+ * Map of this file:
+ *   lists, calls      intrusive lists; the call request object and its refs
+ *   target parsing    "http://host:port" -> host, port, :authority
+ *   completion        finish_locked / io_finish / io_release
+ *   connection        conn_t: one socket + one nghttp2 client session,
+ *                     watched by a uv_poll_t; read, flush, drop
+ *   connect machine   IDLE -> CONNECTING -> HANDSHAKE -> CONNECTED
+ *                     (-> DRAINING after GOAWAY), BACKOFF between attempts
+ *   nghttp2 callbacks collect :status, grpc-status, grpc-message, the body
+ *   I/O thread        wake_cb (submissions, cancels, abort, disconnect),
+ *                     drive (the one place that decides what happens next)
+ *   public API        new, call, abort, disconnect, connected, free
+ *
+ * Threading.  One I/O thread per channel runs a private uv loop; only it
+ * touches sockets, timers and the nghttp2 session.  Caller threads share
+ * with it a mutex `mu` that protects the submission queue, every call's
+ * completion fields and a few channel flags, and one condition variable
+ * (CLOCK_MONOTONIC) that is broadcast whenever a call completes or the
+ * connection comes up.  A call has two references: the caller's and the
+ * I/O thread's.  Whoever sets `done` first (under `mu`) completes it,
+ * exactly once: the I/O thread on a response or connection loss, the caller
+ * itself on its deadline, abort() on abort.  A call completed by its caller
+ * is marked `cancelled`; the I/O thread then resets its stream (CANCEL) or
+ * drops it from the queue, and releases its reference.  So a caller never
+ * waits for the I/O thread beyond its own deadline.
+ *
+ * Fork.  A forked child has no I/O thread.  Every entry point compares
+ * sg_sock_fork_count() with the value at creation and, in a child, touches
+ * neither the mutex, the loop nor the socket (the fork registry has already
+ * pointed the socket at /dev/null there).
+ */
+#include "stepguard/rpc_client.h"
+
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <nghttp2/nghttp2.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include <uv.h>
+
+#include "rpc/grpc.h"
+
+#define LOG "rpc_client"
+
+#define DEFAULT_MAX_MESSAGE ((size_t)64 << 20)
+#define DEFAULT_CONNECT_TIMEOUT_MS 10000
+#define DEFAULT_KEEPALIVE_INTERVAL_MS 60000 /* tonic's, as torchft sets it */
+#define DEFAULT_KEEPALIVE_TIMEOUT_MS 20000
+#define BACKOFF_INITIAL_MS 100
+#define BACKOFF_MAX_MS 10000
+#define BACKOFF_JITTER_MS 100
+#define READ_BUDGET 32             /* reads per readable event */
+#define WRITE_BUDGET 64            /* frames written per flush */
+#define READ_CHUNK 32768           /* bytes per read */
+#define WBUF_MAX ((size_t)4 << 20) /* unsent bytes held for one conn */
+#define STREAM_WINDOW (1 << 20)    /* our SETTINGS_INITIAL_WINDOW_SIZE */
+#define CONN_WINDOW (16 << 20)     /* our connection receive window */
+#define MAX_PATH_LEN 1024
+#define MAX_RESP_HEADERS                                                       \
+  16384 /* response header bytes per stream (RFC 7540                          \
+           accounting: name + value + 32 each) */
+#define MAX_TOKEN_LEN 4096
+#define DISCONNECT_WAIT_MS 1000
+#ifndef SG_VERSION_STRING
+#define SG_VERSION_STRING "0.1.0"
+#endif
+#define USER_AGENT "grpc-c-stepguard/" SG_VERSION_STRING
+
+/* ---- intrusive lists ----------------------------------------------------- */
+
+typedef struct link_s {
+  struct link_s *prev, *next;
+} link_t;
+
+static void link_init(link_t *h) { h->prev = h->next = h; }
+static int link_empty(const link_t *h) { return h->next == h; }
+static void link_push(link_t *h, link_t *n) {
+  n->prev = h->prev;
+  n->next = h;
+  h->prev->next = n;
+  h->prev = n;
+}
+/* Unlinks `n` (a no-op if it is not linked) and leaves it self-linked. */
+static void link_del(link_t *n) {
+  n->prev->next = n->next;
+  n->next->prev = n->prev;
+  n->prev = n->next = n;
+}
+
+#define CONTAINER(p, type, field)                                              \
+  ((type *)(void *)((char *)(p)-offsetof(type, field)))
+
+/* ---- types --------------------------------------------------------------- */
+
+typedef enum conn_state_e {
+  ST_IDLE,       /* no connection and nobody waiting for one */
+  ST_BACKOFF,    /* an attempt failed; the timer starts the next one */
+  ST_CONNECTING, /* TCP connect in progress (one address after another) */
+  ST_HANDSHAKE,  /* preface + SETTINGS sent, waiting for the server's */
+  ST_CONNECTED,  /* streams may be opened */
+  ST_DRAINING,   /* GOAWAY received: finish open streams, open no more */
+  ST_CLOSED,     /* the channel is shutting down; the loop is ending */
+} conn_state_t;
+
+static const char *const state_names[] = {
+    "IDLE",      "BACKOFF",  "CONNECTING", "HANDSHAKE",
+    "CONNECTED", "DRAINING", "CLOSED",
+};
+
+typedef struct conn_s conn_t;
+
+/* One unary call: the request object shared by a caller and the I/O thread.
+ */
+typedef struct call_s {
+  /* Immutable after submission. */
+  uint8_t *body;   /* 5-byte prefix + request message */
+  size_t body_len; /* bytes in body */
+  char *path;
+  sg_deadline_t deadline;
+
+  /* Protected by ch->mu. */
+  link_t all;    /* in ch->calls from submission until freed */
+  link_t sq;     /* in ch->submitq until the I/O thread takes it */
+  int refs;      /* caller + I/O thread */
+  int done;      /* completed: rc and results are final */
+  int cancelled; /* completed by caller/abort: the I/O thread drops it */
+  int on_wire;   /* its HEADERS were submitted on a connection */
+  int rc;
+  int grpc_status; /* -1 when none came */
+  char msg[256];   /* error detail */
+  uint8_t *resp;   /* response message (owned until the caller takes it) */
+  size_t resp_len;
+
+  /* I/O thread only. */
+  link_t io;            /* in ch->pending or conn->streams */
+  int32_t stream_id;    /* > 0 once submitted */
+  size_t body_off;      /* bytes of body handed to nghttp2 */
+  int rst_sent;         /* we reset the stream */
+  int http_status;      /* :status, 0 until received */
+  int status_hdr;       /* grpc-status header, -1 until received */
+  int local_rc;         /* an error we decided while receiving (ETOOBIG) */
+  int prefix_checked;   /* the response message prefix was validated */
+  size_t hdr_bytes;     /* response header bytes so far */
+  char status_msg[200]; /* decoded grpc-message */
+  sg_buf_t rbuf;        /* response body (prefix + message) */
+} call_t;
+
+/* One TCP connection with its HTTP/2 session.  Freed in its close callback.
+ */
+struct conn_s {
+  uv_poll_t poll;
+  sg_rpc_channel_t *ch;
+  int fd;
+  nghttp2_session *h2;      /* NULL while TCP connects and after drop */
+  unsigned events;          /* uv_poll events currently requested */
+  link_t streams;           /* calls with an open (or pending) stream */
+  sg_buf_t wbuf;            /* bytes nghttp2 produced that the socket refused */
+  int got_settings;         /* the server's first SETTINGS frame arrived */
+  int goaway;               /* the server sent GOAWAY */
+  uint32_t sent_goaway_err; /* our GOAWAY's error code (protocol error) */
+  int ping_outstanding;     /* a keepalive PING awaits its ACK */
+  uint8_t rdbuf[READ_CHUNK];
+};
+
+struct sg_rpc_channel_s {
+  /* Immutable after sg_rpc_channel_new. */
+  char *target;     /* as given, for messages */
+  char *host;       /* without brackets */
+  char port_str[8]; /* decimal port */
+  char *authority;  /* host:port as sent in :authority */
+  char *auth_value; /* "Bearer <token>" or NULL */
+  size_t max_message;
+  int64_t connect_timeout_ms;
+  int64_t ka_interval_ms; /* keepalive PING period; 0: none */
+  int64_t ka_timeout_ms;  /* keepalive ACK timeout */
+  unsigned fork_count;    /* sg_sock_fork_count() at creation */
+  pthread_t thread;
+  int thread_started;
+  nghttp2_mem mem;
+
+  /* Protected by mu. */
+  pthread_mutex_t mu;
+  pthread_cond_t cv; /* broadcast on completions and connection up */
+  link_t calls;      /* every live call */
+  link_t submitq;    /* calls not yet taken by the I/O thread */
+  int aborted;
+  int closing;        /* free() is shutting the loop down */
+  int cancel_pending; /* some call was cancelled by its caller */
+  int conn_up;        /* mirrors `connected` for condition waits */
+  uint64_t disc_req;  /* disconnect() requests made */
+  uint64_t disc_done; /* disconnect() requests carried out */
+  sg_err_t last_err;  /* last connect failure; cleared on connect */
+
+  atomic_int connected; /* for sg_rpc_channel_connected() */
+
+  /* I/O thread only (and the loop's handles). */
+  uv_loop_t loop;
+  uv_async_t wake;
+  uv_timer_t timer;    /* backoff delay or attempt timeout */
+  uv_timer_t ka_timer; /* keepalive: next PING, or its ACK deadline */
+  conn_state_t state;
+  conn_t *conn;
+  link_t pending;           /* calls waiting for a connection */
+  int64_t backoff_ms;       /* the next backoff delay (before jitter) */
+  uint64_t rng;             /* jitter generator state */
+  struct addrinfo *ai;      /* addresses of the current attempt */
+  struct addrinfo *ai_cur;  /* the next address to try */
+  sg_deadline_t ctor_until; /* construction wants a connection until then */
+  uint64_t disc_handled;    /* disc_req value last carried out */
+};
+
+/* ---- small helpers ------------------------------------------------------- */
+
+static int is_forked(const sg_rpc_channel_t *ch) {
+  return sg_sock_fork_count() != ch->fork_count;
+}
+
+static void set_state(sg_rpc_channel_t *ch, conn_state_t st) {
+  if (ch->state != st)
+    sg_log(SG_LOG_TRACE, LOG, "%s: %s -> %s", ch->target,
+           state_names[ch->state], state_names[st]);
+  ch->state = st;
+}
+
+static uint64_t rng_next(sg_rpc_channel_t *ch) {
+  uint64_t x = ch->rng;
+  x ^= x >> 12;
+  x ^= x << 25;
+  x ^= x >> 27;
+  ch->rng = x;
+  return x * 0x2545F4914F6CDD1DULL;
+}
+
+static void *h2_malloc(size_t n, void *ud) {
+  (void)ud;
+  return sg_malloc(n);
+}
+static void h2_free(void *p, void *ud) {
+  (void)ud;
+  sg_free(p);
+}
+static void *h2_calloc(size_t n, size_t size, void *ud) {
+  (void)ud;
+  return sg_calloc(n, size);
+}
+static void *h2_realloc(void *p, size_t n, void *ud) {
+  (void)ud;
+  return sg_realloc(p, n);
+}
+
+static struct timespec deadline_ts(sg_deadline_t d) {
+  struct timespec ts;
+  if (d < 0)
+    d = 0;
+  ts.tv_sec = (time_t)(d / 1000000000);
+  ts.tv_nsec = (long)(d % 1000000000);
+  return ts;
+}
+
+/* A header value we send must be visible ASCII or space (no CR/LF/NUL). */
+static int header_value_ok(const char *s, size_t max) {
+  size_t n = 0;
+  for (; s[n]; n++)
+    if ((unsigned char)s[n] < 0x20 || (unsigned char)s[n] > 0x7e || n >= max)
+      return 0;
+  return 1;
+}
+
+/* ---- target parsing ------------------------------------------------------ */
+
+/*
+ * parse_target: split "http://host:port[/]", "host:port" or "[v6]:port"
+ * into host (brackets removed), port and authority.  Pure; the outputs are
+ * sg_malloc'd into ch on success.
+ */
+static int parse_target(sg_rpc_channel_t *ch, const char *t, sg_err_t *err) {
+  const char *p = t;
+  if (strncmp(p, "http://", 7) == 0)
+    p += 7;
+  else if (strstr(p, "://"))
+    return sg_err_set(err, SG_EINVAL, "target %s: only http:// is supported",
+                      t);
+  size_t n = strcspn(p, "/");
+  if (n == 0 || n > 300 || (p[n] == '/' && p[n + 1] != '\0'))
+    return sg_err_set(err, SG_EINVAL, "target %s: expected host:port", t);
+  const char *hs, *he, *colon;
+  if (p[0] == '[') {
+    hs = p + 1;
+    he = memchr(p, ']', n);
+    if (!he || he + 1 >= p + n || he[1] != ':')
+      return sg_err_set(err, SG_EINVAL, "target %s: expected [addr]:port", t);
+    colon = he + 1;
+  } else {
+    hs = p;
+    colon = NULL;
+    for (const char *q = p; q < p + n; q++)
+      if (*q == ':') {
+        if (colon)
+          return sg_err_set(err, SG_EINVAL,
+                            "target %s: IPv6 addresses need [brackets]", t);
+        colon = q;
+      }
+    if (!colon)
+      return sg_err_set(err, SG_EINVAL, "target %s: missing :port", t);
+    he = colon;
+  }
+  if (he == hs)
+    return sg_err_set(err, SG_EINVAL, "target %s: empty host", t);
+  for (const char *q = hs; q < he; q++)
+    if ((unsigned char)*q <= 0x20 || (unsigned char)*q > 0x7e)
+      return sg_err_set(err, SG_EINVAL, "target %s: bad host", t);
+  long port = 0;
+  const char *ps = colon + 1, *pe = p + n;
+  if (ps == pe || pe - ps > 5)
+    return sg_err_set(err, SG_EINVAL, "target %s: bad port", t);
+  for (const char *q = ps; q < pe; q++) {
+    if (*q < '0' || *q > '9')
+      return sg_err_set(err, SG_EINVAL, "target %s: bad port", t);
+    port = port * 10 + (*q - '0');
+  }
+  if (port < 1 || port > 65535)
+    return sg_err_set(err, SG_EINVAL, "target %s: port out of range", t);
+  ch->host = sg_malloc((size_t)(he - hs) + 1);
+  ch->authority = sg_malloc(n + 1);
+  if (!ch->host || !ch->authority)
+    return sg_err_set(err, SG_ENOMEM, "out of memory");
+  memcpy(ch->host, hs, (size_t)(he - hs));
+  ch->host[he - hs] = '\0';
+  memcpy(ch->authority, p, n);
+  ch->authority[n] = '\0';
+  snprintf(ch->port_str, sizeof(ch->port_str), "%ld", port);
+  return 0;
+}
+
+/* ---- calls and completion ------------------------------------------------ */
+
+static void call_free(call_t *c) {
+  if (!c)
+    return;
+  sg_buf_free(&c->rbuf);
+  sg_free(c->resp);
+  sg_free(c->body);
+  sg_free(c->path);
+  sg_free(c);
+}
+
+/* Drops one reference; returns 1 when the caller must call_free(c) after
+ * releasing mu.  Requires mu. */
+static int unref_locked(call_t *c) {
+  if (--c->refs > 0)
+    return 0;
+  link_del(&c->all);
+  link_del(&c->sq);
+  return 1;
+}
+
+/* Completes `c` unless it already is; requires mu.  `resp` (owned) is
+ * attached on success and freed otherwise.  Returns 1 if it completed. */
+static int finish_locked(call_t *c, int rc, int grpc_status, uint8_t *resp,
+                         size_t resp_len, const char *msg) {
+  if (c->done) {
+    sg_free(resp);
+    return 0;
+  }
+  c->done = 1;
+  c->rc = rc;
+  c->grpc_status = grpc_status;
+  c->resp = resp;
+  c->resp_len = resp_len;
+  snprintf(c->msg, sizeof(c->msg), "%s", msg ? msg : "");
+  return 1;
+}
+
+/* I/O thread: complete `c` and wake its caller. */
+static void io_finish(sg_rpc_channel_t *ch, call_t *c, int rc, int grpc_status,
+                      uint8_t *resp, size_t resp_len, const char *msg) {
+  pthread_mutex_lock(&ch->mu);
+  int woke = finish_locked(c, rc, grpc_status, resp, resp_len, msg);
+  pthread_mutex_unlock(&ch->mu);
+  if (woke)
+    pthread_cond_broadcast(&ch->cv);
+}
+
+/* I/O thread: unlink `c` from its I/O list and drop the I/O reference. */
+static void io_release(sg_rpc_channel_t *ch, call_t *c) {
+  link_del(&c->io);
+  sg_buf_free(&c->rbuf);
+  pthread_mutex_lock(&ch->mu);
+  int last = unref_locked(c);
+  pthread_mutex_unlock(&ch->mu);
+  if (last)
+    call_free(c);
+}
+
+/* I/O thread: complete and release every call in `list`. */
+static void io_fail_list(sg_rpc_channel_t *ch, link_t *list, int rc,
+                         const char *msg) {
+  while (!link_empty(list)) {
+    call_t *c = CONTAINER(list->next, call_t, io);
+    io_finish(ch, c, rc, -1, NULL, 0, msg);
+    io_release(ch, c);
+  }
+}
+
+/* ---- connection ---------------------------------------------------------- */
+
+static void drive(sg_rpc_channel_t *ch);
+static void conn_fail(sg_rpc_channel_t *ch, int rc, const char *msg);
+static void poll_cb(uv_poll_t *p, int status, int events);
+
+static void conn_close_cb(uv_handle_t *h) {
+  conn_t *conn = h->data;
+  sg_sock_close(conn->fd);
+  sg_buf_free(&conn->wbuf);
+  sg_free(conn);
+}
+
+/*
+ * conn_drop: tear down ch->conn: every call on it completes with rc/msg,
+ * the session is deleted, the socket is shut down at once (the peer sees it
+ * close) and closed in the poll handle's close callback.  Never called from
+ * inside an nghttp2 callback.
+ */
+static void conn_drop(sg_rpc_channel_t *ch, int rc, const char *msg) {
+  conn_t *conn = ch->conn;
+  if (!conn)
+    return;
+  ch->conn = NULL;
+  uv_timer_stop(&ch->ka_timer);
+  /* Not connected any more before any caller wakes up with the error. */
+  atomic_store(&ch->connected, 0);
+  pthread_mutex_lock(&ch->mu);
+  ch->conn_up = 0;
+  pthread_mutex_unlock(&ch->mu);
+  io_fail_list(ch, &conn->streams, rc, msg);
+  if (conn->h2) {
+    nghttp2_session_del(conn->h2);
+    conn->h2 = NULL;
+  }
+  shutdown(conn->fd, SHUT_RDWR);
+  uv_poll_stop(&conn->poll);
+  uv_close((uv_handle_t *)&conn->poll, conn_close_cb);
+}
+
+static int conn_set_events(conn_t *conn, unsigned events) {
+  if (events == conn->events)
+    return 0;
+  int r = uv_poll_start(&conn->poll, (int)events, poll_cb);
+  if (r == 0)
+    conn->events = events;
+  return r;
+}
+
+/*
+ * conn_flush: write what nghttp2 has to send: buffered bytes first, then
+ * frames from nghttp2_session_mem_send, until the socket is full, nothing is
+ * left, or WRITE_BUDGET frames went out.  Waits for writability only when
+ * something is left.  Returns 0 or an SG_E* code (the caller drops the
+ * connection).
+ */
+static int conn_flush(conn_t *conn) {
+  int more = 0;
+  for (int i = 0; i < WRITE_BUDGET; i++) {
+    if (conn->wbuf.len) {
+      ssize_t n = send(conn->fd, sg_buf_head(&conn->wbuf), conn->wbuf.len,
+                       MSG_NOSIGNAL);
+      if (n < 0) {
+        if (errno == EINTR)
+          continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+          more = 1;
+          break;
+        }
+        return -errno;
+      }
+      sg_buf_consume(&conn->wbuf, (size_t)n);
+      if (conn->wbuf.len) {
+        more = 1;
+        break;
+      }
+      continue;
+    }
+    if (!conn->h2)
+      break;
+    const uint8_t *p;
+    ssize_t len = nghttp2_session_mem_send(conn->h2, &p);
+    if (len < 0)
+      return len == NGHTTP2_ERR_NOMEM ? SG_ENOMEM : SG_EPROTO;
+    if (len == 0)
+      break;
+    ssize_t n = send(conn->fd, p, (size_t)len, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+        return -errno;
+      n = 0;
+    }
+    if (n < len) {
+      int rc = sg_buf_append(&conn->wbuf, p + n, (size_t)(len - n));
+      if (rc)
+        return rc;
+      more = 1;
+      break;
+    }
+    if (i == WRITE_BUDGET - 1)
+      more = 1; /* budget spent: come back when writable */
+  }
+  int r = conn_set_events(conn, UV_READABLE | (more ? UV_WRITABLE : 0u));
+  return r ? SG_EIO : 0;
+}
+
+/*
+ * conn_after_io: flush, then decide whether the session is finished (both
+ * sides done, or draining with no streams left) and drop it if so.
+ */
+static void conn_after_io(sg_rpc_channel_t *ch) {
+  conn_t *conn = ch->conn;
+  if (!conn || !conn->h2)
+    return;
+  int rc = conn_flush(conn);
+  if (rc) {
+    char m[128];
+    snprintf(m, sizeof(m), "write to %s: %s", ch->target, sg_strerror(rc));
+    conn_fail(ch, rc == SG_EPROTO ? SG_EPROTO : SG_ECONNRESET, m);
+    return;
+  }
+  if (ch->state == ST_CONNECTED && conn->goaway)
+    set_state(ch, ST_DRAINING);
+  int finished = !nghttp2_session_want_read(conn->h2) &&
+                 !nghttp2_session_want_write(conn->h2) && conn->wbuf.len == 0;
+  if (ch->state == ST_DRAINING && link_empty(&conn->streams))
+    finished = 1;
+  if (finished) {
+    char m[160];
+    if (conn->sent_goaway_err)
+      snprintf(m, sizeof(m), "HTTP/2 protocol error from %s (%s)", ch->target,
+               nghttp2_http2_strerror(conn->sent_goaway_err));
+    else
+      snprintf(m, sizeof(m), "connection to %s closed by the server",
+               ch->target);
+    conn_fail(ch, conn->sent_goaway_err ? SG_EPROTO : SG_ECONNRESET, m);
+  }
+}
+
+/* Reads up to READ_BUDGET chunks and feeds them to nghttp2. */
+static void conn_read(sg_rpc_channel_t *ch, conn_t *conn) {
+  for (int i = 0; i < READ_BUDGET; i++) {
+    ssize_t n = recv(conn->fd, conn->rdbuf, sizeof(conn->rdbuf), 0);
+    if (n < 0) {
+      if (errno == EINTR)
+        continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK)
+        return;
+      char m[128];
+      int rc = -errno;
+      snprintf(m, sizeof(m), "read from %s: %s", ch->target, sg_strerror(rc));
+      conn_fail(ch, SG_ECONNRESET, m);
+      return;
+    }
+    if (n == 0) {
+      char m[128];
+      snprintf(m, sizeof(m), "connection to %s closed by the server",
+               ch->target);
+      conn_fail(ch, SG_ECONNRESET, m);
+      return;
+    }
+    ssize_t rv = nghttp2_session_mem_recv(conn->h2, conn->rdbuf, (size_t)n);
+    if (rv < 0) {
+      char m[160];
+      snprintf(m, sizeof(m), "HTTP/2 error from %s: %s", ch->target,
+               nghttp2_strerror((int)rv));
+      conn_fail(ch, rv == NGHTTP2_ERR_NOMEM ? SG_ENOMEM : SG_EPROTO, m);
+      return;
+    }
+    if ((size_t)n < sizeof(conn->rdbuf))
+      return;
+  }
+}
+
+/* ---- nghttp2 callbacks (never drop the connection; they only record) ----- */
+
+static void ka_cb(uv_timer_t *t);
+
+static call_t *find_stream(conn_t *conn, int32_t stream_id) {
+  for (link_t *l = conn->streams.next; l != &conn->streams; l = l->next) {
+    call_t *c = CONTAINER(l, call_t, io);
+    if (c->stream_id == stream_id)
+      return c;
+  }
+  return NULL;
+}
+
+static int parse_small_int(const uint8_t *v, size_t n, int max) {
+  if (n == 0 || n > 4)
+    return -1;
+  int x = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (v[i] < '0' || v[i] > '9')
+      return -1;
+    x = x * 10 + (v[i] - '0');
+  }
+  return x <= max ? x : -1;
+}
+
+static int on_header_cb(nghttp2_session *s, const nghttp2_frame *frame,
+                        const uint8_t *name, size_t namelen,
+                        const uint8_t *value, size_t valuelen, uint8_t flags,
+                        void *ud) {
+  (void)s;
+  (void)flags;
+  conn_t *conn = ud;
+  if (frame->hd.type != NGHTTP2_HEADERS)
+    return 0;
+  call_t *c = find_stream(conn, frame->hd.stream_id);
+  if (!c)
+    return 0;
+  c->hdr_bytes += namelen + valuelen + 32;
+  if (c->hdr_bytes > MAX_RESP_HEADERS) {
+    /* Resets the stream; complete_stream() reports SG_ETOOBIG. */
+    c->local_rc = SG_ETOOBIG;
+    c->rst_sent = 1;
+    return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE;
+  }
+  if (namelen == 7 && memcmp(name, ":status", 7) == 0) {
+    c->http_status = parse_small_int(value, valuelen, 999);
+  } else if (namelen == 11 && memcmp(name, "grpc-status", 11) == 0) {
+    int st = parse_small_int(value, valuelen, 9999);
+    c->status_hdr = st < 0 ? SG_GRPC_UNKNOWN : st;
+  } else if (namelen == 12 && memcmp(name, "grpc-message", 12) == 0) {
+    sg__grpc_message_decode((const char *)value, valuelen, c->status_msg,
+                            sizeof(c->status_msg));
+  }
+  return 0;
+}
+
+static int on_data_cb(nghttp2_session *s, uint8_t flags, int32_t stream_id,
+                      const uint8_t *data, size_t len, void *ud) {
+  (void)flags;
+  conn_t *conn = ud;
+  call_t *c = find_stream(conn, stream_id);
+  if (!c || c->local_rc || c->rst_sent)
+    return 0;
+  int rc = sg_buf_append(&c->rbuf, data, len);
+  if (rc == 0 && !c->prefix_checked && c->rbuf.len >= SG_GRPC_PREFIX_LEN) {
+    uint32_t mlen;
+    int compressed;
+    rc = sg__grpc_prefix_parse(sg_buf_head(&c->rbuf), c->rbuf.len,
+                               conn->ch->max_message, &mlen, &compressed);
+    if (rc == 0 && compressed)
+      rc = SG_EPROTO;
+    c->prefix_checked = 1;
+  }
+  if (rc) {
+    c->local_rc = rc;
+    sg_buf_free(&c->rbuf);
+    c->rst_sent = 1;
+    nghttp2_submit_rst_stream(s, NGHTTP2_FLAG_NONE, stream_id, NGHTTP2_CANCEL);
+  }
+  return 0;
+}
+
+static int http_to_grpc(int http) {
+  switch (http) {
+  case 400:
+    return SG_GRPC_INTERNAL;
+  case 401:
+    return SG_GRPC_UNAUTHENTICATED;
+  case 403:
+    return SG_GRPC_PERMISSION_DENIED;
+  case 404:
+    return SG_GRPC_UNIMPLEMENTED;
+  case 429:
+  case 502:
+  case 503:
+  case 504:
+    return SG_GRPC_UNAVAILABLE;
+  default:
+    return SG_GRPC_UNKNOWN;
+  }
+}
+
+/*
+ * complete_stream: turn what the stream delivered into the call's result.
+ * Pure over the call's received fields, apart from the completion itself.
+ */
+static void complete_stream(sg_rpc_channel_t *ch, call_t *c,
+                            uint32_t error_code) {
+  char m[sizeof(c->msg)];
+  int rc = 0, gs = -1;
+  uint8_t *resp = NULL;
+  size_t resp_len = 0;
+  m[0] = '\0';
+  if (c->local_rc == SG_ETOOBIG) {
+    rc = SG_ETOOBIG;
+    if (c->hdr_bytes > MAX_RESP_HEADERS)
+      snprintf(m, sizeof(m), "%.100s: response headers exceed %d bytes",
+               c->path, MAX_RESP_HEADERS);
+    else
+      snprintf(m, sizeof(m), "%.100s: response exceeds max_message %zu",
+               c->path, ch->max_message);
+  } else if (c->local_rc) {
+    rc = c->local_rc;
+    snprintf(m, sizeof(m), "%s: bad response message (%s)", c->path,
+             sg_strerror(rc));
+  } else if (c->status_hdr >= 0) {
+    gs = c->status_hdr;
+    if (gs != SG_GRPC_OK) {
+      rc = sg__grpc_status_to_err(gs);
+      snprintf(m, sizeof(m), "status: %s, message: \"%s\"",
+               sg__grpc_status_name(gs), c->status_msg);
+    } else {
+      uint32_t mlen = 0;
+      int compressed = 0;
+      rc = c->rbuf.len < SG_GRPC_PREFIX_LEN
+               ? SG_EAGAIN
+               : sg__grpc_prefix_parse(sg_buf_head(&c->rbuf), c->rbuf.len,
+                                       ch->max_message, &mlen, &compressed);
+      if (rc == SG_EAGAIN ||
+          (rc == 0 &&
+           (compressed || c->rbuf.len != SG_GRPC_PREFIX_LEN + mlen))) {
+        rc = SG_EPROTO;
+        snprintf(m, sizeof(m),
+                 "%s: status OK but %zu body bytes are not one message",
+                 c->path, c->rbuf.len);
+      } else if (rc) {
+        snprintf(m, sizeof(m), "%s: bad response message (%s)", c->path,
+                 sg_strerror(rc));
+      } else if (mlen > 0) {
+        resp = sg_malloc(mlen);
+        if (!resp) {
+          rc = SG_ENOMEM;
+          snprintf(m, sizeof(m), "out of memory");
+        } else {
+          memcpy(resp, sg_buf_head(&c->rbuf) + SG_GRPC_PREFIX_LEN, mlen);
+          resp_len = mlen;
+        }
+      }
+    }
+  } else if (error_code != NGHTTP2_NO_ERROR) {
+    rc = error_code == NGHTTP2_PROTOCOL_ERROR ? SG_EPROTO : SG_ECONNRESET;
+    snprintf(m, sizeof(m), "%s: stream reset (%s)", c->path,
+             nghttp2_http2_strerror(error_code));
+  } else if (c->http_status != 200) {
+    gs = http_to_grpc(c->http_status);
+    rc = sg__grpc_status_to_err(gs);
+    snprintf(m, sizeof(m), "status: %s, message: \"HTTP status %d\"",
+             sg__grpc_status_name(gs), c->http_status);
+  } else {
+    rc = SG_EPROTO;
+    snprintf(m, sizeof(m), "%s: response without grpc-status", c->path);
+  }
+  io_finish(ch, c, rc, gs, resp, resp_len, m);
+}
+
+static int on_stream_close_cb(nghttp2_session *s, int32_t stream_id,
+                              uint32_t error_code, void *ud) {
+  (void)s;
+  conn_t *conn = ud;
+  call_t *c = find_stream(conn, stream_id);
+  if (!c)
+    return 0;
+  complete_stream(conn->ch, c, error_code);
+  io_release(conn->ch, c);
+  return 0;
+}
+
+static int on_frame_recv_cb(nghttp2_session *s, const nghttp2_frame *frame,
+                            void *ud) {
+  (void)s;
+  conn_t *conn = ud;
+  if (frame->hd.type == NGHTTP2_SETTINGS &&
+      !(frame->hd.flags & NGHTTP2_FLAG_ACK))
+    conn->got_settings = 1;
+  else if (frame->hd.type == NGHTTP2_GOAWAY)
+    conn->goaway = 1;
+  else if (frame->hd.type == NGHTTP2_PING &&
+           (frame->hd.flags & NGHTTP2_FLAG_ACK) && conn->ping_outstanding) {
+    conn->ping_outstanding = 0;
+    sg_rpc_channel_t *ch = conn->ch;
+    uv_timer_start(&ch->ka_timer, ka_cb, (uint64_t)ch->ka_interval_ms, 0);
+  }
+  return 0;
+}
+
+static int on_frame_send_cb(nghttp2_session *s, const nghttp2_frame *frame,
+                            void *ud) {
+  (void)s;
+  conn_t *conn = ud;
+  if (frame->hd.type == NGHTTP2_GOAWAY &&
+      frame->goaway.error_code != NGHTTP2_NO_ERROR)
+    conn->sent_goaway_err = frame->goaway.error_code;
+  return 0;
+}
+
+/* A request whose HEADERS could not be sent (e.g. after GOAWAY). */
+static int on_frame_not_send_cb(nghttp2_session *s, const nghttp2_frame *frame,
+                                int lib_error_code, void *ud) {
+  (void)s;
+  conn_t *conn = ud;
+  if (frame->hd.type != NGHTTP2_HEADERS)
+    return 0;
+  call_t *c = find_stream(conn, frame->hd.stream_id);
+  if (!c)
+    return 0;
+  char m[128];
+  snprintf(m, sizeof(m), "%s: request not sent (%s)", c->path,
+           nghttp2_strerror(lib_error_code));
+  io_finish(conn->ch, c, SG_ECONNRESET, -1, NULL, 0, m);
+  io_release(conn->ch, c);
+  return 0;
+}
+
+static ssize_t body_read_cb(nghttp2_session *s, int32_t stream_id, uint8_t *buf,
+                            size_t length, uint32_t *data_flags,
+                            nghttp2_data_source *source, void *ud) {
+  (void)s;
+  (void)stream_id;
+  (void)ud;
+  call_t *c = source->ptr;
+  size_t n = c->body_len - c->body_off;
+  if (n > length)
+    n = length;
+  memcpy(buf, c->body + c->body_off, n);
+  c->body_off += n;
+  if (c->body_off == c->body_len)
+    *data_flags |= NGHTTP2_DATA_FLAG_EOF;
+  return (ssize_t)n;
+}
+
+/* ---- connect machine ----------------------------------------------------- */
+
+static void timer_cb(uv_timer_t *t);
+
+static int want_connection(sg_rpc_channel_t *ch) {
+  return !link_empty(&ch->pending) ||
+         (ch->ctor_until && sg_now_ns() < ch->ctor_until);
+}
+
+static void free_addrs(sg_rpc_channel_t *ch) {
+  if (ch->ai)
+    freeaddrinfo(ch->ai);
+  ch->ai = ch->ai_cur = NULL;
+}
+
+/*
+ * attempt_failed: one connect attempt (all addresses) failed with rc/msg:
+ * remember the error for callers, then back off if someone still wants a
+ * connection (delay = backoff + jitter in [0, 100 ms); backoff grows x1.5 up
+ * to 10 s), else go idle.
+ */
+static void attempt_failed(sg_rpc_channel_t *ch, int rc, const char *msg) {
+  uv_timer_stop(&ch->timer);
+  free_addrs(ch);
+  pthread_mutex_lock(&ch->mu);
+  sg_err_set(&ch->last_err, rc, "%s", msg);
+  pthread_mutex_unlock(&ch->mu);
+  sg_log(SG_LOG_DEBUG, LOG, "connect attempt failed: %s", msg);
+  if (!want_connection(ch)) {
+    set_state(ch, ST_IDLE);
+    return;
+  }
+  int64_t delay = ch->backoff_ms + (int64_t)(rng_next(ch) % BACKOFF_JITTER_MS);
+  ch->backoff_ms = ch->backoff_ms * 3 / 2;
+  if (ch->backoff_ms > BACKOFF_MAX_MS)
+    ch->backoff_ms = BACKOFF_MAX_MS;
+  set_state(ch, ST_BACKOFF);
+  uv_timer_start(&ch->timer, timer_cb, (uint64_t)delay, 0);
+}
+
+static void handshake_done(sg_rpc_channel_t *ch) {
+  uv_timer_stop(&ch->timer);
+  free_addrs(ch);
+  ch->backoff_ms = BACKOFF_INITIAL_MS;
+  ch->ctor_until = 0;
+  set_state(ch, ST_CONNECTED);
+  if (ch->ka_interval_ms > 0)
+    uv_timer_start(&ch->ka_timer, ka_cb, (uint64_t)ch->ka_interval_ms, 0);
+  atomic_store(&ch->connected, 1);
+  pthread_mutex_lock(&ch->mu);
+  ch->conn_up = 1;
+  sg_err_clear(&ch->last_err);
+  pthread_mutex_unlock(&ch->mu);
+  pthread_cond_broadcast(&ch->cv);
+  sg_log(SG_LOG_DEBUG, LOG, "connected to %s", ch->target);
+}
+
+/* TCP is up: start the HTTP/2 session (preface + SETTINGS). */
+static void tcp_connected(sg_rpc_channel_t *ch) {
+  conn_t *conn = ch->conn;
+  nghttp2_session_callbacks *cbs = NULL;
+  int r = nghttp2_session_callbacks_new(&cbs);
+  if (r == 0) {
+    nghttp2_session_callbacks_set_on_header_callback(cbs, on_header_cb);
+    nghttp2_session_callbacks_set_on_data_chunk_recv_callback(cbs, on_data_cb);
+    nghttp2_session_callbacks_set_on_stream_close_callback(cbs,
+                                                           on_stream_close_cb);
+    nghttp2_session_callbacks_set_on_frame_recv_callback(cbs, on_frame_recv_cb);
+    nghttp2_session_callbacks_set_on_frame_send_callback(cbs, on_frame_send_cb);
+    nghttp2_session_callbacks_set_on_frame_not_send_callback(
+        cbs, on_frame_not_send_cb);
+    r = nghttp2_session_client_new3(&conn->h2, cbs, conn, NULL, &ch->mem);
+    nghttp2_session_callbacks_del(cbs);
+  }
+  if (r == 0) {
+    nghttp2_settings_entry iv[] = {
+        {NGHTTP2_SETTINGS_ENABLE_PUSH, 0},
+        {NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE, STREAM_WINDOW},
+    };
+    r = nghttp2_submit_settings(conn->h2, NGHTTP2_FLAG_NONE, iv,
+                                sizeof(iv) / sizeof(iv[0]));
+  }
+  if (r == 0)
+    r = nghttp2_session_set_local_window_size(conn->h2, NGHTTP2_FLAG_NONE, 0,
+                                              CONN_WINDOW);
+  if (r != 0) {
+    char m[128];
+    snprintf(m, sizeof(m), "HTTP/2 session setup: %s", nghttp2_strerror(r));
+    conn_drop(ch, SG_ENOMEM, m);
+    attempt_failed(ch, SG_ENOMEM, m);
+    return;
+  }
+  set_state(ch, ST_HANDSHAKE);
+  conn_after_io(ch);
+}
+
+/* Tries the remaining addresses of this attempt, one at a time. */
+static void connect_next(sg_rpc_channel_t *ch, int rc) {
+  while (ch->ai_cur) {
+    struct addrinfo *ai = ch->ai_cur;
+    ch->ai_cur = ai->ai_next;
+    int fd =
+        socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      rc = -errno;
+      continue;
+    }
+    int r = sg_sock_register(fd);
+    if (r) {
+      close(fd);
+      rc = r;
+      continue;
+    }
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    int cr;
+    do
+      cr = connect(fd, ai->ai_addr, ai->ai_addrlen);
+    while (cr < 0 && errno == EINTR);
+    if (cr < 0 && errno != EINPROGRESS) {
+      rc = -errno;
+      sg_sock_close(fd);
+      continue;
+    }
+    conn_t *conn = sg_calloc(1, sizeof(*conn));
+    if (!conn || uv_poll_init(&ch->loop, &conn->poll, fd) != 0) {
+      sg_free(conn);
+      sg_sock_close(fd);
+      rc = SG_ENOMEM;
+      continue;
+    }
+    conn->poll.data = conn;
+    conn->ch = ch;
+    conn->fd = fd;
+    link_init(&conn->streams);
+    sg_buf_init(&conn->wbuf, WBUF_MAX);
+    ch->conn = conn;
+    if (cr == 0) {
+      tcp_connected(ch);
+      return;
+    }
+    if (conn_set_events(conn, UV_WRITABLE) != 0) {
+      conn_drop(ch, SG_EIO, "poll failed");
+      rc = SG_EIO;
+      continue;
+    }
+    return;
+  }
+  char m[256];
+  snprintf(m, sizeof(m), "connect to %s: %s", ch->target, sg_strerror(rc));
+  attempt_failed(ch, rc, m);
+}
+
+/* Starts one connect attempt: resolve, then try each address in turn. */
+static void attempt_start(sg_rpc_channel_t *ch) {
+  struct addrinfo hints;
+  memset(&hints, 0, sizeof(hints));
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  free_addrs(ch);
+  set_state(ch, ST_CONNECTING);
+  uv_timer_start(&ch->timer, timer_cb, (uint64_t)ch->connect_timeout_ms, 0);
+  int r = getaddrinfo(ch->host, ch->port_str, &hints, &ch->ai);
+  if (r != 0) {
+    char m[256];
+    ch->ai = NULL;
+    snprintf(m, sizeof(m), "resolve %s: %s", ch->target, gai_strerror(r));
+    attempt_failed(ch, SG_ENOTFOUND, m);
+    return;
+  }
+  ch->ai_cur = ch->ai;
+  connect_next(ch, SG_ENOTFOUND);
+}
+
+/* The timer: the backoff delay ended, or the attempt timed out. */
+static void timer_cb(uv_timer_t *t) {
+  sg_rpc_channel_t *ch = t->data;
+  char m[160];
+  switch (ch->state) {
+  case ST_BACKOFF:
+    if (want_connection(ch))
+      attempt_start(ch);
+    else
+      set_state(ch, ST_IDLE);
+    break;
+  case ST_CONNECTING:
+  case ST_HANDSHAKE:
+    snprintf(m, sizeof(m), "connect to %s: %s after %lld ms", ch->target,
+             ch->state == ST_CONNECTING ? "timed out"
+                                        : "no HTTP/2 SETTINGS from server",
+             (long long)ch->connect_timeout_ms);
+    conn_drop(ch, SG_ETIMEDOUT, m);
+    attempt_failed(ch, SG_ETIMEDOUT, m);
+    break;
+  default:
+    break;
+  }
+}
+
+/*
+ * conn_fail: the connection broke with rc/msg.  During CONNECTING that
+ * fails one address; during HANDSHAKE the attempt; later it fails the calls
+ * on it and lets drive() reconnect for the queued ones.
+ */
+static void conn_fail(sg_rpc_channel_t *ch, int rc, const char *msg) {
+  conn_state_t st = ch->state;
+  conn_drop(ch, rc, msg);
+  if (st == ST_CONNECTING) {
+    connect_next(ch, rc);
+  } else if (st == ST_HANDSHAKE) {
+    attempt_failed(ch, rc, msg);
+  } else if (st == ST_CONNECTED || st == ST_DRAINING) {
+    sg_log(SG_LOG_DEBUG, LOG, "connection lost: %s", msg);
+    set_state(ch, ST_IDLE);
+    drive(ch);
+  }
+}
+
+/*
+ * ka_cb: keepalive.  Sends a PING every ka_interval_ms while connected (like
+ * tonic's keep-alive-while-idle); if its ACK has not come ka_timeout_ms
+ * later, the peer is presumed gone (a partition or a dead host sends no
+ * RST) and the connection is dropped so that the next call reconnects.
+ */
+static void ka_cb(uv_timer_t *t) {
+  sg_rpc_channel_t *ch = t->data;
+  conn_t *conn = ch->conn;
+  if (!conn || !conn->h2 ||
+      (ch->state != ST_CONNECTED && ch->state != ST_DRAINING))
+    return;
+  if (conn->ping_outstanding) {
+    char m[160];
+    snprintf(m, sizeof(m), "connection to %s: no keepalive PING ACK in %lld ms",
+             ch->target, (long long)ch->ka_timeout_ms);
+    conn_fail(ch, SG_ECONNRESET, m);
+    return;
+  }
+  if (nghttp2_submit_ping(conn->h2, NGHTTP2_FLAG_NONE, NULL) != 0)
+    return;
+  conn->ping_outstanding = 1;
+  uv_timer_start(&ch->ka_timer, ka_cb, (uint64_t)ch->ka_timeout_ms, 0);
+  conn_after_io(ch);
+}
+
+static void poll_cb(uv_poll_t *p, int status, int events) {
+  conn_t *conn = p->data;
+  sg_rpc_channel_t *ch = conn->ch;
+  if (ch->conn != conn)
+    return;
+  /* libuv reports POLLERR as a failed status: SO_ERROR says what it was. */
+  int soerr = 0;
+  if (status < 0 || ch->state == ST_CONNECTING) {
+    socklen_t sl = sizeof(soerr);
+    if (getsockopt(conn->fd, SOL_SOCKET, SO_ERROR, &soerr, &sl) < 0)
+      soerr = errno;
+    if (!soerr && status < 0)
+      soerr = ECONNRESET;
+  }
+  if (status < 0 && ch->state != ST_CONNECTING) {
+    char m[128];
+    snprintf(m, sizeof(m), "connection to %s: %s", ch->target,
+             sg_strerror(-soerr));
+    conn_fail(ch, SG_ECONNRESET, m);
+    return;
+  }
+  if (ch->state == ST_CONNECTING) {
+    if (soerr) {
+      conn_drop(ch, -soerr, "connect failed");
+      connect_next(ch, -soerr);
+    } else {
+      tcp_connected(ch);
+    }
+    return;
+  }
+  if (events & (UV_READABLE | UV_DISCONNECT)) {
+    conn_read(ch, conn);
+    if (ch->conn != conn)
+      return;
+    if (ch->state == ST_HANDSHAKE && conn->got_settings)
+      handshake_done(ch);
+  }
+  drive(ch);
+}
+
+/* ---- submission ---------------------------------------------------------- */
+
+/* Opens a stream for each queued call (CONNECTED only). */
+static void submit_pending(sg_rpc_channel_t *ch) {
+  conn_t *conn = ch->conn;
+  while (!link_empty(&ch->pending)) {
+    call_t *c = CONTAINER(ch->pending.next, call_t, io);
+    int64_t left = c->deadline - sg_now_ns();
+    if (left <= 0) {
+      io_finish(ch, c, SG_ETIMEDOUT, -1, NULL, 0, "deadline exceeded");
+      io_release(ch, c);
+      continue;
+    }
+    char tmo[16];
+    sg__grpc_timeout_format(left, tmo);
+    nghttp2_nv nva[10];
+    size_t n = 0;
+#define NV(k, v)                                                               \
+  do {                                                                         \
+    nva[n].name = (uint8_t *)(k);                                              \
+    nva[n].namelen = strlen(k);                                                \
+    nva[n].value = (uint8_t *)(v);                                             \
+    nva[n].valuelen = strlen(v);                                               \
+    nva[n].flags = NGHTTP2_NV_FLAG_NONE;                                       \
+    n++;                                                                       \
+  } while (0)
+    NV(":method", "POST");
+    NV(":scheme", "http");
+    NV(":path", c->path);
+    NV(":authority", ch->authority);
+    NV("content-type", "application/grpc");
+    NV("te", "trailers");
+    NV("user-agent", USER_AGENT);
+    NV("grpc-timeout", tmo);
+    if (ch->auth_value)
+      NV("authorization", ch->auth_value);
+#undef NV
+    nghttp2_data_provider prd;
+    prd.source.ptr = c;
+    prd.read_callback = body_read_cb;
+    int32_t id = nghttp2_submit_request(conn->h2, NULL, nva, n, &prd, NULL);
+    if (id < 0) {
+      char m[128];
+      snprintf(m, sizeof(m), "%s: cannot submit: %s", c->path,
+               nghttp2_strerror(id));
+      io_finish(ch, c, id == NGHTTP2_ERR_NOMEM ? SG_ENOMEM : SG_ECONNRESET, -1,
+                NULL, 0, m);
+      io_release(ch, c);
+      continue;
+    }
+    c->stream_id = id;
+    link_del(&c->io);
+    link_push(&conn->streams, &c->io);
+    pthread_mutex_lock(&ch->mu);
+    c->on_wire = 1;
+    pthread_mutex_unlock(&ch->mu);
+  }
+}
+
+/*
+ * drive: the one place that decides the next step: open streams and flush
+ * when connected, start a connect sequence when idle and wanted (a fresh
+ * sequence starts with no delay), stop backing off when nobody waits.
+ */
+static void drive(sg_rpc_channel_t *ch) {
+  switch (ch->state) {
+  case ST_IDLE:
+    if (want_connection(ch)) {
+      ch->backoff_ms = BACKOFF_INITIAL_MS;
+      attempt_start(ch);
+    }
+    break;
+  case ST_BACKOFF:
+    if (!want_connection(ch)) {
+      uv_timer_stop(&ch->timer);
+      set_state(ch, ST_IDLE);
+    }
+    break;
+  case ST_CONNECTED:
+    submit_pending(ch);
+    conn_after_io(ch);
+    break;
+  case ST_DRAINING:
+  case ST_HANDSHAKE:
+    conn_after_io(ch);
+    break;
+  default:
+    break;
+  }
+}
+
+/* Closing: drop everything and close the loop's handles so uv_run returns. */
+static void io_shutdown(sg_rpc_channel_t *ch) {
+  conn_drop(ch, SG_EABORTED, "channel closed");
+  io_fail_list(ch, &ch->pending, SG_EABORTED, "channel closed");
+  free_addrs(ch);
+  uv_timer_stop(&ch->timer);
+  uv_timer_stop(&ch->ka_timer);
+  set_state(ch, ST_CLOSED);
+  uv_close((uv_handle_t *)&ch->timer, NULL);
+  uv_close((uv_handle_t *)&ch->ka_timer, NULL);
+  uv_close((uv_handle_t *)&ch->wake, NULL);
+}
+
+/*
+ * wake_cb: take new submissions, prune cancelled calls (reset their streams
+ * with CANCEL), and carry out abort, disconnect and close requests.
+ */
+static void wake_cb(uv_async_t *a) {
+  sg_rpc_channel_t *ch = a->data;
+  link_t dead;
+  link_init(&dead);
+  if (ch->state == ST_CLOSED)
+    return;
+  pthread_mutex_lock(&ch->mu);
+  while (!link_empty(&ch->submitq)) {
+    call_t *c = CONTAINER(ch->submitq.next, call_t, sq);
+    link_del(&c->sq);
+    link_push(&ch->pending, &c->io);
+  }
+  int closing = ch->closing, aborted = ch->aborted;
+  if (ch->cancel_pending || aborted) {
+    ch->cancel_pending = 0;
+    for (link_t *l = ch->pending.next, *nx; l != &ch->pending; l = nx) {
+      nx = l->next;
+      call_t *c = CONTAINER(l, call_t, io);
+      if (c->cancelled) {
+        link_del(&c->io);
+        link_push(&dead, &c->io);
+      }
+    }
+    if (ch->conn && ch->conn->h2) {
+      for (link_t *l = ch->conn->streams.next; l != &ch->conn->streams;
+           l = l->next) {
+        call_t *c = CONTAINER(l, call_t, io);
+        if (c->cancelled && !c->rst_sent) {
+          c->rst_sent = 1;
+          nghttp2_submit_rst_stream(ch->conn->h2, NGHTTP2_FLAG_NONE,
+                                    c->stream_id, NGHTTP2_CANCEL);
+        }
+      }
+    }
+  }
+  uint64_t disc = ch->disc_req;
+  pthread_mutex_unlock(&ch->mu);
+  io_fail_list(ch, &dead, SG_ECANCELED, "cancelled");
+
+  if (closing) {
+    io_shutdown(ch);
+    return;
+  }
+  if (aborted) {
+    conn_drop(ch, SG_EABORTED, "channel aborted");
+    io_fail_list(ch, &ch->pending, SG_EABORTED, "channel aborted");
+    free_addrs(ch);
+    uv_timer_stop(&ch->timer);
+    ch->ctor_until = 0;
+    set_state(ch, ST_IDLE);
+  } else if (disc != ch->disc_handled) {
+    conn_drop(ch, SG_ECONNRESET, "disconnected by sg_rpc_channel_disconnect");
+    free_addrs(ch);
+    uv_timer_stop(&ch->timer);
+    set_state(ch, ST_IDLE);
+  }
+  if (disc != ch->disc_handled) {
+    ch->disc_handled = disc;
+    pthread_mutex_lock(&ch->mu);
+    ch->disc_done = disc;
+    pthread_mutex_unlock(&ch->mu);
+    pthread_cond_broadcast(&ch->cv);
+  }
+  if (!aborted)
+    drive(ch);
+}
+
+static void *io_main(void *arg) {
+  sg_rpc_channel_t *ch = arg;
+  drive(ch);
+  uv_run(&ch->loop, UV_RUN_DEFAULT);
+  return NULL;
+}
+
+/* ---- public API ---------------------------------------------------------- */
+
+static void channel_release(sg_rpc_channel_t *ch) {
+  sg_free(ch->target);
+  sg_free(ch->host);
+  sg_free(ch->authority);
+  sg_free(ch->auth_value);
+  sg_free(ch);
+}
+
+int sg_rpc_channel_new(const sg_rpc_channel_opts_t *o, sg_rpc_channel_t **out,
+                       sg_err_t *err) {
+  sg_rpc_channel_t *ch = NULL;
+  int rc = 0, sync_init = 0, loop_init = 0;
+  sg_err_clear(err);
+  if (!o || !out || !o->target)
+    return sg_err_set(err, SG_EINVAL, "sg_rpc_channel_new: NULL argument");
+  *out = NULL;
+  ch = sg_calloc(1, sizeof(*ch));
+  if (!ch)
+    return sg_err_set(err, SG_ENOMEM, "out of memory");
+  ch->target = sg_strdup(o->target);
+  if (!ch->target) {
+    rc = sg_err_set(err, SG_ENOMEM, "out of memory");
+    goto out;
+  }
+  rc = parse_target(ch, o->target, err);
+  if (rc)
+    goto out;
+  if (o->auth_token && o->auth_token[0]) {
+    if (!header_value_ok(o->auth_token, MAX_TOKEN_LEN)) {
+      rc = sg_err_set(err, SG_EINVAL, "auth token: bad characters or length");
+      goto out;
+    }
+    size_t n = strlen(o->auth_token) + 8;
+    ch->auth_value = sg_malloc(n);
+    if (!ch->auth_value) {
+      rc = sg_err_set(err, SG_ENOMEM, "out of memory");
+      goto out;
+    }
+    snprintf(ch->auth_value, n, "Bearer %s", o->auth_token);
+  }
+  ch->max_message = o->max_message ? o->max_message : DEFAULT_MAX_MESSAGE;
+  if (ch->max_message > UINT32_MAX)
+    ch->max_message = UINT32_MAX;
+  ch->connect_timeout_ms = o->connect_timeout_ms > 0
+                               ? o->connect_timeout_ms
+                               : DEFAULT_CONNECT_TIMEOUT_MS;
+  ch->ka_interval_ms =
+      o->keepalive_interval_ms == 0
+          ? DEFAULT_KEEPALIVE_INTERVAL_MS
+          : (o->keepalive_interval_ms < 0 ? 0 : o->keepalive_interval_ms);
+  ch->ka_timeout_ms = o->keepalive_timeout_ms > 0
+                          ? o->keepalive_timeout_ms
+                          : DEFAULT_KEEPALIVE_TIMEOUT_MS;
+  ch->fork_count = sg_sock_fork_count();
+  ch->mem.malloc = h2_malloc;
+  ch->mem.free = h2_free;
+  ch->mem.calloc = h2_calloc;
+  ch->mem.realloc = h2_realloc;
+  ch->rng =
+      (uint64_t)sg_now_ns() ^ (uint64_t)(uintptr_t)ch ^ 0x9E3779B97F4A7C15ULL;
+  if (!ch->rng)
+    ch->rng = 1;
+  ch->backoff_ms = BACKOFF_INITIAL_MS;
+  atomic_init(&ch->connected, 0);
+  link_init(&ch->calls);
+  link_init(&ch->submitq);
+  link_init(&ch->pending);
+
+  pthread_condattr_t ca;
+  if (pthread_condattr_init(&ca) != 0) {
+    rc = sg_err_set(err, SG_ENOMEM, "pthread_condattr_init");
+    goto out;
+  }
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  int r1 = pthread_cond_init(&ch->cv, &ca);
+  pthread_condattr_destroy(&ca);
+  if (r1 != 0) {
+    rc = sg_err_set(err, SG_ENOMEM, "pthread_cond_init");
+    goto out;
+  }
+  if (pthread_mutex_init(&ch->mu, NULL) != 0) {
+    pthread_cond_destroy(&ch->cv);
+    rc = sg_err_set(err, SG_ENOMEM, "pthread_mutex_init");
+    goto out;
+  }
+  sync_init = 1;
+  if (uv_loop_init(&ch->loop) != 0) {
+    rc = sg_err_set(err, SG_ENOMEM, "uv_loop_init");
+    goto out;
+  }
+  loop_init = 1;
+  uv_async_init(&ch->loop, &ch->wake, wake_cb);
+  uv_timer_init(&ch->loop, &ch->timer);
+  uv_timer_init(&ch->loop, &ch->ka_timer);
+  ch->wake.data = ch;
+  ch->timer.data = ch;
+  ch->ka_timer.data = ch;
+  ch->ctor_until = sg_deadline_in_ms(ch->connect_timeout_ms);
+  sg_deadline_t until = ch->ctor_until;
+
+  /* The I/O thread takes no signals: they belong to the embedding program. */
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &old);
+  int tr = pthread_create(&ch->thread, NULL, io_main, ch);
+  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  if (tr != 0) {
+    rc = sg_err_set(err, SG_ENOMEM, "pthread_create: %s", strerror(tr));
+    goto out;
+  }
+  ch->thread_started = 1;
+
+  struct timespec ts = deadline_ts(until);
+  pthread_mutex_lock(&ch->mu);
+  while (!ch->conn_up) {
+    if (pthread_cond_timedwait(&ch->cv, &ch->mu, &ts) == ETIMEDOUT)
+      break;
+  }
+  if (!ch->conn_up) {
+    if (ch->last_err.code)
+      rc = sg_err_set(err, ch->last_err.code, "%s", ch->last_err.msg);
+    else
+      rc = sg_err_set(err, SG_ETIMEDOUT,
+                      "connect to %s: timed out after %lld ms", ch->target,
+                      (long long)ch->connect_timeout_ms);
+  }
+  pthread_mutex_unlock(&ch->mu);
+
+out:
+  if (rc) {
+    if (ch->thread_started) {
+      sg_rpc_channel_free(ch);
+    } else {
+      if (loop_init) {
+        uv_close((uv_handle_t *)&ch->wake, NULL);
+        uv_close((uv_handle_t *)&ch->timer, NULL);
+        uv_close((uv_handle_t *)&ch->ka_timer, NULL);
+        uv_run(&ch->loop, UV_RUN_DEFAULT);
+        uv_loop_close(&ch->loop);
+      }
+      if (sync_init) {
+        pthread_mutex_destroy(&ch->mu);
+        pthread_cond_destroy(&ch->cv);
+      }
+      channel_release(ch);
+    }
+    return rc;
+  }
+  *out = ch;
+  return 0;
+}
+
+/* Copies a call's result out to the caller's pointers.  Requires mu. */
+static int take_result_locked(call_t *c, uint8_t **resp, size_t *resp_len,
+                              int *grpc_status, sg_err_t *err) {
+  if (grpc_status)
+    *grpc_status = c->grpc_status;
+  if (c->rc == 0) {
+    *resp = c->resp;
+    *resp_len = c->resp_len;
+    c->resp = NULL;
+    c->resp_len = 0;
+    return 0;
+  }
+  return sg_err_set(err, c->rc, "%s", c->msg);
+}
+
+int sg_rpc_channel_call(sg_rpc_channel_t *ch, const char *path,
+                        const uint8_t *req, size_t req_len,
+                        sg_deadline_t deadline, uint8_t **resp,
+                        size_t *resp_len, int *grpc_status, sg_err_t *err) {
+  sg_err_clear(err);
+  if (resp)
+    *resp = NULL;
+  if (resp_len)
+    *resp_len = 0;
+  if (grpc_status)
+    *grpc_status = -1;
+  if (!ch || !path || !resp || !resp_len || (!req && req_len))
+    return sg_err_set(err, SG_EINVAL, "sg_rpc_channel_call: NULL argument");
+  if (is_forked(ch))
+    return sg_err_set(err, SG_ESTATE,
+                      "rpc channel used in a forked child process");
+  if (path[0] != '/' || !header_value_ok(path, MAX_PATH_LEN) ||
+      strchr(path, ' '))
+    return sg_err_set(err, SG_EINVAL, "bad method path");
+  if (req_len > UINT32_MAX || req_len > SIZE_MAX - SG_GRPC_PREFIX_LEN)
+    return sg_err_set(err, SG_ETOOBIG, "request of %zu bytes is too big",
+                      req_len);
+
+  call_t *c = sg_calloc(1, sizeof(*c));
+  if (!c)
+    return sg_err_set(err, SG_ENOMEM, "out of memory");
+  link_init(&c->all);
+  link_init(&c->sq);
+  link_init(&c->io);
+  sg_buf_init(&c->rbuf, ch->max_message + SG_GRPC_PREFIX_LEN);
+  c->grpc_status = -1;
+  c->status_hdr = -1;
+  c->deadline = deadline;
+  c->path = sg_strdup(path);
+  c->body_len = SG_GRPC_PREFIX_LEN + req_len;
+  c->body = sg_malloc(c->body_len);
+  if (!c->path || !c->body) {
+    call_free(c);
+    return sg_err_set(err, SG_ENOMEM, "out of memory");
+  }
+  sg__grpc_prefix_write(c->body, (uint32_t)req_len);
+  if (req_len)
+    memcpy(c->body + SG_GRPC_PREFIX_LEN, req, req_len);
+
+  pthread_mutex_lock(&ch->mu);
+  if (ch->closing || ch->aborted) {
+    int code = ch->closing ? SG_ECLOSED : SG_EABORTED;
+    pthread_mutex_unlock(&ch->mu);
+    call_free(c);
+    return sg_err_set(err, code, "channel %s",
+                      code == SG_ECLOSED ? "closed" : "aborted");
+  }
+  c->refs = 2;
+  link_push(&ch->calls, &c->all);
+  link_push(&ch->submitq, &c->sq);
+  pthread_mutex_unlock(&ch->mu);
+  uv_async_send(&ch->wake);
+
+  int kick = 0;
+  struct timespec ts = deadline_ts(deadline);
+  pthread_mutex_lock(&ch->mu);
+  while (!c->done) {
+    if (pthread_cond_timedwait(&ch->cv, &ch->mu, &ts) != ETIMEDOUT)
+      continue;
+    if (c->done)
+      break;
+    char m[sizeof(c->msg)];
+    int code = SG_ETIMEDOUT;
+    if (!c->on_wire && !ch->conn_up && ch->last_err.code) {
+      code = ch->last_err.code;
+      snprintf(m, sizeof(m),
+               "%.60s: deadline passed before connecting (%.150s)", path,
+               ch->last_err.msg);
+    } else {
+      snprintf(m, sizeof(m), "%.200s: deadline exceeded", path);
+    }
+    finish_locked(c, code, -1, NULL, 0, m);
+    c->cancelled = 1;
+    ch->cancel_pending = 1;
+    kick = 1;
+  }
+  int rc = take_result_locked(c, resp, resp_len, grpc_status, err);
+  int last = unref_locked(c);
+  pthread_mutex_unlock(&ch->mu);
+  if (kick)
+    uv_async_send(&ch->wake);
+  if (last)
+    call_free(c);
+  return rc;
+}
+
+/* Completes every live call with SG_EABORTED; requires mu. */
+static void abort_locked(sg_rpc_channel_t *ch) {
+  ch->aborted = 1;
+  for (link_t *l = ch->calls.next; l != &ch->calls; l = l->next) {
+    call_t *c = CONTAINER(l, call_t, all);
+    if (finish_locked(c, SG_EABORTED, -1, NULL, 0, "channel aborted"))
+      c->cancelled = 1;
+  }
+}
+
+void sg_rpc_channel_abort(sg_rpc_channel_t *ch) {
+  if (!ch || is_forked(ch))
+    return;
+  pthread_mutex_lock(&ch->mu);
+  int first = !ch->aborted;
+  abort_locked(ch);
+  pthread_mutex_unlock(&ch->mu);
+  pthread_cond_broadcast(&ch->cv);
+  if (first)
+    uv_async_send(&ch->wake);
+}
+
+void sg_rpc_channel_disconnect(sg_rpc_channel_t *ch) {
+  if (!ch || is_forked(ch))
+    return;
+  pthread_mutex_lock(&ch->mu);
+  if (ch->aborted || ch->closing) {
+    pthread_mutex_unlock(&ch->mu);
+    return;
+  }
+  uint64_t my = ++ch->disc_req;
+  pthread_mutex_unlock(&ch->mu);
+  uv_async_send(&ch->wake);
+  struct timespec ts = deadline_ts(sg_deadline_in_ms(DISCONNECT_WAIT_MS));
+  pthread_mutex_lock(&ch->mu);
+  while (ch->disc_done < my && !ch->aborted)
+    if (pthread_cond_timedwait(&ch->cv, &ch->mu, &ts) == ETIMEDOUT)
+      break;
+  pthread_mutex_unlock(&ch->mu);
+}
+
+int sg_rpc_channel_connected(const sg_rpc_channel_t *ch) {
+  if (!ch || is_forked(ch))
+    return 0;
+  return atomic_load(&((sg_rpc_channel_t *)ch)->connected);
+}
+
+void sg_rpc_channel_free(sg_rpc_channel_t *ch) {
+  if (!ch)
+    return;
+  if (is_forked(ch)) {
+    /* The parent's thread does not exist here and its mutex may be held
+     * forever: release plain memory only (the loop, session and the
+     * descriptors, already pointed at /dev/null, are left as they are). */
+    channel_release(ch);
+    return;
+  }
+  if (ch->thread_started) {
+    pthread_mutex_lock(&ch->mu);
+    abort_locked(ch);
+    ch->closing = 1;
+    pthread_mutex_unlock(&ch->mu);
+    pthread_cond_broadcast(&ch->cv);
+    uv_async_send(&ch->wake);
+    pthread_join(ch->thread, NULL);
+  }
+  int lr = uv_loop_close(&ch->loop);
+  if (lr != 0)
+    sg_log(SG_LOG_WARN, LOG, "uv_loop_close: %s", uv_strerror(lr));
+  /* By contract no caller is inside sg_rpc_channel_call any more, and the
+   * I/O thread released its references: nothing should be left. */
+  while (!link_empty(&ch->calls)) {
+    call_t *c = CONTAINER(ch->calls.next, call_t, all);
+    link_del(&c->all);
+    call_free(c);
+  }
+  pthread_mutex_destroy(&ch->mu);
+  pthread_cond_destroy(&ch->cv);
+  channel_release(ch);
+}

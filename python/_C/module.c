@@ -8,21 +8,35 @@
  * SG_ETIMEDOUT -> TimeoutError, the rest -> stepguard._C.Error (a
  * RuntimeError subclass carrying `.code`), matching torchft's mapping.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "module.h"
 
-#include "stepguard/base.h"
+#include "stepguard/lighthouse.h"
 
-typedef struct {
-  PyObject *error_type; /* stepguard._C.Error */
-} module_state;
-
-static module_state *get_state(PyObject *module) {
-  return (module_state *)PyModule_GetState(module);
+static sg_py_state *get_state(PyObject *module) {
+  return (sg_py_state *)PyModule_GetState(module);
 }
 
-/* raise_sg: set the exception for `code` with `detail`; returns NULL. */
+static struct PyModuleDef module_def;
+
+/* Walks the MRO, so instances of Python subclasses find the state too. */
+sg_py_state *sg_py_state_of_type(PyTypeObject *tp) {
+  PyObject *m = PyType_GetModuleByDef(tp, &module_def);
+  return m ? get_state(m) : NULL;
+}
+
+int64_t sg_py_timeout_ms(double seconds) {
+  if (!(seconds >= 0) || seconds > 86400.0 * 365) {
+    PyErr_SetString(PyExc_ValueError, "timeout must be in [0, 1 year]");
+    return -1;
+  }
+  return (int64_t)(seconds * 1000.0 + 0.5);
+}
+
 static PyObject *raise_sg(PyObject *module, int code, const char *detail) {
+  return sg_py_raise(get_state(module), code, detail);
+}
+
+PyObject *sg_py_raise(sg_py_state *st, int code, const char *detail) {
   const char *msg = detail && detail[0] ? detail : sg_strerror(code);
   if (code == SG_ETIMEDOUT || code == SG_ECANCELED) {
     PyErr_SetString(PyExc_TimeoutError, msg);
@@ -30,8 +44,7 @@ static PyObject *raise_sg(PyObject *module, int code, const char *detail) {
   }
   if (code == SG_ENOMEM)
     return PyErr_NoMemory();
-  PyObject *exc =
-      PyObject_CallFunction(get_state(module)->error_type, "s", msg);
+  PyObject *exc = PyObject_CallFunction(st->error_type, "s", msg);
   if (!exc)
     return NULL;
   PyObject *pycode = PyLong_FromLong(code);
@@ -124,11 +137,10 @@ static PyObject *py_tcp_connect(PyObject *module, PyObject *args) {
   sg_err_t err;
   if (!PyArg_ParseTuple(args, "sid:tcp_connect", &host, &port, &timeout_s))
     return NULL;
-  if (!(timeout_s >= 0) || timeout_s > 86400.0 * 365) {
-    PyErr_SetString(PyExc_ValueError, "timeout must be in [0, 1 year]");
+  int64_t ms = sg_py_timeout_ms(timeout_s);
+  if (ms < 0)
     return NULL;
-  }
-  sg_deadline_t d = sg_deadline_in_ms((int64_t)(timeout_s * 1000.0));
+  sg_deadline_t d = sg_deadline_in_ms(ms);
   Py_BEGIN_ALLOW_THREADS
   rc = sg_sock_connect(host, port, d, &fd, &err);
   Py_END_ALLOW_THREADS
@@ -161,7 +173,44 @@ static PyObject *py_raise_error(PyObject *module, PyObject *args) {
   return raise_sg(module, code, detail);
 }
 
+/* lighthouse_main(argv): the stepguard-lighthouse program; blocks until
+ * SIGINT or SIGTERM with the GIL released. */
+static PyObject *py_lighthouse_main(PyObject *module, PyObject *arg) {
+  PyObject *seq = PySequence_Fast(arg, "argv must be a sequence of str");
+  if (!seq)
+    return NULL;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  if (n > 1000) {
+    Py_DECREF(seq);
+    PyErr_SetString(PyExc_ValueError, "too many arguments");
+    return NULL;
+  }
+  char **argv = PyMem_Calloc((size_t)n + 1, sizeof(char *));
+  PyObject *ret = NULL;
+  if (!argv) {
+    Py_DECREF(seq);
+    return PyErr_NoMemory();
+  }
+  for (Py_ssize_t i = 0; i < n; i++) {
+    const char *a = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(seq, i));
+    if (!a)
+      goto out;
+    argv[i] = (char *)a; /* kept alive by seq */
+  }
+  int status;
+  Py_BEGIN_ALLOW_THREADS
+  status = sg_lh_main((int)n, argv);
+  Py_END_ALLOW_THREADS
+  ret = PyLong_FromLong(status);
+out:
+  PyMem_Free(argv);
+  Py_DECREF(seq);
+  return ret;
+}
+
 static PyMethodDef module_methods[] = {
+    {"lighthouse_main", py_lighthouse_main, METH_O,
+     "lighthouse_main(argv) -> int: run stepguard-lighthouse."},
     {"version", py_version, METH_NOARGS,
      "version() -> str: libstepguard version."},
     {"strerror", py_strerror, METH_O, "strerror(code) -> str: error text."},
@@ -219,7 +268,7 @@ static int add_error_constants(PyObject *module) {
 }
 
 static int module_exec(PyObject *module) {
-  module_state *st = get_state(module);
+  sg_py_state *st = get_state(module);
   st->error_type = PyErr_NewExceptionWithDoc(
       "stepguard._C.Error",
       "A libstepguard error; `code` holds the negative SG_E* code.",
@@ -228,16 +277,24 @@ static int module_exec(PyObject *module) {
     return -1;
   if (PyModule_AddObjectRef(module, "Error", st->error_type) < 0)
     return -1;
+  if (sg_py_lighthouse_init(module, st) < 0)
+    return -1;
   return add_error_constants(module);
 }
 
 static int module_traverse(PyObject *module, visitproc visit, void *arg) {
-  Py_VISIT(get_state(module)->error_type);
+  sg_py_state *st = get_state(module);
+  Py_VISIT(st->error_type);
+  Py_VISIT(st->lh_server_type);
+  Py_VISIT(st->lh_client_type);
   return 0;
 }
 
 static int module_clear(PyObject *module) {
-  Py_CLEAR(get_state(module)->error_type);
+  sg_py_state *st = get_state(module);
+  Py_CLEAR(st->error_type);
+  Py_CLEAR(st->lh_server_type);
+  Py_CLEAR(st->lh_client_type);
   return 0;
 }
 
@@ -252,7 +309,7 @@ static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "stepguard._C",
     .m_doc = "libstepguard binding (internal; use the stepguard package).",
-    .m_size = sizeof(module_state),
+    .m_size = sizeof(sg_py_state),
     .m_methods = module_methods,
     .m_slots = module_slots,
     .m_traverse = module_traverse,

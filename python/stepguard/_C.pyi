@@ -36,3 +36,46 @@ def tcp_close(fd: int) -> None: ...
 def registered_sockets() -> int: ...
 def fork_count() -> int: ...
 def _raise_error(code: int, detail: str = "") -> None: ...
+def lighthouse_main(argv: list[str]) -> int: ...
+
+class LighthouseServer:
+    def __init__(
+        self,
+        bind: str,
+        min_replicas: int,
+        join_timeout_ms: int = ...,
+        quorum_tick_ms: int = ...,
+        heartbeat_timeout_ms: int = ...,
+        disconnect_grace_ms: int = ...,
+        prune_after_ms: int = ...,
+        auth_token: str | None = None,
+        quorum_id_file: str | None = None,
+        hostname: str | None = None,
+        max_replicas: int = ...,
+        max_connections: int = ...,
+    ) -> None: ...
+    def address(self) -> str: ...
+    def port(self) -> int: ...
+    def shutdown(self) -> None: ...
+
+_Member = tuple[str, str, str, int, int, bool, str, int]
+
+class LighthouseClient:
+    def __init__(
+        self, addr: str, connect_timeout_s: float, auth_token: str | None = None
+    ) -> None: ...
+    def quorum(
+        self,
+        replica_id: str,
+        timeout_s: float,
+        address: str = "",
+        store_address: str = "",
+        step: int = 0,
+        world_size: int = 0,
+        shrink_only: bool = False,
+        data: str = "",
+        commit_failures: int = 0,
+    ) -> tuple[int, int, int, list[_Member]]: ...
+    def heartbeat(self, replica_id: str, timeout_s: float = 5.0) -> None: ...
+    def abort(self) -> None: ...
+    def close(self) -> None: ...

@@ -278,7 +278,10 @@ void sg__lh_member_free(sg__lh_member_t *m) {
   sg_free(m->address);
   sg_free(m->store_address);
   sg_free(m->data);
+  sg_free(m->extra);
   m->replica_id = m->address = m->store_address = m->data = NULL;
+  m->extra = NULL;
+  m->extra_len = 0;
 }
 
 int sg__lh_member_copy(sg__lh_member_t *dst, const sg__lh_member_t *src) {
@@ -289,7 +292,15 @@ int sg__lh_member_copy(sg__lh_member_t *dst, const sg__lh_member_t *src) {
   dst->address = sg_strdup(src->address ? src->address : "");
   dst->store_address = sg_strdup(src->store_address ? src->store_address : "");
   dst->data = sg_strdup(src->data ? src->data : "");
-  if (!dst->replica_id || !dst->address || !dst->store_address || !dst->data) {
+  if (src->extra_len && src->extra) {
+    dst->extra = sg_malloc(src->extra_len);
+    if (dst->extra) {
+      memcpy(dst->extra, src->extra, src->extra_len);
+      dst->extra_len = src->extra_len;
+    }
+  }
+  if (!dst->replica_id || !dst->address || !dst->store_address || !dst->data ||
+      (src->extra_len && src->extra && !dst->extra)) {
     sg__lh_member_free(dst);
     memset(dst, 0, sizeof(*dst));
     return SG_ENOMEM;

@@ -39,6 +39,9 @@ typedef struct sg__lh_member_s {
   uint64_t world_size;
   int64_t commit_failures; /* consecutive failed commits of the requester */
   int shrink_only;         /* bool */
+  uint8_t *extra;          /* owned: protobuf fields this version does not know,
+                              as wire bytes, sent back verbatim (forward compat) */
+  size_t extra_len;
 } sg__lh_member_t;
 
 typedef struct sg__lh_opts_s {

@@ -229,3 +229,93 @@ int sg__utf8_valid(const char *str, size_t n) {
   }
   return 1;
 }
+
+/* ---- protobuf string checks ---------------------------------------------- */
+
+#define PB_MAX_DEPTH 16
+
+/* pb_varint: decode a varint at p[*off..n); 0 or SG_EPROTO. */
+static int pb_varint(const uint8_t *p, size_t n, size_t *off, uint64_t *v) {
+  uint64_t x = 0;
+  for (int shift = 0; shift < 64; shift += 7) {
+    if (*off >= n)
+      return SG_EPROTO;
+    uint8_t b = p[(*off)++];
+    x |= (uint64_t)(b & 0x7f) << shift;
+    if (!(b & 0x80)) {
+      *v = x;
+      return 0;
+    }
+  }
+  return SG_EPROTO;
+}
+
+static int in_list(const uint32_t *list, size_t n, uint32_t f) {
+  for (size_t i = 0; i < n; i++)
+    if (list[i] == f)
+      return 1;
+  return 0;
+}
+
+static int pb_check(const uint8_t *p, size_t n, const sg__pb_spec_t *spec,
+                    int depth, uint32_t *field) {
+  if (depth > PB_MAX_DEPTH)
+    return SG_EPROTO;
+  size_t off = 0;
+  while (off < n) {
+    uint64_t key, len;
+    if (pb_varint(p, n, &off, &key))
+      return SG_EPROTO;
+    uint32_t f = (uint32_t)(key >> 3);
+    if (key >> 3 > UINT32_MAX / 8 || f == 0)
+      return SG_EPROTO;
+    switch (key & 7) {
+    case 0:
+      if (pb_varint(p, n, &off, &len))
+        return SG_EPROTO;
+      break;
+    case 1:
+      if (n - off < 8)
+        return SG_EPROTO;
+      off += 8;
+      break;
+    case 5:
+      if (n - off < 4)
+        return SG_EPROTO;
+      off += 4;
+      break;
+    case 2: {
+      if (pb_varint(p, n, &off, &len) || len > n - off)
+        return SG_EPROTO;
+      const uint8_t *v = p + off;
+      if (spec && in_list(spec->strings, spec->n_strings, f)) {
+        if (memchr(v, 0, (size_t)len) ||
+            !sg__utf8_valid((const char *)v, len)) {
+          *field = f;
+          return SG_EINVAL;
+        }
+      } else if (spec) {
+        for (size_t i = 0; i < spec->n_nested; i++) {
+          if (spec->nested[i].field == f) {
+            int rc = pb_check(v, (size_t)len, spec->nested[i].spec, depth + 1,
+                              field);
+            if (rc)
+              return rc;
+          }
+        }
+      }
+      off += (size_t)len;
+      break;
+    }
+    default: /* groups (3, 4) and unknown wire types */
+      return SG_EPROTO;
+    }
+  }
+  return 0;
+}
+
+int sg__pb_check_strings(const uint8_t *p, size_t n, const sg__pb_spec_t *spec,
+                         uint32_t *field) {
+  *field = 0;
+  return pb_check(p, n, spec, 0, field);
+}

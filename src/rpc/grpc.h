@@ -95,4 +95,32 @@ size_t sg__grpc_message_decode(const char *v, size_t n, char *out, size_t cap);
  */
 int sg__utf8_valid(const char *s, size_t n);
 
+/*
+ * Protobuf string checks.  protobuf-c neither checks UTF-8 nor keeps the
+ * length of a string (an embedded NUL silently truncates it), so servers
+ * walk the raw message first.  A spec names the string fields of a message
+ * and the fields that hold nested messages with their own spec.
+ */
+typedef struct sg__pb_spec_s sg__pb_spec_t;
+typedef struct sg__pb_nested_s {
+  uint32_t field;
+  const sg__pb_spec_t *spec;
+} sg__pb_nested_t;
+struct sg__pb_spec_s {
+  const uint32_t *strings; /* field numbers of string fields */
+  size_t n_strings;
+  const sg__pb_nested_t *nested;
+  size_t n_nested;
+};
+
+/*
+ * sg__pb_check_strings: walk the wire bytes p[0..n) of a message described
+ * by `spec`.  Returns 0; SG_EPROTO for malformed wire data (bad varint,
+ * length past the end, groups, unknown wire type, nesting deeper than 16);
+ * SG_EINVAL when a string field holds invalid UTF-8 or a NUL byte, with its
+ * field number in *field.  Pure; never reads past p + n.
+ */
+int sg__pb_check_strings(const uint8_t *p, size_t n, const sg__pb_spec_t *spec,
+                         uint32_t *field);
+
 #endif /* SG_RPC_GRPC_H */

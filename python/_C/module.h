@@ -1,0 +1,35 @@
+/*
+ * module.h: what the files of stepguard._C share.
+ */
+#ifndef SG_PY_MODULE_H
+#define SG_PY_MODULE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "stepguard/base.h"
+
+typedef struct {
+  PyObject *error_type;     /* stepguard._C.Error */
+  PyObject *lh_server_type; /* stepguard._C.LighthouseServer */
+  PyObject *lh_client_type; /* stepguard._C.LighthouseClient */
+} sg_py_state;
+
+/* sg_py_state_of: the module state reached from a heap type's instance. */
+sg_py_state *sg_py_state_of_type(PyTypeObject *tp);
+
+/*
+ * sg_py_raise: set the Python exception for libstepguard error `code` with
+ * `detail`; returns NULL.  SG_ETIMEDOUT -> TimeoutError, SG_ENOMEM ->
+ * MemoryError, others -> stepguard._C.Error (a RuntimeError) with .code.
+ * Call with the GIL held.
+ */
+PyObject *sg_py_raise(sg_py_state *st, int code, const char *detail);
+
+/* sg_py_timeout_ms: seconds (float) to whole ms; -1 with ValueError set. */
+int64_t sg_py_timeout_ms(double seconds);
+
+/* sg_py_lighthouse_init: add LighthouseServer and LighthouseClient. */
+int sg_py_lighthouse_init(PyObject *module, sg_py_state *st);
+
+#endif

@@ -1,0 +1,169 @@
+/*
+ * client.c: LighthouseService calls (Quorum, Heartbeat) over one gRPC
+ * channel, with protobuf encoding and validation of what comes back.
+ */
+#include <string.h>
+
+#include "rpc/grpc.h"
+#include "stepguard/lighthouse.h"
+#include "stepguard/rpc_client.h"
+#include "torchft.pb-c.h"
+
+#define MAX_RESPONSE (64u << 20)
+
+struct sg_lh_client_s {
+  sg_rpc_channel_t *ch;
+};
+
+static void *pb_alloc(void *ud, size_t n) { return sg_malloc(n); }
+static void pb_free(void *ud, void *p) { sg_free(p); }
+static ProtobufCAllocator pb_allocator = {pb_alloc, pb_free, NULL};
+
+int sg_lh_client_new(const char *addr, int64_t connect_timeout_ms,
+                     const char *auth_token, sg_lh_client_t **out,
+                     sg_err_t *err) {
+  sg_lh_client_t *c = sg_calloc(1, sizeof(*c));
+  if (!c)
+    return sg_err_set(err, SG_ENOMEM, "out of memory");
+  sg_rpc_channel_opts_t o = {0};
+  o.target = addr;
+  o.connect_timeout_ms = connect_timeout_ms;
+  o.auth_token = auth_token;
+  o.max_message = MAX_RESPONSE;
+  int rc = sg_rpc_channel_new(&o, &c->ch, err);
+  if (rc) {
+    sg_free(c);
+    return rc;
+  }
+  *out = c;
+  return 0;
+}
+
+void sg_lh_client_free(sg_lh_client_t *c) {
+  if (!c)
+    return;
+  sg_rpc_channel_free(c->ch);
+  sg_free(c);
+}
+
+void sg_lh_client_abort(sg_lh_client_t *c) { sg_rpc_channel_abort(c->ch); }
+
+static void member_free(sg_lh_member_t *m) {
+  sg_free(m->replica_id);
+  sg_free(m->address);
+  sg_free(m->store_address);
+  sg_free(m->data);
+  memset(m, 0, sizeof(*m));
+}
+
+void sg_lh_quorum_free(sg_lh_quorum_t *q) {
+  for (size_t i = 0; i < q->n; i++)
+    member_free(&q->members[i]);
+  sg_free(q->members);
+  memset(q, 0, sizeof(*q));
+}
+
+static const char *nz(const char *s) { return s ? s : ""; }
+
+static int copy_member(sg_lh_member_t *d, const Torchft__QuorumMember *m) {
+  d->replica_id = sg_strdup(m->replica_id);
+  d->address = sg_strdup(m->address);
+  d->store_address = sg_strdup(m->store_address);
+  d->data = sg_strdup(m->data);
+  d->step = m->step;
+  d->world_size = m->world_size;
+  d->commit_failures = m->commit_failures;
+  d->shrink_only = m->shrink_only;
+  if (!d->replica_id || !d->address || !d->store_address || !d->data) {
+    member_free(d);
+    return SG_ENOMEM;
+  }
+  return 0;
+}
+
+int sg_lh_client_quorum(sg_lh_client_t *c, const sg_lh_member_t *r,
+                        sg_deadline_t deadline, sg_lh_quorum_t *out,
+                        sg_err_t *err) {
+  uint8_t *req = NULL, *resp = NULL;
+  size_t resp_len = 0;
+  int status = -1, rc;
+  Torchft__LighthouseQuorumResponse *msg = NULL;
+  memset(out, 0, sizeof(*out));
+
+  Torchft__QuorumMember m = TORCHFT__QUORUM_MEMBER__INIT;
+  m.replica_id = (char *)nz(r->replica_id);
+  m.address = (char *)nz(r->address);
+  m.store_address = (char *)nz(r->store_address);
+  m.data = (char *)nz(r->data);
+  m.step = r->step;
+  m.world_size = r->world_size;
+  m.shrink_only = r->shrink_only != 0;
+  m.commit_failures = r->commit_failures;
+  Torchft__LighthouseQuorumRequest q = TORCHFT__LIGHTHOUSE_QUORUM_REQUEST__INIT;
+  q.requester = &m;
+  size_t len = torchft__lighthouse_quorum_request__get_packed_size(&q);
+  req = sg_malloc(len);
+  if (!req) {
+    rc = sg_err_set(err, SG_ENOMEM, "out of memory");
+    goto out;
+  }
+  torchft__lighthouse_quorum_request__pack(&q, req);
+  rc = sg_rpc_channel_call(c->ch, "/torchft.LighthouseService/Quorum", req, len,
+                           deadline, &resp, &resp_len, &status, err);
+  if (rc)
+    goto out;
+  msg = torchft__lighthouse_quorum_response__unpack(&pb_allocator, resp_len,
+                                                    resp);
+  if (!msg || !msg->quorum) {
+    rc = sg_err_set(err, SG_EPROTO, "invalid LighthouseQuorumResponse");
+    goto out;
+  }
+  Torchft__Quorum *qq = msg->quorum;
+  out->quorum_id = qq->quorum_id;
+  if (qq->created) {
+    out->created_seconds = qq->created->seconds;
+    out->created_nanos = qq->created->nanos;
+  }
+  out->members = sg_calloc(qq->n_participants ? qq->n_participants : 1,
+                           sizeof(*out->members));
+  if (!out->members) {
+    rc = sg_err_set(err, SG_ENOMEM, "out of memory");
+    goto out;
+  }
+  for (size_t i = 0; i < qq->n_participants; i++) {
+    rc = copy_member(&out->members[i], qq->participants[i]);
+    if (rc) {
+      sg_err_set(err, rc, "out of memory");
+      goto out;
+    }
+    out->n = i + 1;
+  }
+out:
+  if (msg)
+    torchft__lighthouse_quorum_response__free_unpacked(msg, &pb_allocator);
+  if (rc)
+    sg_lh_quorum_free(out);
+  sg_free(resp);
+  sg_free(req);
+  return rc;
+}
+
+int sg_lh_client_heartbeat(sg_lh_client_t *c, const char *replica_id,
+                           sg_deadline_t deadline, sg_err_t *err) {
+  Torchft__LighthouseHeartbeatRequest h =
+      TORCHFT__LIGHTHOUSE_HEARTBEAT_REQUEST__INIT;
+  h.replica_id = (char *)nz(replica_id);
+  size_t len = torchft__lighthouse_heartbeat_request__get_packed_size(&h);
+  uint8_t *req = sg_malloc(len ? len : 1), *resp = NULL;
+  size_t resp_len = 0;
+  int status = -1;
+  if (!req)
+    return sg_err_set(err, SG_ENOMEM, "out of memory");
+  torchft__lighthouse_heartbeat_request__pack(&h, req);
+  int rc =
+      sg_rpc_channel_call(c->ch, "/torchft.LighthouseService/Heartbeat", req,
+                          len, deadline, &resp, &resp_len, &status, err);
+  sg_free(resp);
+  sg_free(req);
+  return rc;
+}

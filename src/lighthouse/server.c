@@ -1,0 +1,1205 @@
+/*
+ * server.c: the lighthouse process around the pure quorum state.
+ *
+ *   thread    one libuv loop on a thread of its own; the HTTP/1.1 side
+ *             (libmicrohttpd) reads snapshots from its own thread, so the
+ *             state is guarded by one mutex
+ *   rpc       torchft.LighthouseService/{Quorum,Heartbeat} via src/rpc
+ *   decisions event-driven: after every request, cancel, disconnect and
+ *             at the earliest instant the decision can change by itself
+ *             (one timer); the quorum_tick timer remains as torchft's
+ *   liveness  which replica ids speak over which connection; when the last
+ *             one closes and the replica stays silent for the grace period,
+ *             it is unhealthy at once
+ *   ids       quorum ids never go backwards, also across restarts (a file,
+ *             or a floor taken from the wall clock; docs/lighthouse.md)
+ *
+ * A quorum response is encoded once and shared by every waiter.
+ */
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <uv.h>
+
+#include "lighthouse/http.h"
+#include "lighthouse/quorum.h"
+#include "lighthouse/status.h"
+#include "rpc/grpc.h"
+#include "stepguard/lighthouse.h"
+#include "stepguard/rpc.h"
+#include "stepguard/rpc_client.h"
+#include "torchft.pb-c.h"
+
+#define LOG "lighthouse"
+#define MAX_ID_LEN 1024    /* replica ids and addresses */
+#define MAX_DATA_LEN 65536 /* QuorumMember.data */
+#define KILL_TIMEOUT_MS 10000
+
+/* A Quorum call waiting for its quorum. */
+struct pending {
+  sg_rpc_call_t *call;
+  char *replica_id;
+  int64_t start_ns;
+  struct pending *prev, *next;
+};
+
+/* Liveness of one replica id: how many open connections it spoke on. */
+struct live {
+  unsigned nconns;
+  int64_t grace_deadline; /* 0: none pending */
+};
+
+/* One open HTTP/2 connection and the replica ids heard on it. */
+struct conn {
+  sg_map_t ids; /* replica id -> (void *)1 */
+};
+
+static const double lat_le_s[] = {0.0005, 0.001, 0.005, 0.01, 0.05, 0.1,
+                                  0.5,    1,     5,     10,   30,   60};
+#define N_LAT (sizeof(lat_le_s) / sizeof(lat_le_s[0]))
+
+struct sg_lh_server_s {
+  /* options (strings owned) */
+  sg_lh_opts_t o;
+  sg__lh_opts_t qopts;
+  char *address;
+
+  uv_loop_t loop;
+  uv_thread_t thread;
+  uv_async_t stop_async;
+  uv_timer_t tick_timer; /* torchft's periodic tick */
+  uv_timer_t wake_timer; /* earliest deadline */
+  sg_rpc_server_t *rpc;
+  sg__lh_http_t *http;
+  int port;
+  int closing;
+  int handles_open;
+
+  pthread_mutex_t mu; /* guards everything below (MHD thread reads it) */
+  sg__lh_state_t *st;
+  struct pending *pending; /* list head */
+  size_t n_pending;
+  sg_map_t pending_ids; /* replica id -> count of pending calls (uintptr) */
+  sg_map_t live;        /* replica id -> struct live * */
+  sg_map_t conns;       /* "%llu" conn id -> struct conn * */
+  size_t graces;        /* live entries with a grace deadline */
+  char reason[512];     /* last logged reason */
+  int64_t next_prune_ns;
+  int64_t persisted_id;
+
+  uint64_t quorums_issued, heartbeats_total, disconnects_total,
+      quorum_requests_total, rejected_total;
+  uint64_t lat_counts[N_LAT];
+  double lat_sum_s;
+  uint64_t lat_count;
+};
+
+/* ---- helpers ------------------------------------------------------------- */
+
+static void conn_key(uint64_t id, char out[24]) {
+  snprintf(out, 24, "%llu", (unsigned long long)id);
+}
+
+static int64_t ms_to_ns(int64_t ms) {
+  return ms > INT64_MAX / 1000000 ? INT64_MAX : ms * 1000000;
+}
+
+/* ct_equal: constant-time comparison of two NUL-terminated strings. */
+static int ct_equal(const char *a, const char *b) {
+  size_t la = strlen(a), lb = strlen(b);
+  unsigned char d = (unsigned char)(la != lb);
+  for (size_t i = 0; i < la; i++)
+    d |= (unsigned char)(a[i] ^ b[i % (lb ? lb : 1)]);
+  return d == 0;
+}
+
+static int authorized(const sg_lh_server_t *s, sg_rpc_call_t *call) {
+  if (!s->o.auth_token)
+    return 1;
+  const char *h = sg_rpc_call_metadata(call, "authorization");
+  if (!h || strncmp(h, "Bearer ", 7) != 0)
+    return 0;
+  return ct_equal(h + 7, s->o.auth_token);
+}
+
+/* check_str: NULL when `v` is acceptable, else the reason.  UTF-8 and NUL
+ * bytes were checked on the wire bytes (check_wire). */
+static const char *check_str(const char *v, size_t max) {
+  return strlen(v) > max ? "too long" : NULL;
+}
+
+static const uint32_t hb_strings[] = {1};
+static const sg__pb_spec_t hb_spec = {hb_strings, 1, NULL, 0};
+static const uint32_t member_strings[] = {1, 2, 3, 7};
+static const sg__pb_spec_t member_spec = {member_strings, 4, NULL, 0};
+static const sg__pb_nested_t quorum_nested[] = {{1, &member_spec}};
+static const sg__pb_spec_t quorum_spec = {NULL, 0, quorum_nested, 1};
+
+/* check_wire: 0, or answers INVALID_ARGUMENT and returns nonzero. */
+static int reject(sg_lh_server_t *s, sg_rpc_call_t *call, int status,
+                  const char *fmt, const char *detail);
+static int check_wire(sg_lh_server_t *s, sg_rpc_call_t *call,
+                      const uint8_t *body, size_t len,
+                      const sg__pb_spec_t *spec) {
+  uint32_t field = 0;
+  int rc = sg__pb_check_strings(body, len, spec, &field);
+  if (rc == SG_EINVAL) {
+    char what[64];
+    snprintf(what, sizeof(what), "%u", field);
+    return reject(s, call, SG_GRPC_INVALID_ARGUMENT,
+                  "string field %s is not valid UTF-8 or contains NUL", what);
+  }
+  if (rc)
+    return reject(s, call, SG_GRPC_INVALID_ARGUMENT, "%s",
+                  "malformed protobuf message");
+  return 0;
+}
+
+static void *pb_alloc(void *ud, size_t n) { return sg_malloc(n); }
+static void pb_free(void *ud, void *p) { sg_free(p); }
+static ProtobufCAllocator pb_allocator = {pb_alloc, pb_free, NULL};
+
+/* ---- unknown fields ---------------------------------------------------------
+ *
+ * A newer torchft may send QuorumMember fields this version does not know.
+ * protobuf-c keeps them as (tag, wire type, raw value bytes); we store them
+ * as their wire encoding in sg__lh_member_t.extra and give them back to
+ * protobuf-c when the member is sent, so they reach every peer unchanged.
+ */
+
+static size_t varint_put(uint8_t *out, uint64_t v) {
+  size_t n = 0;
+  do {
+    uint8_t b = v & 0x7f;
+    v >>= 7;
+    out[n++] = (uint8_t)(b | (v ? 0x80 : 0));
+  } while (v);
+  return n;
+}
+
+/* unknown_pack: the wire bytes of msg's unknown fields (sg_malloc'd). */
+static int unknown_pack(const ProtobufCMessage *msg, uint8_t **out,
+                        size_t *len) {
+  *out = NULL;
+  *len = 0;
+  size_t total = 0;
+  for (unsigned i = 0; i < msg->n_unknown_fields; i++)
+    total += 10 + msg->unknown_fields[i].len;
+  if (total == 0)
+    return 0;
+  uint8_t *buf = sg_malloc(total);
+  if (!buf)
+    return SG_ENOMEM;
+  size_t off = 0;
+  for (unsigned i = 0; i < msg->n_unknown_fields; i++) {
+    const ProtobufCMessageUnknownField *f = &msg->unknown_fields[i];
+    off += varint_put(buf + off, (uint64_t)f->tag << 3 | f->wire_type);
+    memcpy(buf + off, f->data, f->len);
+    off += f->len;
+  }
+  *out = buf;
+  *len = off;
+  return 0;
+}
+
+/* varint_len: length of the varint at p[0..n), 0 if malformed. */
+static size_t varint_len(const uint8_t *p, size_t n, uint64_t *v) {
+  uint64_t x = 0;
+  for (size_t i = 0; i < n && i < 10; i++) {
+    x |= (uint64_t)(p[i] & 0x7f) << (7 * i);
+    if (!(p[i] & 0x80)) {
+      *v = x;
+      return i + 1;
+    }
+  }
+  return 0;
+}
+
+/*
+ * unknown_unpack: split wire bytes (made by unknown_pack, so well formed)
+ * into protobuf-c unknown fields pointing into `p`.  Returns the count
+ * placed in `out` (at most cap).
+ */
+static size_t unknown_unpack(const uint8_t *p, size_t n,
+                             ProtobufCMessageUnknownField *out, size_t cap) {
+  size_t off = 0, k = 0;
+  while (off < n && k < cap) {
+    uint64_t key, v;
+    size_t kl = varint_len(p + off, n - off, &key);
+    if (!kl)
+      break;
+    off += kl;
+    size_t vl = 0;
+    switch (key & 7) {
+    case PROTOBUF_C_WIRE_TYPE_VARINT:
+      vl = varint_len(p + off, n - off, &v);
+      break;
+    case PROTOBUF_C_WIRE_TYPE_64BIT:
+      vl = 8;
+      break;
+    case PROTOBUF_C_WIRE_TYPE_32BIT:
+      vl = 4;
+      break;
+    case PROTOBUF_C_WIRE_TYPE_LENGTH_PREFIXED: {
+      size_t ll = varint_len(p + off, n - off, &v);
+      vl = ll && v <= n - off - ll ? ll + (size_t)v : 0;
+      break;
+    }
+    default:
+      vl = 0;
+    }
+    if (vl == 0 || vl > n - off)
+      break;
+    out[k].tag = (uint32_t)(key >> 3);
+    out[k].wire_type = (ProtobufCWireType)(key & 7);
+    out[k].len = vl;
+    out[k].data = (uint8_t *)p + off;
+    off += vl;
+    k++;
+  }
+  return k;
+}
+
+#define MAX_UNKNOWN 64 /* unknown fields kept per member */
+
+/* ---- quorum id persistence ----------------------------------------------- */
+
+static int64_t load_id_floor(const sg_lh_server_t *s) {
+  if (!s->o.quorum_id_file) {
+    /* No file: the floor is the wall clock in milliseconds.  Ids grow by
+     * one per quorum, so they stay below the clock unless quorums came
+     * faster than one per millisecond for the server's whole life. */
+    return sg_wall_ns() / 1000000;
+  }
+  FILE *f = fopen(s->o.quorum_id_file, "r");
+  if (!f)
+    return 0;
+  long long id = 0;
+  if (fscanf(f, "%lld", &id) != 1 || id < 0)
+    id = 0;
+  fclose(f);
+  return id;
+}
+
+/* persist_id: write the id to quorum_id_file atomically (tmp + rename). */
+static void persist_id(sg_lh_server_t *s, int64_t id) {
+  if (!s->o.quorum_id_file || id == s->persisted_id)
+    return;
+  char tmp[4200];
+  snprintf(tmp, sizeof(tmp), "%s.tmp", s->o.quorum_id_file);
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    sg_log(SG_LOG_WARN, LOG, "cannot write %s: %s", tmp, strerror(errno));
+    return;
+  }
+  char buf[32];
+  int n = snprintf(buf, sizeof(buf), "%lld\n", (long long)id);
+  int ok = write(fd, buf, (size_t)n) == n;
+  close(fd);
+  if (ok && rename(tmp, s->o.quorum_id_file) == 0)
+    s->persisted_id = id;
+  else
+    sg_log(SG_LOG_WARN, LOG, "cannot persist quorum id to %s",
+           s->o.quorum_id_file);
+}
+
+/* ---- pending calls ---------------------------------------------------------
+ */
+
+static void pending_count_add(sg_lh_server_t *s, const char *id, int delta) {
+  uintptr_t n = (uintptr_t)sg_map_get(&s->pending_ids, id);
+  n = (uintptr_t)((intptr_t)n + delta);
+  if (n == 0)
+    sg_map_del(&s->pending_ids, id);
+  else
+    sg_map_put(&s->pending_ids, id, (void *)n, NULL); /* exists or shrinks */
+}
+
+static void pending_unlink(sg_lh_server_t *s, struct pending *p) {
+  if (p->prev)
+    p->prev->next = p->next;
+  else
+    s->pending = p->next;
+  if (p->next)
+    p->next->prev = p->prev;
+  s->n_pending--;
+  pending_count_add(s, p->replica_id, -1);
+}
+
+static void pending_free(struct pending *p) {
+  sg_free(p->replica_id);
+  sg_free(p);
+}
+
+static void observe_latency(sg_lh_server_t *s, int64_t start_ns) {
+  double secs = (double)(sg_now_ns() - start_ns) / 1e9;
+  for (size_t i = 0; i < N_LAT; i++)
+    if (secs <= lat_le_s[i])
+      s->lat_counts[i]++;
+  s->lat_sum_s += secs;
+  s->lat_count++;
+}
+
+/* ---- the decision ----------------------------------------------------------
+ */
+
+static sg_rpc_blob_t *encode_quorum(const sg__lh_quorum_t *q) {
+  Torchft__QuorumMember *members = NULL, **ptrs = NULL;
+  ProtobufCMessageUnknownField *unknown = NULL;
+  uint8_t *buf = NULL;
+  sg_rpc_blob_t *blob = NULL;
+  size_t n_unknown = 0;
+  for (size_t i = 0; i < q->n; i++)
+    n_unknown += q->members[i].extra_len ? MAX_UNKNOWN : 0;
+  members = sg_calloc(q->n ? q->n : 1, sizeof(*members));
+  ptrs = sg_calloc(q->n ? q->n : 1, sizeof(*ptrs));
+  unknown = sg_calloc(n_unknown ? n_unknown : 1, sizeof(*unknown));
+  if (!members || !ptrs || !unknown)
+    goto out;
+  ProtobufCMessageUnknownField *next_unknown = unknown;
+  for (size_t i = 0; i < q->n; i++) {
+    const sg__lh_member_t *m = &q->members[i];
+    torchft__quorum_member__init(&members[i]);
+    members[i].replica_id = m->replica_id;
+    members[i].address = m->address;
+    members[i].store_address = m->store_address;
+    members[i].data = m->data;
+    members[i].step = m->step;
+    members[i].world_size = m->world_size;
+    members[i].shrink_only = m->shrink_only != 0;
+    members[i].commit_failures = m->commit_failures;
+    if (m->extra_len) {
+      size_t k =
+          unknown_unpack(m->extra, m->extra_len, next_unknown, MAX_UNKNOWN);
+      members[i].base.n_unknown_fields = (unsigned)k;
+      members[i].base.unknown_fields = next_unknown;
+      next_unknown += k;
+    }
+    ptrs[i] = &members[i];
+  }
+  Google__Protobuf__Timestamp created = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
+  created.seconds = q->created_wall_ns / 1000000000;
+  created.nanos = (int32_t)(q->created_wall_ns % 1000000000);
+  Torchft__Quorum quorum = TORCHFT__QUORUM__INIT;
+  quorum.quorum_id = q->quorum_id;
+  quorum.n_participants = q->n;
+  quorum.participants = ptrs;
+  quorum.created = &created;
+  Torchft__LighthouseQuorumResponse resp =
+      TORCHFT__LIGHTHOUSE_QUORUM_RESPONSE__INIT;
+  resp.quorum = &quorum;
+  size_t len = torchft__lighthouse_quorum_response__get_packed_size(&resp);
+  buf = sg_malloc(len);
+  if (!buf)
+    goto out;
+  torchft__lighthouse_quorum_response__pack(&resp, buf);
+  blob = sg_rpc_blob_new(buf, len);
+out:
+  sg_free(buf);
+  sg_free(unknown);
+  sg_free(ptrs);
+  sg_free(members);
+  return blob;
+}
+
+static void log_quorum(const sg__lh_quorum_t *q) {
+  char line[900];
+  size_t off = 0;
+  for (size_t i = 0; i < q->n && off + 4 < sizeof(line); i++) {
+    int n = snprintf(line + off, sizeof(line) - off, "%s%s(step %lld)",
+                     i ? ", " : "", q->members[i].replica_id,
+                     (long long)q->members[i].step);
+    if (n < 0)
+      break;
+    off += (size_t)n;
+  }
+  if (off >= sizeof(line))
+    memcpy(line + sizeof(line) - 4, "...", 4);
+  sg_log(SG_LOG_INFO, LOG, "Quorum! id %lld with %zu participants: [%s]",
+         (long long)q->quorum_id, q->n, q->n ? line : "");
+}
+
+/* answer_quorum: respond to every pending call whose replica is in `q`. */
+static void answer_quorum(sg_lh_server_t *s, const sg__lh_quorum_t *q) {
+  sg_map_t in;
+  sg_map_init(&in);
+  int ok = 1;
+  for (size_t i = 0; i < q->n && ok; i++)
+    ok = sg_map_put(&in, q->members[i].replica_id, (void *)1, NULL) == 0;
+  sg_rpc_blob_t *blob = ok ? encode_quorum(q) : NULL;
+  struct pending *p = s->pending;
+  while (p) {
+    struct pending *next = p->next;
+    if (sg_map_get(&in, p->replica_id)) {
+      pending_unlink(s, p);
+      observe_latency(s, p->start_ns);
+      if (blob)
+        sg_rpc_call_respond_blob(p->call, blob);
+      else
+        sg_rpc_call_respond(p->call, SG_GRPC_RESOURCE_EXHAUSTED,
+                            "lighthouse out of memory", NULL, 0);
+      pending_free(p);
+    }
+    p = next;
+  }
+  if (blob)
+    sg_rpc_blob_unref(blob);
+  sg_map_free(&in);
+}
+
+/* expire_graces: replicas whose connections all closed and stayed silent. */
+static void expire_graces(sg_lh_server_t *s, int64_t now) {
+  if (s->graces == 0)
+    return;
+  size_t pos = 0;
+  const char *id;
+  void *v;
+  while (sg_map_next(&s->live, &pos, &id, &v)) {
+    struct live *l = v;
+    if (l->grace_deadline && l->grace_deadline <= now && l->nconns == 0) {
+      sg_log(SG_LOG_INFO, LOG,
+             "replica %s: connection closed and silent for %lld ms, "
+             "marking it unhealthy",
+             id, (long long)s->o.disconnect_grace_ms);
+      sg__lh_mark_dead(s->st, id);
+      s->graces--;
+      sg_map_del(&s->live, id); /* allowed while iterating: current entry */
+      sg_free(l);
+    }
+  }
+}
+
+static int64_t earliest_grace(const sg_lh_server_t *s) {
+  int64_t best = INT64_MAX;
+  if (s->graces == 0)
+    return best;
+  size_t pos = 0;
+  const char *id;
+  void *v;
+  while (sg_map_next(&s->live, &pos, &id, &v)) {
+    struct live *l = v;
+    if (l->grace_deadline && l->grace_deadline < best)
+      best = l->grace_deadline;
+  }
+  return best;
+}
+
+static void on_tick(uv_timer_t *t);
+
+/* rearm: one timer at the earliest instant something can change. */
+static void rearm(sg_lh_server_t *s, int64_t now) {
+  if (s->closing)
+    return;
+  int64_t next = sg__lh_next_deadline(s->st, now, &s->qopts);
+  int64_t g = earliest_grace(s);
+  if (g < next)
+    next = g;
+  if (s->next_prune_ns < next)
+    next = s->next_prune_ns;
+  if (next == INT64_MAX) {
+    uv_timer_stop(&s->wake_timer);
+    return;
+  }
+  int64_t ms = next <= now ? 0 : (next - now + 999999) / 1000000;
+  uv_timer_start(&s->wake_timer, on_tick, (uint64_t)ms, 0);
+}
+
+/* process: the decision step, run after every event.  Caller holds mu. */
+static void process(sg_lh_server_t *s) {
+  int64_t now = sg_now_ns();
+  expire_graces(s, now);
+  if (now >= s->next_prune_ns) {
+    size_t n = sg__lh_prune(s->st, now, s->o.prune_after_ms);
+    if (n)
+      sg_log(SG_LOG_INFO, LOG,
+             "pruned %zu heartbeat records older than %lld ms", n,
+             (long long)s->o.prune_after_ms);
+    s->next_prune_ns = now + ms_to_ns(s->o.prune_after_ms / 10 + 1);
+  }
+  const sg__lh_quorum_t *q = NULL;
+  char reason[512];
+  int64_t before = sg__lh_quorum_id(s->st);
+  int rc = sg__lh_tick(s->st, now, sg_wall_ns(), &s->qopts, &q, reason,
+                       sizeof(reason));
+  if (rc < 0) {
+    sg_log(SG_LOG_ERROR, LOG, "quorum tick failed: %s", sg_strerror(rc));
+  } else {
+    if (strcmp(reason, s->reason) != 0) {
+      sg_log(SG_LOG_INFO, LOG, "Quorum status: %s", reason);
+      snprintf(s->reason, sizeof(s->reason), "%s", reason);
+    }
+    if (rc == 1 && q) {
+      s->quorums_issued++;
+      if (q->quorum_id != before)
+        sg_log(SG_LOG_INFO, LOG,
+               "Detected quorum change, quorum id is now %lld",
+               (long long)q->quorum_id);
+      log_quorum(q);
+      persist_id(s, q->quorum_id);
+      answer_quorum(s, q);
+      s->reason[0] = '\0'; /* log the next status afresh */
+    }
+  }
+  rearm(s, now);
+}
+
+/* ---- liveness --------------------------------------------------------------
+ */
+
+/* note_speaker: replica `id` spoke on connection `conn_id`. */
+static void note_speaker(sg_lh_server_t *s, const char *id, uint64_t conn_id) {
+  char key[24];
+  conn_key(conn_id, key);
+  struct conn *c = sg_map_get(&s->conns, key);
+  if (!c) {
+    c = sg_calloc(1, sizeof(*c));
+    if (!c)
+      return; /* liveness is best effort: heartbeats still decide */
+    sg_map_init(&c->ids);
+    if (sg_map_put(&s->conns, key, c, NULL) != 0) {
+      sg_free(c);
+      return;
+    }
+  }
+  struct live *l = sg_map_get(&s->live, id);
+  if (!l) {
+    l = sg_calloc(1, sizeof(*l));
+    if (!l || sg_map_put(&s->live, id, l, NULL) != 0) {
+      sg_free(l);
+      return;
+    }
+  }
+  if (l->grace_deadline) { /* spoke again in time */
+    l->grace_deadline = 0;
+    s->graces--;
+  }
+  if (!sg_map_get(&c->ids, id)) {
+    if (sg_map_put(&c->ids, id, (void *)1, NULL) != 0)
+      return;
+    l->nconns++;
+  }
+}
+
+static void on_conn_close(void *ud, uint64_t conn_id) {
+  sg_lh_server_t *s = ud;
+  char key[24];
+  conn_key(conn_id, key);
+  pthread_mutex_lock(&s->mu);
+  s->disconnects_total++;
+  struct conn *c = sg_map_del(&s->conns, key);
+  if (c) {
+    int64_t deadline = sg_now_ns() + ms_to_ns(s->o.disconnect_grace_ms);
+    size_t pos = 0;
+    const char *id;
+    void *v;
+    while (sg_map_next(&c->ids, &pos, &id, &v)) {
+      struct live *l = sg_map_get(&s->live, id);
+      if (!l || l->nconns == 0)
+        continue;
+      if (--l->nconns == 0 && !s->closing) {
+        sg_log(SG_LOG_DEBUG, LOG, "replica %s: last connection closed", id);
+        if (!l->grace_deadline)
+          s->graces++;
+        l->grace_deadline = deadline > 0 ? deadline : 1;
+      }
+    }
+    sg_map_free(&c->ids);
+    sg_free(c);
+    if (!s->closing)
+      process(s);
+  }
+  pthread_mutex_unlock(&s->mu);
+}
+
+/* ---- calls
+ * ------------------------------------------------------------------- */
+
+static int reject(sg_lh_server_t *s, sg_rpc_call_t *call, int status,
+                  const char *fmt, const char *detail) {
+  char msg[256];
+  snprintf(msg, sizeof(msg), fmt, detail);
+  s->rejected_total++;
+  sg_log(SG_LOG_DEBUG, LOG, "rejecting %s: %s", sg_rpc_call_method(call), msg);
+  sg_rpc_call_respond(call, status, msg, NULL, 0);
+  return -1;
+}
+
+/* is_healthy: whether `id` counts as healthy right now. */
+static int is_healthy(const sg_lh_server_t *s, const char *id, int64_t now) {
+  return sg__lh_is_healthy(s->st, id, now, &s->qopts);
+}
+
+static void handle_heartbeat(sg_lh_server_t *s, sg_rpc_call_t *call,
+                             const uint8_t *body, size_t len) {
+  if (check_wire(s, call, body, len, &hb_spec))
+    return;
+  Torchft__LighthouseHeartbeatRequest *req =
+      torchft__lighthouse_heartbeat_request__unpack(&pb_allocator, len, body);
+  if (!req) {
+    reject(s, call, SG_GRPC_INVALID_ARGUMENT, "%s",
+           "invalid LighthouseHeartbeatRequest");
+    return;
+  }
+  const char *bad = check_str(req->replica_id, MAX_ID_LEN);
+  if (bad || req->replica_id[0] == '\0') {
+    reject(s, call, SG_GRPC_INVALID_ARGUMENT, "replica_id %s",
+           bad ? bad : "is empty");
+    goto out;
+  }
+  int64_t now = sg_now_ns();
+  int was_healthy = is_healthy(s, req->replica_id, now);
+  int rc = sg__lh_heartbeat(s->st, req->replica_id, now);
+  if (rc) {
+    reject(s, call, SG_GRPC_RESOURCE_EXHAUSTED, "heartbeat refused: %s",
+           sg_strerror(rc));
+    goto out;
+  }
+  s->heartbeats_total++;
+  note_speaker(s, req->replica_id, sg_rpc_call_conn_id(call));
+  sg_rpc_call_respond(call, SG_GRPC_OK, NULL, NULL, 0);
+  /* A heartbeat of a replica that was already healthy cannot change the
+   * decision; skip the work (1,000 replicas heartbeat 10,000 times/s). */
+  if (!was_healthy)
+    process(s);
+out:
+  torchft__lighthouse_heartbeat_request__free_unpacked(req, &pb_allocator);
+}
+
+static void handle_quorum(sg_lh_server_t *s, sg_rpc_call_t *call,
+                          const uint8_t *body, size_t len) {
+  struct pending *p = NULL;
+  s->quorum_requests_total++;
+  if (check_wire(s, call, body, len, &quorum_spec))
+    return;
+  Torchft__LighthouseQuorumRequest *req =
+      torchft__lighthouse_quorum_request__unpack(&pb_allocator, len, body);
+  if (!req) {
+    reject(s, call, SG_GRPC_INVALID_ARGUMENT, "%s",
+           "invalid LighthouseQuorumRequest");
+    return;
+  }
+  Torchft__QuorumMember *r = req->requester;
+  if (!r) {
+    reject(s, call, SG_GRPC_INVALID_ARGUMENT, "%s", "missing requester");
+    goto out;
+  }
+  const char *bad;
+  if ((bad = check_str(r->replica_id, MAX_ID_LEN)) || !r->replica_id[0]) {
+    reject(s, call, SG_GRPC_INVALID_ARGUMENT, "requester.replica_id %s",
+           bad ? bad : "is empty");
+    goto out;
+  }
+  if ((bad = check_str(r->address, MAX_ID_LEN))) {
+    reject(s, call, SG_GRPC_INVALID_ARGUMENT, "requester.address %s", bad);
+    goto out;
+  }
+  if ((bad = check_str(r->store_address, MAX_ID_LEN))) {
+    reject(s, call, SG_GRPC_INVALID_ARGUMENT, "requester.store_address %s",
+           bad);
+    goto out;
+  }
+  if ((bad = check_str(r->data, MAX_DATA_LEN))) {
+    reject(s, call, SG_GRPC_INVALID_ARGUMENT, "requester.data %s", bad);
+    goto out;
+  }
+  sg__lh_member_t m = {
+      .replica_id = r->replica_id,
+      .address = r->address,
+      .store_address = r->store_address,
+      .data = r->data,
+      .step = r->step,
+      .world_size = r->world_size,
+      .commit_failures = r->commit_failures,
+      .shrink_only = r->shrink_only,
+  };
+  if (r->base.n_unknown_fields > MAX_UNKNOWN) {
+    reject(s, call, SG_GRPC_INVALID_ARGUMENT, "%s",
+           "requester has too many unknown fields");
+    goto out;
+  }
+  int rc = unknown_pack(&r->base, &m.extra, &m.extra_len);
+  p = rc ? NULL : sg_calloc(1, sizeof(*p));
+  if (p)
+    p->replica_id = sg_strdup(r->replica_id);
+  if (!rc)
+    rc = p && p->replica_id ? 0 : SG_ENOMEM;
+  if (!rc)
+    rc = sg_map_put(
+        &s->pending_ids, r->replica_id,
+        (void *)((uintptr_t)sg_map_get(&s->pending_ids, r->replica_id) + 1),
+        NULL);
+  if (!rc) {
+    rc = sg__lh_join(s->st, &m, sg_now_ns());
+    if (rc)
+      pending_count_add(s, r->replica_id, -1);
+  }
+  if (rc) {
+    reject(s, call, SG_GRPC_RESOURCE_EXHAUSTED, "quorum request refused: %s",
+           sg_strerror(rc));
+    if (p)
+      pending_free(p);
+    sg_free(m.extra);
+    goto out;
+  }
+  sg_free(m.extra); /* the state keeps its own copy */
+  p->call = call;
+  p->start_ns = sg_now_ns();
+  p->next = s->pending;
+  if (s->pending)
+    s->pending->prev = p;
+  s->pending = p;
+  s->n_pending++;
+  sg_rpc_call_set_user(call, p);
+  note_speaker(s, r->replica_id, sg_rpc_call_conn_id(call));
+  process(s);
+out:
+  torchft__lighthouse_quorum_request__free_unpacked(req, &pb_allocator);
+}
+
+static void on_call(void *ud, sg_rpc_call_t *call) {
+  sg_lh_server_t *s = ud;
+  const char *method = sg_rpc_call_method(call);
+  size_t len = 0;
+  const uint8_t *body = sg_rpc_call_body(call, &len);
+  pthread_mutex_lock(&s->mu);
+  if (s->closing) {
+    sg_rpc_call_respond(call, SG_GRPC_UNAVAILABLE, "lighthouse shutting down",
+                        NULL, 0);
+  } else if (!authorized(s, call)) {
+    reject(s, call, SG_GRPC_UNAUTHENTICATED, "%s",
+           "missing or wrong authorization token");
+  } else if (strcmp(method, "/torchft.LighthouseService/Heartbeat") == 0) {
+    handle_heartbeat(s, call, body, len);
+  } else if (strcmp(method, "/torchft.LighthouseService/Quorum") == 0) {
+    handle_quorum(s, call, body, len);
+  } else {
+    reject(s, call, SG_GRPC_UNIMPLEMENTED, "unknown method %.200s", method);
+  }
+  pthread_mutex_unlock(&s->mu);
+}
+
+/* on_call_cancel: deadline, RST_STREAM or closed connection before the
+ * quorum: the participant leaves at once (torchft keeps it). */
+static void on_call_cancel(void *ud, sg_rpc_call_t *call) {
+  sg_lh_server_t *s = ud;
+  struct pending *p = sg_rpc_call_user(call);
+  if (!p)
+    return;
+  pthread_mutex_lock(&s->mu);
+  pending_unlink(s, p);
+  if (!sg_map_get(&s->pending_ids, p->replica_id))
+    sg__lh_leave(s->st, p->replica_id);
+  pending_free(p);
+  if (!s->closing)
+    process(s);
+  pthread_mutex_unlock(&s->mu);
+}
+
+/* ---- HTTP/1.1 side
+ * ------------------------------------------------------------ */
+
+static void on_http1(void *ud, int fd) {
+  sg_lh_server_t *s = ud;
+  if (s->http)
+    sg__lh_http_add_connection(s->http, fd);
+  else
+    sg_sock_close(fd);
+}
+
+static int snapshot(void *ud, sg__lh_status_t *out) {
+  sg_lh_server_t *s = ud;
+  int rc = SG_ENOMEM;
+  memset(out, 0, sizeof(*out));
+  pthread_mutex_lock(&s->mu);
+  int64_t now = sg_now_ns();
+  sg__lh_decision_t d;
+  char reason[512] = "";
+  if (sg__lh_decide(s->st, now, &s->qopts, &d) == 0) {
+    snprintf(reason, sizeof(reason), "%s", d.reason);
+    sg__lh_decision_free(&d);
+  }
+  out->quorum_id = sg__lh_quorum_id(s->st);
+  out->reason = sg_strdup(reason);
+  out->max_step = -1;
+  out->heartbeat_timeout_ms = s->o.heartbeat_timeout_ms;
+  const sg__lh_quorum_t *q = sg__lh_prev_quorum(s->st);
+  if (!out->reason)
+    goto out;
+  if (q) {
+    out->has_prev = 1;
+    out->prev_quorum_id = q->quorum_id;
+    out->prev_age_ms = (sg_wall_ns() - q->created_wall_ns) / 1000000;
+    out->members = sg_calloc(q->n ? q->n : 1, sizeof(*out->members));
+    if (!out->members)
+      goto out;
+    for (size_t i = 0; i < q->n; i++) {
+      const sg__lh_member_t *m = &q->members[i];
+      sg__lh_status_member_t *o = &out->members[i];
+      o->replica_id = sg_strdup(m->replica_id);
+      o->address = sg_strdup(m->address);
+      o->store_address = sg_strdup(m->store_address);
+      out->n_members = i + 1;
+      if (!o->replica_id || !o->address || !o->store_address)
+        goto out;
+      o->step = m->step;
+      o->world_size = m->world_size;
+      o->commit_failures = m->commit_failures;
+      o->shrink_only = m->shrink_only;
+      if (m->step > out->max_step)
+        out->max_step = m->step;
+    }
+  }
+  size_t nh = sg__lh_heartbeat_count(s->st);
+  out->heartbeats = sg_calloc(nh ? nh : 1, sizeof(*out->heartbeats));
+  if (!out->heartbeats)
+    goto out;
+  for (size_t i = 0; i < nh; i++) {
+    const char *id;
+    int64_t last;
+    if (sg__lh_heartbeat_at(s->st, i, &id, &last) != 0)
+      break;
+    sg__lh_status_hb_t *h = &out->heartbeats[out->n_heartbeats];
+    h->replica_id = sg_strdup(id);
+    if (!h->replica_id)
+      goto out;
+    out->n_heartbeats++;
+    h->age_ms = (now - last) / 1000000;
+    h->expired = now - last >= ms_to_ns(s->o.heartbeat_timeout_ms);
+    out->healthy_replicas += !h->expired;
+    struct live *l = sg_map_get(&s->live, id);
+    h->connected = l && l->nconns > 0;
+    h->participating = sg__lh_is_participant(s->st, id);
+  }
+  out->lat_bucket_counts = sg_calloc(N_LAT, sizeof(uint64_t));
+  if (!out->lat_bucket_counts)
+    goto out;
+  memcpy(out->lat_bucket_counts, s->lat_counts, sizeof(s->lat_counts));
+  out->n_lat_buckets = N_LAT;
+  out->lat_bucket_le_s = lat_le_s;
+  out->lat_sum_s = s->lat_sum_s;
+  out->lat_count = s->lat_count;
+  out->n_pending = s->n_pending;
+  out->pruned_total = sg__lh_pruned_total(s->st);
+  out->quorums_issued = s->quorums_issued;
+  out->heartbeats_total = s->heartbeats_total;
+  out->disconnects_total = s->disconnects_total;
+  out->quorum_requests_total = s->quorum_requests_total;
+  out->rejected_total = s->rejected_total;
+  out->participants = sg__lh_participant_count(s->st);
+  out->connections = s->conns.len;
+  rc = 0;
+out:
+  pthread_mutex_unlock(&s->mu);
+  if (rc) {
+    sg__lh_status_free(out);
+    memset(out, 0, sizeof(*out));
+  }
+  return rc;
+}
+
+/* kill: send torchft.ManagerService/Kill to a member of the last quorum.
+ * Runs on the HTTP thread and blocks it for at most KILL_TIMEOUT_MS. */
+static int kill_replica(void *ud, const char *replica_id, char *err,
+                        size_t errlen) {
+  sg_lh_server_t *s = ud;
+  char *addr = NULL;
+  sg_rpc_channel_t *ch = NULL;
+  uint8_t *resp = NULL;
+  size_t resp_len = 0;
+  int status = -1;
+  sg_err_t e;
+  sg_err_clear(&e);
+  pthread_mutex_lock(&s->mu);
+  const sg__lh_quorum_t *q = sg__lh_prev_quorum(s->st);
+  for (size_t i = 0; q && i < q->n && !addr; i++)
+    if (strcmp(q->members[i].replica_id, replica_id) == 0)
+      addr = sg_strdup(q->members[i].address);
+  pthread_mutex_unlock(&s->mu);
+  int rc = 0;
+  if (!addr) {
+    snprintf(err, errlen, "failed to find replica %s", replica_id);
+    return SG_ENOTFOUND;
+  }
+  sg_rpc_channel_opts_t co = {0};
+  co.target = addr;
+  co.connect_timeout_ms = KILL_TIMEOUT_MS;
+  rc = sg_rpc_channel_new(&co, &ch, &e);
+  if (rc)
+    goto out;
+  Torchft__KillRequest kr = TORCHFT__KILL_REQUEST__INIT;
+  kr.msg = "killed from dashboard";
+  uint8_t buf[64];
+  size_t n = torchft__kill_request__pack(&kr, buf);
+  rc = sg_rpc_channel_call(ch, "/torchft.ManagerService/Kill", buf, n,
+                           sg_deadline_in_ms(KILL_TIMEOUT_MS), &resp, &resp_len,
+                           &status, &e);
+  /* A killed manager may die before it answers: a reset after the request
+   * went out still means the kill was delivered. */
+  if (rc == SG_ECONNRESET)
+    rc = 0;
+out:
+  if (rc)
+    snprintf(err, errlen, "%s", e.msg[0] ? e.msg : sg_strerror(rc));
+  else
+    sg_log(SG_LOG_INFO, LOG, "killed replica %s at %s from the dashboard",
+           replica_id, addr);
+  sg_free(resp);
+  if (ch)
+    sg_rpc_channel_free(ch);
+  sg_free(addr);
+  return rc;
+}
+
+/* ---- loop thread and lifecycle
+ * ------------------------------------------------ */
+
+static void on_tick(uv_timer_t *t) {
+  sg_lh_server_t *s = t->data;
+  pthread_mutex_lock(&s->mu);
+  process(s);
+  pthread_mutex_unlock(&s->mu);
+}
+
+static void on_handle_closed(uv_handle_t *h) {
+  sg_lh_server_t *s = h->data;
+  s->handles_open--;
+}
+
+static void on_rpc_closed(void *ud) {
+  sg_lh_server_t *s = ud;
+  s->rpc = NULL;
+  uv_close((uv_handle_t *)&s->tick_timer, on_handle_closed);
+  uv_close((uv_handle_t *)&s->wake_timer, on_handle_closed);
+  uv_close((uv_handle_t *)&s->stop_async, on_handle_closed);
+}
+
+static void on_stop(uv_async_t *a) {
+  sg_lh_server_t *s = a->data;
+  pthread_mutex_lock(&s->mu);
+  s->closing = 1;
+  pthread_mutex_unlock(&s->mu);
+  uv_timer_stop(&s->tick_timer);
+  uv_timer_stop(&s->wake_timer);
+  /* the rpc server cancels every waiting call (on_call_cancel) */
+  sg_rpc_server_close(s->rpc, on_rpc_closed, s);
+}
+
+static void run_loop(void *arg) {
+  sg_lh_server_t *s = arg;
+  uv_run(&s->loop, UV_RUN_DEFAULT);
+}
+
+static void free_maps(sg_lh_server_t *s) {
+  size_t pos = 0;
+  const char *k;
+  void *v;
+  while (sg_map_next(&s->live, &pos, &k, &v))
+    sg_free(v);
+  pos = 0;
+  while (sg_map_next(&s->conns, &pos, &k, &v)) {
+    struct conn *c = v;
+    sg_map_free(&c->ids);
+    sg_free(c);
+  }
+  sg_map_free(&s->live);
+  sg_map_free(&s->conns);
+  sg_map_free(&s->pending_ids);
+}
+
+static void server_free(sg_lh_server_t *s) {
+  if (!s)
+    return;
+  while (s->pending) {
+    struct pending *p = s->pending;
+    pending_unlink(s, p);
+    pending_free(p);
+  }
+  free_maps(s);
+  if (s->http)
+    sg__lh_http_free(s->http);
+  sg__lh_state_free(s->st);
+  sg_free((char *)s->o.bind);
+  sg_free((char *)s->o.auth_token);
+  sg_free((char *)s->o.quorum_id_file);
+  sg_free((char *)s->o.hostname);
+  sg_free(s->address);
+  pthread_mutex_destroy(&s->mu);
+  sg_free(s);
+}
+
+void sg_lh_opts_init(sg_lh_opts_t *o) {
+  memset(o, 0, sizeof(*o));
+  o->bind = "[::]:29510";
+  o->min_replicas = -1;
+  o->join_timeout_ms = 60000;
+  o->quorum_tick_ms = 100;
+  o->heartbeat_timeout_ms = 5000;
+  o->disconnect_grace_ms = 250;
+  o->prune_after_ms = 600000;
+  o->max_replicas = 10000;
+  o->max_connections = 4096;
+  o->max_message = 4 << 20;
+}
+
+static char *dup_or_null(const char *v, int *fail) {
+  if (!v)
+    return NULL;
+  char *d = sg_strdup(v);
+  if (!d)
+    *fail = 1;
+  return d;
+}
+
+static int validate(const sg_lh_opts_t *o, sg_err_t *err) {
+  if (o->min_replicas < 0)
+    return sg_err_set(err, SG_EINVAL, "min_replicas is required (>= 0)");
+  if (o->join_timeout_ms < 0 || o->quorum_tick_ms <= 0 ||
+      o->heartbeat_timeout_ms <= 0 || o->disconnect_grace_ms < 0 ||
+      o->prune_after_ms <= 0)
+    return sg_err_set(err, SG_EINVAL,
+                      "timeouts must be >= 0 and tick, heartbeat timeout and "
+                      "prune age > 0");
+  if (o->max_replicas == 0 || o->max_connections == 0 || o->max_message == 0)
+    return sg_err_set(err, SG_EINVAL, "limits must be > 0");
+  if (!o->bind || !o->bind[0])
+    return sg_err_set(err, SG_EINVAL, "bind address is empty");
+  return 0;
+}
+
+static int is_loopback_bind(const char *bind) {
+  return strncmp(bind, "127.", 4) == 0 || strncmp(bind, "[::1]", 5) == 0 ||
+         strncmp(bind, "localhost:", 10) == 0;
+}
+
+int sg_lh_server_start(const sg_lh_opts_t *o, sg_lh_server_t **out,
+                       sg_err_t *err) {
+  sg_lh_server_t *s = NULL;
+  int rc = validate(o, err);
+  if (rc)
+    return rc;
+  s = sg_calloc(1, sizeof(*s));
+  if (!s)
+    return sg_err_set(err, SG_ENOMEM, "out of memory");
+  pthread_mutex_init(&s->mu, NULL);
+  sg_map_init(&s->pending_ids);
+  sg_map_init(&s->live);
+  sg_map_init(&s->conns);
+  s->o = *o;
+  int fail = 0;
+  s->o.bind = dup_or_null(o->bind, &fail);
+  s->o.auth_token = dup_or_null(o->auth_token, &fail);
+  s->o.quorum_id_file = dup_or_null(o->quorum_id_file, &fail);
+  s->o.hostname = dup_or_null(o->hostname, &fail);
+  if (fail) {
+    rc = sg_err_set(err, SG_ENOMEM, "out of memory");
+    goto fail;
+  }
+  s->qopts.min_replicas = o->min_replicas;
+  s->qopts.join_timeout_ms = o->join_timeout_ms;
+  s->qopts.heartbeat_timeout_ms = o->heartbeat_timeout_ms;
+  rc = sg__lh_state_new(o->max_replicas, &s->st);
+  if (rc) {
+    sg_err_set(err, rc, "quorum state: %s", sg_strerror(rc));
+    goto fail;
+  }
+  int64_t floor = load_id_floor(s);
+  sg__lh_set_quorum_id_floor(s->st, floor);
+  s->persisted_id = floor;
+  s->next_prune_ns = sg_now_ns() + ms_to_ns(o->prune_after_ms / 10 + 1);
+
+  sg__lh_http_opts_t ho = {0};
+  ho.auth_token = s->o.auth_token;
+  ho.max_connections = 256;
+  ho.timeout_s = 10;
+  ho.snapshot = snapshot;
+  ho.kill = kill_replica;
+  ho.ud = s;
+  rc = sg__lh_http_new(&ho, &s->http, err);
+  if (rc)
+    goto fail;
+
+  rc = uv_loop_init(&s->loop);
+  if (rc) {
+    sg_err_set(err, rc, "uv_loop_init: %s", uv_strerror(rc));
+    goto fail;
+  }
+  uv_timer_init(&s->loop, &s->tick_timer);
+  uv_timer_init(&s->loop, &s->wake_timer);
+  uv_async_init(&s->loop, &s->stop_async, on_stop);
+  s->tick_timer.data = s->wake_timer.data = s->stop_async.data = s;
+  s->handles_open = 3;
+
+  sg_rpc_server_opts_t ro = {0};
+  ro.bind = s->o.bind;
+  ro.max_message = o->max_message;
+  ro.max_connections = o->max_connections;
+  ro.on_call = on_call;
+  ro.on_call_cancel = on_call_cancel;
+  ro.on_conn_close = on_conn_close;
+  ro.on_http1 = on_http1;
+  ro.ud = s;
+  rc = sg_rpc_server_start(&s->loop, &ro, &s->rpc, err);
+  if (rc) {
+    uv_close((uv_handle_t *)&s->tick_timer, NULL);
+    uv_close((uv_handle_t *)&s->wake_timer, NULL);
+    uv_close((uv_handle_t *)&s->stop_async, NULL);
+    uv_run(&s->loop, UV_RUN_DEFAULT);
+    uv_loop_close(&s->loop);
+    goto fail;
+  }
+  s->port = sg_rpc_server_port(s->rpc);
+  char host[256];
+  if (s->o.hostname)
+    snprintf(host, sizeof(host), "%s", s->o.hostname);
+  else if (gethostname(host, sizeof(host)) != 0)
+    snprintf(host, sizeof(host), "localhost");
+  host[sizeof(host) - 1] = '\0';
+  size_t alen = strlen(host) + 32;
+  s->address = sg_malloc(alen);
+  if (s->address)
+    snprintf(s->address, alen, "http://%s:%d", host, s->port);
+
+  uv_timer_start(&s->tick_timer, on_tick, (uint64_t)o->quorum_tick_ms,
+                 (uint64_t)o->quorum_tick_ms);
+  uv_timer_start(&s->wake_timer, on_tick, 0, 0);
+  rc = uv_thread_create(&s->thread, run_loop, s);
+  if (rc) {
+    sg_err_set(err, rc, "thread: %s", uv_strerror(rc));
+    uv_async_send(&s->stop_async);
+    uv_run(&s->loop, UV_RUN_DEFAULT);
+    uv_loop_close(&s->loop);
+    goto fail;
+  }
+  if (!o->auth_token && !is_loopback_bind(s->o.bind))
+    sg_log(SG_LOG_WARN, LOG,
+           "listening on %s without an auth token: anyone who reaches this "
+           "port can join quorums and kill replicas (--auth_token_file)",
+           s->o.bind);
+  sg_log(SG_LOG_INFO, LOG, "Lighthouse listening on %s (bind %s)",
+         s->address ? s->address : "?", s->o.bind);
+  *out = s;
+  return 0;
+fail:
+  server_free(s);
+  return rc;
+}
+
+int sg_lh_server_port(const sg_lh_server_t *s) { return s->port; }
+
+const char *sg_lh_server_address(const sg_lh_server_t *s) {
+  return s->address ? s->address : "";
+}
+
+void sg_lh_server_stop(sg_lh_server_t *s) {
+  if (!s)
+    return;
+  uv_async_send(&s->stop_async);
+  uv_thread_join(&s->thread);
+  if (uv_loop_close(&s->loop) != 0)
+    sg_log(SG_LOG_WARN, LOG, "event loop closed with handles open");
+  server_free(s);
+}

@@ -1,0 +1,369 @@
+/*
+ * test_lighthouse.c: the lighthouse server and client in one process,
+ * under the sanitizers: quorums from concurrent clients, connection
+ * liveness, the HTTP side read while quorums change, auth, id persistence,
+ * and stopping with calls in flight.
+ */
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "stepguard/base.h"
+#include "stepguard/lighthouse.h"
+
+static sg_lh_server_t *start(sg_lh_opts_t *o) {
+  sg_lh_server_t *s = NULL;
+  sg_err_t err;
+  sg_err_clear(&err);
+  int rc = sg_lh_server_start(o, &s, &err);
+  if (rc)
+    fail_msg("start: %s", err.msg);
+  return s;
+}
+
+static void default_opts(sg_lh_opts_t *o) {
+  sg_lh_opts_init(o);
+  o->bind = "127.0.0.1:0";
+  o->min_replicas = 1;
+  o->join_timeout_ms = 100;
+}
+
+static sg_lh_client_t *connect_to(sg_lh_server_t *s, const char *token) {
+  char addr[64];
+  snprintf(addr, sizeof(addr), "http://127.0.0.1:%d", sg_lh_server_port(s));
+  sg_lh_client_t *c = NULL;
+  sg_err_t err;
+  if (sg_lh_client_new(addr, 10000, token, &c, &err) != 0)
+    fail_msg("client: %s", err.msg);
+  return c;
+}
+
+struct req {
+  sg_lh_client_t *c;
+  const char *id;
+  int64_t step;
+  int64_t timeout_ms;
+  int rc;
+  sg_lh_quorum_t q;
+  sg_err_t err;
+};
+
+static void *quorum_thread(void *arg) {
+  struct req *r = arg;
+  sg_lh_member_t m = {0};
+  m.replica_id = (char *)r->id;
+  m.address = "http://manager";
+  m.store_address = "store:1";
+  m.data = "{\"x\": 1}";
+  m.step = r->step;
+  m.world_size = 2;
+  r->rc = sg_lh_client_quorum(r->c, &m, sg_deadline_in_ms(r->timeout_ms), &r->q,
+                              &r->err);
+  return NULL;
+}
+
+static int has_member(const sg_lh_quorum_t *q, const char *id) {
+  for (size_t i = 0; i < q->n; i++)
+    if (strcmp(q->members[i].replica_id, id) == 0)
+      return 1;
+  return 0;
+}
+
+static void test_invalid_options(void **state) {
+  (void)state;
+  sg_lh_opts_t o;
+  sg_lh_server_t *s = NULL;
+  sg_err_t err;
+  sg_lh_opts_init(&o);
+  o.bind = "127.0.0.1:0";
+  assert_int_equal(sg_lh_server_start(&o, &s, &err), SG_EINVAL);
+  assert_non_null(strstr(err.msg, "min_replicas"));
+  o.min_replicas = 1;
+  o.heartbeat_timeout_ms = 0;
+  assert_int_equal(sg_lh_server_start(&o, &s, &err), SG_EINVAL);
+  o.heartbeat_timeout_ms = 5000;
+  o.bind = "not an address";
+  assert_true(sg_lh_server_start(&o, &s, &err) < 0);
+  assert_null(s);
+}
+
+static void test_two_replicas_form_quorums_and_ids_grow(void **state) {
+  (void)state;
+  sg_lh_opts_t o;
+  default_opts(&o);
+  o.min_replicas = 2;
+  sg_lh_server_t *s = start(&o);
+  sg_lh_client_t *a = connect_to(s, NULL), *b = connect_to(s, NULL);
+  int64_t last_id = -1;
+  for (int round = 0; round < 5; round++) {
+    struct req ra = {.c = a, .id = "a", .step = round, .timeout_ms = 10000};
+    struct req rb = {.c = b, .id = "b", .step = round, .timeout_ms = 10000};
+    pthread_t ta, tb;
+    pthread_create(&ta, NULL, quorum_thread, &ra);
+    pthread_create(&tb, NULL, quorum_thread, &rb);
+    pthread_join(ta, NULL);
+    pthread_join(tb, NULL);
+    assert_int_equal(ra.rc, 0);
+    assert_int_equal(rb.rc, 0);
+    assert_int_equal(ra.q.n, 2);
+    assert_string_equal(ra.q.members[0].replica_id, "a");
+    assert_string_equal(ra.q.members[1].replica_id, "b");
+    assert_int_equal(ra.q.members[0].step, round);
+    assert_string_equal(ra.q.members[1].data, "{\"x\": 1}");
+    assert_int_equal(ra.q.quorum_id, rb.q.quorum_id);
+    if (round == 0)
+      assert_true(ra.q.quorum_id > 0);
+    else /* same membership: same id */
+      assert_int_equal(ra.q.quorum_id, last_id);
+    last_id = ra.q.quorum_id;
+    sg_lh_quorum_free(&ra.q);
+    sg_lh_quorum_free(&rb.q);
+  }
+  assert_int_equal(
+      sg_lh_client_heartbeat(a, "a", sg_deadline_in_ms(5000), NULL), 0);
+  sg_lh_client_free(a);
+  sg_lh_client_free(b);
+  sg_lh_server_stop(s);
+}
+
+/* http_get: GET `path`, return the body (malloc'd) or NULL. */
+static char *http_get(int port, const char *path) {
+  int fd = -1;
+  sg_err_t err;
+  if (sg_sock_connect("127.0.0.1", port, sg_deadline_in_ms(5000), &fd, &err))
+    return NULL;
+  char req[256];
+  int n =
+      snprintf(req, sizeof(req),
+               "GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", path);
+  size_t cap = 1 << 20, len = 0;
+  char *buf = malloc(cap);
+  sg_deadline_t d = sg_deadline_in_ms(10000);
+  if (send(fd, req, (size_t)n, MSG_NOSIGNAL) != n) {
+    sg_sock_close(fd);
+    free(buf);
+    return NULL;
+  }
+  while (!sg_deadline_passed(d) && len + 1 < cap) {
+    ssize_t r = recv(fd, buf + len, cap - len - 1, 0);
+    if (r == 0)
+      break;
+    if (r < 0) {
+      usleep(1000);
+      continue;
+    }
+    len += (size_t)r;
+  }
+  buf[len] = '\0';
+  sg_sock_close(fd);
+  char *body = strstr(buf, "\r\n\r\n");
+  if (!body || strncmp(buf, "HTTP/1.1 200", 12) != 0) {
+    free(buf);
+    return NULL;
+  }
+  memmove(buf, body + 4, strlen(body + 4) + 1);
+  return buf;
+}
+
+struct poller {
+  int port;
+  atomic_int stop;
+  int ok, bad;
+};
+
+static void *status_poller(void *arg) {
+  struct poller *p = arg;
+  while (!atomic_load(&p->stop)) {
+    char *body = http_get(p->port, p->ok % 2 ? "/metrics" : "/status");
+    if (body)
+      p->ok++;
+    else
+      p->bad++;
+    free(body);
+  }
+  return NULL;
+}
+
+static void test_http_side_reads_while_quorums_change(void **state) {
+  (void)state;
+  sg_lh_opts_t o;
+  default_opts(&o);
+  sg_lh_server_t *s = start(&o);
+  struct poller p = {.port = sg_lh_server_port(s)};
+  pthread_t tp;
+  pthread_create(&tp, NULL, status_poller, &p);
+  sg_lh_client_t *c = connect_to(s, NULL);
+  for (int i = 0; i < 30; i++) {
+    struct req r = {.c = c, .id = "solo", .step = i, .timeout_ms = 10000};
+    quorum_thread(&r);
+    assert_int_equal(r.rc, 0);
+    assert_int_equal(r.q.n, 1);
+    sg_lh_quorum_free(&r.q);
+  }
+  atomic_store(&p.stop, 1);
+  pthread_join(tp, NULL);
+  assert_true(p.ok > 0);
+  assert_int_equal(p.bad, 0);
+  char *status = http_get(sg_lh_server_port(s), "/status");
+  assert_non_null(status);
+  assert_non_null(strstr(status, "\"solo\""));
+  free(status);
+  char *metrics = http_get(sg_lh_server_port(s), "/metrics");
+  assert_non_null(metrics);
+  assert_non_null(
+      strstr(metrics, "stepguard_lighthouse_quorums_issued_total 30"));
+  free(metrics);
+  sg_lh_client_free(c);
+  sg_lh_server_stop(s);
+}
+
+/*
+ * A replica whose connection closes is dropped after the grace period,
+ * although its heartbeat would keep it healthy for a minute.
+ */
+static void test_closed_connection_stops_blocking_quorum(void **state) {
+  (void)state;
+  sg_lh_opts_t o;
+  default_opts(&o);
+  o.heartbeat_timeout_ms = 60000;
+  o.join_timeout_ms = 600000;
+  sg_lh_server_t *s = start(&o);
+  sg_lh_client_t *a = connect_to(s, NULL), *b = connect_to(s, NULL);
+  /* both heartbeat first, so that the first quorum waits for both */
+  assert_int_equal(
+      sg_lh_client_heartbeat(a, "a", sg_deadline_in_ms(5000), NULL), 0);
+  assert_int_equal(
+      sg_lh_client_heartbeat(b, "b", sg_deadline_in_ms(5000), NULL), 0);
+  struct req ra = {.c = a, .id = "a", .step = 1, .timeout_ms = 10000};
+  struct req rb = {.c = b, .id = "b", .step = 1, .timeout_ms = 10000};
+  pthread_t ta, tb;
+  pthread_create(&ta, NULL, quorum_thread, &ra);
+  pthread_create(&tb, NULL, quorum_thread, &rb);
+  pthread_join(ta, NULL);
+  pthread_join(tb, NULL);
+  assert_int_equal(ra.rc, 0);
+  assert_int_equal(ra.q.n, 2);
+  int64_t first = ra.q.quorum_id;
+  sg_lh_quorum_free(&ra.q);
+  sg_lh_quorum_free(&rb.q);
+
+  sg_lh_client_free(b); /* b "crashes": its connection closes */
+  int64_t t0 = sg_now_ns();
+  struct req r2 = {.c = a, .id = "a", .step = 2, .timeout_ms = 30000};
+  quorum_thread(&r2);
+  double secs = (double)(sg_now_ns() - t0) / 1e9;
+  assert_int_equal(r2.rc, 0);
+  assert_int_equal(r2.q.n, 1);
+  assert_true(has_member(&r2.q, "a"));
+  assert_true(r2.q.quorum_id > first);
+  assert_true(secs < 10.0); /* heartbeat expiry would take 60 s */
+  sg_lh_quorum_free(&r2.q);
+  sg_lh_client_free(a);
+  sg_lh_server_stop(s);
+}
+
+static void test_auth_token(void **state) {
+  (void)state;
+  sg_lh_opts_t o;
+  default_opts(&o);
+  o.auth_token = "s3cret";
+  sg_lh_server_t *s = start(&o);
+  sg_lh_client_t *none = connect_to(s, NULL), *wrong = connect_to(s, "nope"),
+                 *right = connect_to(s, "s3cret");
+  sg_err_t err;
+  assert_int_equal(
+      sg_lh_client_heartbeat(none, "x", sg_deadline_in_ms(5000), &err),
+      SG_EAUTH);
+  assert_non_null(strstr(err.msg, "UNAUTHENTICATED"));
+  assert_int_equal(
+      sg_lh_client_heartbeat(wrong, "x", sg_deadline_in_ms(5000), &err),
+      SG_EAUTH);
+  assert_int_equal(
+      sg_lh_client_heartbeat(right, "x", sg_deadline_in_ms(5000), &err), 0);
+  sg_lh_client_free(none);
+  sg_lh_client_free(wrong);
+  sg_lh_client_free(right);
+  sg_lh_server_stop(s);
+}
+
+static void test_quorum_ids_grow_across_restart(void **state) {
+  (void)state;
+  char path[] = "/tmp/sg-lh-ids-XXXXXX";
+  int fd = mkstemp(path);
+  assert_true(fd >= 0);
+  close(fd);
+  unlink(path);
+  int64_t ids[2];
+  for (int run = 0; run < 2; run++) {
+    sg_lh_opts_t o;
+    default_opts(&o);
+    o.quorum_id_file = path;
+    sg_lh_server_t *s = start(&o);
+    sg_lh_client_t *c = connect_to(s, NULL);
+    struct req r = {.c = c, .id = "r", .step = 0, .timeout_ms = 10000};
+    quorum_thread(&r);
+    assert_int_equal(r.rc, 0);
+    ids[run] = r.q.quorum_id;
+    sg_lh_quorum_free(&r.q);
+    sg_lh_client_free(c);
+    sg_lh_server_stop(s);
+  }
+  assert_int_equal(ids[0], 1); /* a fresh file starts from 0 */
+  assert_true(ids[1] > ids[0]);
+  unlink(path);
+
+  /* without a file, the floor is the wall clock in milliseconds */
+  sg_lh_opts_t o;
+  default_opts(&o);
+  sg_lh_server_t *s = start(&o);
+  sg_lh_client_t *c = connect_to(s, NULL);
+  struct req r = {.c = c, .id = "r", .step = 0, .timeout_ms = 10000};
+  quorum_thread(&r);
+  assert_int_equal(r.rc, 0);
+  assert_true(r.q.quorum_id > sg_wall_ns() / 1000000 - 600000);
+  sg_lh_quorum_free(&r.q);
+  sg_lh_client_free(c);
+  sg_lh_server_stop(s);
+}
+
+static void test_stop_with_calls_in_flight(void **state) {
+  (void)state;
+  sg_lh_opts_t o;
+  default_opts(&o);
+  o.min_replicas = 3; /* never met */
+  sg_lh_server_t *s = start(&o);
+  sg_lh_client_t *c = connect_to(s, NULL);
+  struct req r = {.c = c, .id = "waiting", .step = 0, .timeout_ms = 60000};
+  pthread_t t;
+  pthread_create(&t, NULL, quorum_thread, &r);
+  usleep(200000);
+  int64_t t0 = sg_now_ns();
+  sg_lh_server_stop(s);
+  pthread_join(t, NULL);
+  assert_true(r.rc != 0);
+  assert_true((double)(sg_now_ns() - t0) / 1e9 < 30.0);
+  sg_lh_client_free(c);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_invalid_options),
+      cmocka_unit_test(test_two_replicas_form_quorums_and_ids_grow),
+      cmocka_unit_test(test_http_side_reads_while_quorums_change),
+      cmocka_unit_test(test_closed_connection_stops_blocking_quorum),
+      cmocka_unit_test(test_auth_token),
+      cmocka_unit_test(test_quorum_ids_grow_across_restart),
+      cmocka_unit_test(test_stop_with_calls_in_flight),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -35,7 +35,8 @@ test-py: build
 
 test: format-check test-c test-py
 
-demo: bootstrap
+demo: build
+	$(PY) examples/lighthouse_demo.py
 	$(PY) examples/fork_safety_demo.py
 
 sanitize: bootstrap $(ASAN)/build.ninja $(TSAN)/build.ninja
@@ -49,6 +50,7 @@ $(FUZZ)/build.ninja: | bootstrap
 fuzz: $(FUZZ)/build.ninja
 	$(MESON) compile -C $(FUZZ)
 	@for t in $(FUZZ)/fuzz/fuzz_*; do \
+	  [ -f "$$t" ] && [ -x "$$t" ] || continue; \
 	  name=$${t##*/fuzz_}; mkdir -p $(FUZZ)/corpus-$$name; \
 	  echo "fuzz: $$name for $(FUZZ_SECONDS) s"; \
 	  $$t -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \

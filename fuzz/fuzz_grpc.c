@@ -10,6 +10,9 @@
  *      drained after each.  The handler answers odd calls at once (echo),
  *      holds even ones, expires one and lets shutdown cancel the rest;
  *      every dispatched call must complete exactly once.
+ *   3  sg__pb_check_strings() with the lighthouse's Quorum request spec;
+ *      what it accepts must unpack with protobuf-c, with every string of
+ *      the requester free of NULs (the bug class the check exists for)
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -22,6 +25,8 @@
  */
 #include "../src/rpc/grpc.c"
 #include "../src/rpc/h2s.c"
+
+#include "torchft.pb-c.h"
 
 int LLVMFuzzerInitialize(int *argc, char ***argv);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
@@ -191,15 +196,41 @@ static void fuzz_engine(const uint8_t *p, size_t n) {
   free(t);
 }
 
+static const uint32_t member_strings[] = {1, 2, 3, 7};
+static const sg__pb_spec_t member_spec = {member_strings, 4, NULL, 0};
+static const sg__pb_nested_t quorum_nested[] = {{1, &member_spec}};
+static const sg__pb_spec_t quorum_spec = {NULL, 0, quorum_nested, 1};
+
+static void fuzz_pb(const uint8_t *p, size_t n) {
+  uint32_t field;
+  if (sg__pb_check_strings(p, n, &quorum_spec, &field) != 0)
+    return;
+  Torchft__LighthouseQuorumRequest *r =
+      torchft__lighthouse_quorum_request__unpack(NULL, n, p);
+  if (!r)
+    return; /* wire-valid but not this message (e.g. wrong wire types) */
+  const Torchft__QuorumMember *m = r->requester;
+  if (m) {
+    const char *strs[] = {m->replica_id, m->address, m->store_address, m->data};
+    for (int i = 0; i < 4; i++)
+      if (!sg__utf8_valid(strs[i], strlen(strs[i])))
+        abort();
+  }
+  torchft__lighthouse_quorum_request__free_unpacked(r, NULL);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (size < 1)
     return 0;
-  switch (data[0] % 3) {
+  switch (data[0] % 4) {
   case 0:
     fuzz_helpers(data + 1, size - 1);
     break;
   case 1:
     fuzz_sniff(data + 1, size - 1);
+    break;
+  case 3:
+    fuzz_pb(data + 1, size - 1);
     break;
   default:
     fuzz_engine(data + 1, size - 1);

@@ -328,6 +328,9 @@ SG_EXPORT size_t sg_sock_registered_count(void);
  */
 SG_EXPORT unsigned sg_sock_fork_count(void);
 
+/* sg_hex_digit: the value of hexadecimal digit `c` (either case), or -1. */
+SG_EXPORT int sg_hex_digit(char c);
+
 /* sg_version: the library version string, "0.1.0". */
 SG_EXPORT const char *sg_version(void);
 

@@ -87,4 +87,14 @@ void sg_err_clear(sg_err_t *err) {
   }
 }
 
+int sg_hex_digit(char c) {
+  if (c >= '0' && c <= '9')
+    return c - '0';
+  if (c >= 'a' && c <= 'f')
+    return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F')
+    return c - 'A' + 10;
+  return -1;
+}
+
 const char *sg_version(void) { return SG_VERSION_STRING; }

@@ -173,16 +173,6 @@ static int put_json_str(sg_buf_t *b, const char *s) {
 
 /* ---- 3. router ---------------------------------------------------------- */
 
-static int hex_val(char c) {
-  if (c >= '0' && c <= '9')
-    return c - '0';
-  if (c >= 'a' && c <= 'f')
-    return c - 'a' + 10;
-  if (c >= 'A' && c <= 'F')
-    return c - 'A' + 10;
-  return -1;
-}
-
 /*
  * decode_replica_id: percent-decode seg[0..n) into out->replica_id and
  * check it.  Returns NULL when it is acceptable, else a static reason.
@@ -193,8 +183,8 @@ static const char *decode_replica_id(const char *seg, size_t n,
   for (size_t i = 0; i < n; i++) {
     int c = (unsigned char)seg[i];
     if (c == '%') {
-      int hi = i + 2 < n ? hex_val(seg[i + 1]) : -1;
-      int lo = i + 2 < n ? hex_val(seg[i + 2]) : -1;
+      int hi = i + 2 < n ? sg_hex_digit(seg[i + 1]) : -1;
+      int lo = i + 2 < n ? sg_hex_digit(seg[i + 2]) : -1;
       if (hi < 0 || lo < 0)
         return "malformed percent-encoding";
       c = hi << 4 | lo;

@@ -168,24 +168,14 @@ size_t sg__grpc_message_encode(const char *msg, char *out, size_t cap) {
   return o;
 }
 
-static int hexval(char c) {
-  if (c >= '0' && c <= '9')
-    return c - '0';
-  if (c >= 'a' && c <= 'f')
-    return c - 'a' + 10;
-  if (c >= 'A' && c <= 'F')
-    return c - 'A' + 10;
-  return -1;
-}
-
 size_t sg__grpc_message_decode(const char *v, size_t n, char *out, size_t cap) {
   size_t o = 0;
   if (cap == 0)
     return 0;
   for (size_t i = 0; i < n && o + 1 < cap; i++) {
     int hi, lo;
-    if (v[i] == '%' && i + 2 < n && (hi = hexval(v[i + 1])) >= 0 &&
-        (lo = hexval(v[i + 2])) >= 0) {
+    if (v[i] == '%' && i + 2 < n && (hi = sg_hex_digit(v[i + 1])) >= 0 &&
+        (lo = sg_hex_digit(v[i + 2])) >= 0) {
       out[o++] = (char)(hi << 4 | lo);
       i += 2;
     } else {

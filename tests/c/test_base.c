@@ -40,6 +40,17 @@ static void test_error_codes_are_distinct_and_named(void **state) {
   assert_true(SG_ETOOBIG < -4095 && SG_EPROTO < -4095);
 }
 
+static void test_hex_digit(void **state) {
+  (void)state;
+  assert_int_equal(sg_hex_digit('0'), 0);
+  assert_int_equal(sg_hex_digit('9'), 9);
+  assert_int_equal(sg_hex_digit('a'), 10);
+  assert_int_equal(sg_hex_digit('F'), 15);
+  assert_int_equal(sg_hex_digit('g'), -1);
+  assert_int_equal(sg_hex_digit('/'), -1);
+  assert_int_equal(sg_hex_digit('\0'), -1);
+}
+
 static void test_fatal_threshold(void **state) {
   (void)state;
   assert_true(sg_err_is_fatal(SG_EABORTED));
@@ -344,6 +355,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_error_codes_are_distinct_and_named),
       cmocka_unit_test(test_fatal_threshold),
+      cmocka_unit_test(test_hex_digit),
       cmocka_unit_test(test_err_set_formats_and_truncates),
       cmocka_unit_test(test_clock_is_monotonic_and_deadlines_saturate),
       cmocka_unit_test(test_buf_limits_and_compaction),

@@ -8,7 +8,7 @@ FUZZ    := build/fuzz
 FUZZ_SECONDS ?= 30
 CFILES   = $(shell git ls-files '*.c' '*.h')
 
-.PHONY: all bootstrap build test test-c test-py demo sanitize fuzz format format-check clean
+.PHONY: all bootstrap build test test-c test-py demo bench sanitize fuzz format format-check clean
 
 all: build
 
@@ -38,6 +38,11 @@ test: format-check test-c test-py
 demo: build
 	$(PY) examples/lighthouse_demo.py
 	$(PY) examples/fork_safety_demo.py
+
+# stepguard's lighthouse against torchft's in the same run (about 40 s;
+# writes bench/results/)
+bench: build
+	$(PY) bench/lighthouse.py --build-dir $(NATIVE)
 
 sanitize: bootstrap $(ASAN)/build.ninja $(TSAN)/build.ninja
 	$(MESON) test -C $(ASAN) --print-errorlogs

@@ -41,7 +41,7 @@ static const char usage[] =
     "                            $STEPGUARD_AUTH_TOKEN\n"
     "  --quorum_id_file PATH     persist quorum ids so they keep growing\n"
     "                            across restarts (default: a floor taken\n"
-    "                            from the wall clock)\n"
+    "                            from the wall clock, in us)\n"
     "  --hostname NAME           host name in the advertised address\n"
     "  --max_replicas N          replica ids tracked at once (10000)\n"
     "  --max_connections N       open connections (4096)\n"

@@ -577,7 +577,7 @@ struct sg__lh_http_s {
   char *token; /* NULL: POSTs need no auth */
   size_t token_len;
   unsigned max_connections;
-  atomic_uint live; /* connections MHD has adopted and not yet closed */
+  atomic_uint live; /* connections handed to MHD and not yet closed */
   sg__lh_snapshot_cb snapshot;
   sg__lh_kill_cb kill;
   void *ud;
@@ -863,7 +863,6 @@ static void on_connection(void *cls, struct MHD_Connection *c,
   const union MHD_ConnectionInfo *ci =
       MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
   if (code == MHD_CONNECTION_NOTIFY_STARTED) {
-    atomic_fetch_add(&h->live, 1);
     if (ci && sg_sock_register(ci->connect_fd) == 0)
       *socket_context = h;
     else
@@ -902,7 +901,10 @@ static struct MHD_Daemon *start_daemon(sg__lh_http_t *h, unsigned poll_flag,
                    MHD_USE_ITC | MHD_USE_ERROR_LOG | poll_flag;
   return MHD_start_daemon(
       flags, 0, NULL, NULL, on_request, h, MHD_OPTION_CONNECTION_LIMIT,
-      (unsigned)h->max_connections, MHD_OPTION_CONNECTION_TIMEOUT,
+      /* our own count (sg__lh_http_add_connection) enforces the limit; a
+       * daemon that reaches its internal one stops taking connections for
+       * good in 0.9.75, so it is kept out of reach */
+      (unsigned)h->max_connections + 64, MHD_OPTION_CONNECTION_TIMEOUT,
       (unsigned)timeout_s, MHD_OPTION_CONNECTION_MEMORY_LIMIT,
       (size_t)CONN_MEMORY_LIMIT, MHD_OPTION_NOTIFY_COMPLETED, on_completed, h,
       MHD_OPTION_NOTIFY_CONNECTION, on_connection, h,
@@ -966,7 +968,10 @@ int sg__lh_http_add_connection(sg__lh_http_t *h, int fd) {
     sg_sock_close(fd);
     return SG_EINVAL;
   }
-  if (atomic_load(&h->live) >= h->max_connections) {
+  /* Reserve a slot before handing the socket over: MHD adopts it later on
+   * its own thread, so counting at adoption would let a burst through. */
+  if (atomic_fetch_add(&h->live, 1) >= h->max_connections) {
+    atomic_fetch_sub(&h->live, 1);
     sg_sock_close(fd);
     return SG_EAGAIN;
   }
@@ -975,14 +980,17 @@ int sg__lh_http_add_connection(sg__lh_http_t *h, int fd) {
   memset(&ss, 0, sizeof(ss));
   if (getpeername(fd, (struct sockaddr *)&ss, &sl) != 0) {
     int e = errno;
+    atomic_fetch_sub(&h->live, 1);
     sg_sock_close(fd);
     return -e;
   }
   sg_sock_unregister(fd); /* MHD's thread registers it again on adoption */
   errno = 0;
   if (MHD_add_connection(h->daemon, fd, (struct sockaddr *)&ss, sl) !=
-      MHD_YES) /* MHD closed fd */
+      MHD_YES) { /* MHD closed fd */
+    atomic_fetch_sub(&h->live, 1);
     return errno > 0 ? -errno : SG_EIO;
+  }
   return 0;
 }
 

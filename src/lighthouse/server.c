@@ -270,10 +270,11 @@ static size_t unknown_unpack(const uint8_t *p, size_t n,
 
 static int64_t load_id_floor(const sg_lh_server_t *s) {
   if (!s->o.quorum_id_file) {
-    /* No file: the floor is the wall clock in milliseconds.  Ids grow by
-     * one per quorum, so they stay below the clock unless quorums came
-     * faster than one per millisecond for the server's whole life. */
-    return sg_wall_ns() / 1000000;
+    /* No file: the floor is the wall clock in microseconds.  Ids grow by
+     * one per quorum, and a quorum takes far longer than a microsecond, so
+     * they stay below the clock: a restarted lighthouse starts above every
+     * id its predecessor issued, however soon it restarts. */
+    return sg_wall_ns() / 1000;
   }
   FILE *f = fopen(s->o.quorum_id_file, "r");
   if (!f)

@@ -1,0 +1,222 @@
+/*
+ * stepguard/manager.h: the manager of one replica group, wire-compatible
+ * with torchft's ManagerService (gRPC over HTTP/2).
+ *
+ *   server   sg_mgr_server_start() runs in the group-rank-0 process on a
+ *            thread of its own: it gathers the Quorum calls of every group
+ *            rank into one lighthouse Quorum call, answers each rank with its
+ *            own recovery assignment, ANDs ShouldCommit votes, serves
+ *            CheckpointMetadata and Kill, and heartbeats to the lighthouse
+ *   client   sg_mgr_client_*(): the calls each group rank makes to it
+ *
+ * Where this differs from torchft (reference/torchft-semantics.md section 3):
+ *   - a failed lighthouse call (after quorum_retries) fails every waiting
+ *     group rank at once instead of leaving them to their deadlines;
+ *   - the group's step is the minimum of its ranks' steps (torchft takes
+ *     the last-arriving rank's unchecked); commit_failures is the maximum;
+ *   - a Quorum call that was cancelled before its round started no longer
+ *     counts as arrived;
+ *   - group liveness: when every connection a group rank spoke on closes
+ *     and it stays silent for the grace period, the replica group leaves the
+ *     job (see sg_mgr_server_start);
+ *   - Kill calls a handler instead of exiting the process;
+ *   - ManagerQuorumResponse carries an extension field,
+ *     up_to_date_manager_addresses = 100, that torchft peers skip.
+ */
+#ifndef STEPGUARD_MANAGER_H
+#define STEPGUARD_MANAGER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "stepguard/base.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Bounds on what the server accepts. */
+#define SG_MGR_MAX_WORLD_SIZE 65536    /* group ranks per replica group */
+#define SG_MGR_MAX_ID_LEN 1024         /* replica id, addresses */
+#define SG_MGR_MAX_METADATA_LEN 65536  /* checkpoint_metadata per rank */
+#define SG_MGR_DISCONNECT_GRACE_MS 250 /* default group liveness grace */
+
+/*
+ * Called on the server's thread when a Kill request arrives, after the OK
+ * response was handed to the connection (about 20 ms later, so it usually
+ * reaches the caller).  `msg` is borrowed for the call.  The library never
+ * exits; the embedding program decides (the Python binding exits).
+ */
+typedef void (*sg_mgr_kill_cb)(void *ud, const char *msg);
+
+typedef struct sg_mgr_server_opts_s {
+  const char *replica_id;      /* required, non-empty */
+  const char *lighthouse_addr; /* required: "http://host:port" */
+  const char *hostname;   /* advertised host; NULL: $STEPGUARD_ADVERTISE_HOST,
+                             else gethostname() */
+  const char *bind;       /* NULL: "[::]:0" */
+  const char *store_addr; /* the group's TCPStore "host:port"; NULL: "" */
+  int64_t world_size;     /* group ranks, 1..SG_MGR_MAX_WORLD_SIZE */
+  int64_t heartbeat_interval_ms; /* <= 0: 100 */
+  int64_t connect_timeout_ms;    /* <= 0: 10000.  Bounds the connect at start
+                                    and each lighthouse call made while the
+                                    lighthouse is unreachable */
+  int64_t quorum_retries;        /* torchft's quorum_retries; < 0: 0 */
+  int64_t disconnect_grace_ms;   /* group liveness grace; 0: 250; < 0: off */
+  const char *auth_token; /* NULL or "": none.  Sent to the lighthouse, and
+                             required ("authorization: Bearer <token>") on
+                             every call to this server when set */
+  sg_mgr_kill_cb kill;    /* may be NULL: Kill is logged and answered only */
+  void *kill_ud;
+} sg_mgr_server_opts_t;
+
+typedef struct sg_mgr_server_s sg_mgr_server_t;
+
+/*
+ * sg_mgr_server_start: connect to the lighthouse (retrying with backoff for
+ * up to connect_timeout_ms), bind, and serve on a thread of its own, with a
+ * heartbeat thread and a lighthouse-quorum thread beside it.  Strings in `o`
+ * are copied.  Blocks up to the connect timeout.  Any thread.  On success
+ * *out owns the server until sg_mgr_server_stop().
+ *
+ * Group liveness: the server tracks which connections each group rank's
+ * Quorum and ShouldCommit calls came on.  When the last of them closes and
+ * the rank does not call again within disconnect_grace_ms, the replica group
+ * has lost a rank and *leaves*: heartbeats stop, the lighthouse connection is
+ * closed for good (so the lighthouse drops the group at once), every waiting
+ * Quorum and ShouldCommit call fails with UNAVAILABLE, and so does every
+ * later one.  A group that left never rejoins: the whole group must restart
+ * (as torchrun does when a rank dies) and start a new server.  Group ranks
+ * must therefore keep their client open for the life of training.
+ *
+ * Returns 0; SG_EINVAL (bad option, detail in err); SG_ENOMEM; the
+ * lighthouse connect error (SG_ECONNREFUSED, SG_ETIMEDOUT, SG_ENOTFOUND,
+ * SG_EPROTO, ...); or the bind error (SG_EADDRINUSE, ...).  On error no
+ * callback is ever called.
+ */
+SG_EXPORT int sg_mgr_server_start(const sg_mgr_server_opts_t *o,
+                                  sg_mgr_server_t **out, sg_err_t *err);
+
+/* sg_mgr_server_address: "http://{host}:{port}", owned by the server.  Any
+ * thread. */
+SG_EXPORT const char *sg_mgr_server_address(const sg_mgr_server_t *s);
+
+/* sg_mgr_server_port: the bound TCP port (useful with port 0). */
+SG_EXPORT int sg_mgr_server_port(const sg_mgr_server_t *s);
+
+/* sg_mgr_server_has_left: nonzero once the group left (see above).  Any
+ * thread. */
+SG_EXPORT int sg_mgr_server_has_left(const sg_mgr_server_t *s);
+
+/*
+ * sg_mgr_server_stop: fail every waiting call with UNAVAILABLE, stop
+ * heartbeating, close the lighthouse connection, join the threads and free
+ * `s` (NULL is a no-op).  Blocks briefly (the lighthouse calls in flight are
+ * aborted).  Call once, from any thread except the server's own (not from
+ * the kill callback).
+ */
+SG_EXPORT void sg_mgr_server_stop(sg_mgr_server_t *s);
+
+/* ---- client ------------------------------------------------------------ */
+
+/* A decoded ManagerQuorumResponse (torchft QuorumResult); every pointer is
+ * owned and released by sg_mgr_quorum_result_free. */
+typedef struct sg_mgr_quorum_result_s {
+  int64_t quorum_id;
+  char *recover_src_manager_address; /* "" when not healing */
+  int has_recover_src_replica_rank;
+  int64_t recover_src_replica_rank;
+  int64_t *recover_dst_replica_ranks;
+  size_t n_recover_dst_replica_ranks;
+  char *store_address;
+  int64_t max_step;
+  int has_max_replica_rank;
+  int64_t max_replica_rank;
+  int64_t max_world_size;
+  int64_t replica_rank;
+  int64_t replica_world_size;
+  int heal;
+  int64_t commit_failures;
+  char **replica_ids;
+  size_t n_replica_ids;
+  /* stepguard extension: the managers of every up-to-date replica, in
+     replica-rank order; empty from a torchft server */
+  char **up_to_date_manager_addresses;
+  size_t n_up_to_date_manager_addresses;
+} sg_mgr_quorum_result_t;
+
+/* sg_mgr_quorum_result_free: free what `r` owns and zero it (not `r`). */
+SG_EXPORT void sg_mgr_quorum_result_free(sg_mgr_quorum_result_t *r);
+
+typedef struct sg_mgr_client_s sg_mgr_client_t;
+
+/*
+ * sg_mgr_client_new: connect to the manager at `addr` ("http://host:port")
+ * within connect_timeout_ms (<= 0: 10000), over one persistent connection
+ * that later calls reuse and re-establish with backoff.  `auth_token` (may
+ * be NULL) is copied.  Blocks up to the timeout; any thread.  The client is
+ * thread-safe.  Returns 0, SG_EINVAL, SG_ENOMEM or the connect error, with
+ * detail in err.
+ */
+SG_EXPORT int sg_mgr_client_new(const char *addr, int64_t connect_timeout_ms,
+                                const char *auth_token, sg_mgr_client_t **out,
+                                sg_err_t *err);
+
+/*
+ * sg_mgr_client_quorum: ManagerService/Quorum for `group_rank`, waiting
+ * until `deadline` (sent as grpc-timeout).  `checkpoint_metadata` may be
+ * NULL ("").  On success *out is filled (free with
+ * sg_mgr_quorum_result_free); on error it is zeroed.  Blocks; thread-safe.
+ * Returns 0; SG_ETIMEDOUT (deadline, or DEADLINE_EXCEEDED/CANCELLED);
+ * SG_EABORTED; SG_EINVAL (INVALID_ARGUMENT); SG_ENOTFOUND (NOT_FOUND);
+ * SG_ECONNREFUSED (UNAVAILABLE); SG_EAUTH; SG_EPEER (other statuses);
+ * SG_EPROTO (a malformed response); SG_ECONNRESET; SG_ENOMEM; detail in
+ * err ('status: NAME, message: "..."' for statuses).
+ */
+SG_EXPORT int sg_mgr_client_quorum(sg_mgr_client_t *c, int64_t group_rank,
+                                   int64_t step,
+                                   const char *checkpoint_metadata,
+                                   int shrink_only, int init_sync,
+                                   int64_t commit_failures,
+                                   sg_deadline_t deadline,
+                                   sg_mgr_quorum_result_t *out, sg_err_t *err);
+
+/*
+ * sg_mgr_client_checkpoint_metadata: the metadata group rank `rank` sent
+ * with its last Quorum call.  *out is an sg_malloc'd string (caller frees)
+ * or NULL on error.  Errors as sg_mgr_client_quorum (SG_EINVAL for "rank
+ * not found").
+ */
+SG_EXPORT int sg_mgr_client_checkpoint_metadata(sg_mgr_client_t *c,
+                                                int64_t rank,
+                                                sg_deadline_t deadline,
+                                                char **out, sg_err_t *err);
+
+/*
+ * sg_mgr_client_should_commit: vote for this step; *out gets the group's
+ * decision (1 only if every group rank voted yes).  Errors as
+ * sg_mgr_client_quorum.
+ */
+SG_EXPORT int sg_mgr_client_should_commit(sg_mgr_client_t *c,
+                                          int64_t group_rank, int64_t step,
+                                          int should_commit,
+                                          sg_deadline_t deadline, int *out,
+                                          sg_err_t *err);
+
+/* sg_mgr_client_kill: ManagerService/Kill with `msg` (may be NULL). */
+SG_EXPORT int sg_mgr_client_kill(sg_mgr_client_t *c, const char *msg,
+                                 sg_deadline_t deadline, sg_err_t *err);
+
+/* sg_mgr_client_abort: from any thread, fail every call in progress and
+ * every later one with SG_EABORTED.  Idempotent. */
+SG_EXPORT void sg_mgr_client_abort(sg_mgr_client_t *c);
+
+/* sg_mgr_client_free: abort, close and free (NULL is a no-op).  No call on
+ * `c` may be in progress (abort first, then wait for the callers). */
+SG_EXPORT void sg_mgr_client_free(sg_mgr_client_t *c);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* STEPGUARD_MANAGER_H */

@@ -1,0 +1,1252 @@
+/*
+ * server.c: the ManagerServer of one replica group (torchft.ManagerService),
+ * reference/torchft-semantics.md section 3, with the differences listed in
+ * include/stepguard/manager.h.
+ *
+ *   threads   loop     libuv loop running the gRPC server, every handler,
+ *                      the liveness timer and the delivery of quorum results;
+ *                      owns all per-rank and per-call state (no lock)
+ *             quorum   makes the blocking lighthouse Quorum call of a round
+ *                      (with torchft's retry rule) and posts the outcome to
+ *                      the loop through an async handle
+ *             heartbeat sends Heartbeat every interval
+ *             Both workers share one lighthouse channel (one connection, so
+ *             the lighthouse sees one liveness signal).  `mu` guards only the
+ *             hand-off between the loop and the workers.
+ *   rounds    a Quorum round starts when every group rank has a waiting
+ *             call; its outcome answers every Quorum call waiting when it
+ *             arrives, each with that rank's own view (results.c)
+ *   commit    ShouldCommit votes are ANDed per round
+ *   liveness  which group ranks spoke on which connection; a rank whose
+ *             connections all closed and who stays silent past the grace
+ *             makes the group leave for good (manager.h)
+ */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <uv.h>
+
+#include "manager/results.h"
+#include "rpc/grpc.h"
+#include "stepguard/manager.h"
+#include "stepguard/rpc.h"
+#include "stepguard/rpc_client.h"
+#include "torchft.pb-c.h"
+
+#define LOG "manager"
+#define KILL_DELAY_MS 20 /* lets the Kill response leave first */
+#define LH_MAX_RESPONSE (64u << 20)
+#define MIN_RETRY_SLEEP_MS 100 /* torchft _quorum_with_retries */
+#define MAX_HOST_LEN 255       /* advertised host name (DNS: 253) */
+
+enum waiter_kind { W_QUORUM = 1, W_COMMIT = 2 };
+
+/* A call waiting for a round (Quorum) or for the group's votes (commit). */
+struct waiter {
+  enum waiter_kind kind;
+  sg_rpc_call_t *call;
+  int64_t group_rank;
+  int init_sync;
+  int in_round; /* Quorum: its round's lighthouse call is under way */
+  struct waiter *prev, *next;
+};
+
+/* Per group rank state; loop thread only. */
+struct rank {
+  char *metadata;   /* last checkpoint_metadata; NULL: never sent */
+  unsigned waiting; /* Quorum waiters not yet in a round */
+  int64_t step;     /* from its latest such call */
+  int64_t commit_failures;
+  int voted, vote_no;     /* ShouldCommit in the current round */
+  unsigned nconns;        /* open connections it spoke on */
+  int64_t grace_deadline; /* 0: none */
+};
+
+/* One open connection and the group ranks heard on it. */
+struct conn {
+  int64_t *ranks;
+  size_t n, cap;
+};
+
+/* The lighthouse round handed to the quorum thread. */
+struct job {
+  int64_t step, commit_failures, timeout_ms;
+  int shrink_only;
+};
+
+struct sg_mgr_server_s {
+  /* options (strings owned) */
+  char *replica_id, *name, *lighthouse_addr, *store_addr, *auth_token, *bind;
+  char *address;
+  int64_t world_size, hb_interval_ms, connect_timeout_ms, quorum_retries,
+      grace_ms;
+  sg_mgr_kill_cb kill;
+  void *kill_ud;
+
+  uv_loop_t loop;
+  uv_thread_t thread;
+  uv_async_t stop_async, result_async;
+  uv_timer_t grace_timer, kill_timer;
+  sg_rpc_server_t *rpc;
+  int port;
+  int handles_open;
+
+  /* loop thread only */
+  int closing;
+  struct rank *ranks; /* world_size entries */
+  size_t n_arrived;   /* ranks with waiting > 0 */
+  size_t n_voted, n_no;
+  int last_shrink_only;
+  int64_t last_timeout_ms;
+  struct waiter *quorum_waiters, *commit_waiters;
+  sg_map_t conns; /* "%llu" conn id -> struct conn * */
+  int round_in_flight;
+  char *kill_msg;
+
+  /* shared: guarded by mu */
+  pthread_mutex_t mu;
+  pthread_cond_t cv; /* job posted, stop or leave (CLOCK_MONOTONIC) */
+  int stopping;
+  int job_ready;
+  struct job job;
+  int result_ready, result_rc;
+  char result_msg[256];
+  Torchft__LighthouseQuorumResponse *result;
+
+  atomic_int left; /* the group left the job (never cleared) */
+  uint8_t *hb_req; /* encoded LighthouseHeartbeatRequest */
+  size_t hb_req_len;
+  sg_rpc_channel_t *lh;
+  pthread_t hb_thread, q_thread;
+  int hb_started, q_started, loop_started;
+};
+
+static void *pb_alloc(void *ud, size_t n) {
+  (void)ud;
+  return sg_malloc(n);
+}
+static void pb_free(void *ud, void *p) {
+  (void)ud;
+  sg_free(p);
+}
+static ProtobufCAllocator pb_allocator = {pb_alloc, pb_free, NULL};
+
+static const uint32_t qreq_strings[] = {3};
+static const sg__pb_spec_t qreq_spec = {qreq_strings, 1, NULL, 0};
+static const sg__pb_spec_t no_strings_spec = {NULL, 0, NULL, 0};
+static const uint32_t kill_strings[] = {1};
+static const sg__pb_spec_t kill_spec = {kill_strings, 1, NULL, 0};
+/* LighthouseQuorumResponse -> Quorum (field 1) -> QuorumMember (field 2) */
+static const uint32_t member_strings[] = {1, 2, 3, 7};
+static const sg__pb_spec_t member_spec = {member_strings, 4, NULL, 0};
+static const sg__pb_nested_t quorum_nested[] = {{2, &member_spec}};
+static const sg__pb_spec_t quorum_spec = {NULL, 0, quorum_nested, 1};
+static const sg__pb_nested_t lhresp_nested[] = {{1, &quorum_spec}};
+static const sg__pb_spec_t lhresp_spec = {NULL, 0, lhresp_nested, 1};
+
+/* ---- helpers ------------------------------------------------------------ */
+
+static int64_t ms_to_ns(int64_t ms) {
+  return ms > INT64_MAX / 1000000 ? INT64_MAX : ms * 1000000;
+}
+
+static void conn_key(uint64_t id, char out[24]) {
+  snprintf(out, 24, "%llu", (unsigned long long)id);
+}
+
+/* ct_equal: constant-time comparison of two NUL-terminated strings. */
+static int ct_equal(const char *a, const char *b) {
+  size_t la = strlen(a), lb = strlen(b);
+  unsigned char d = (unsigned char)(la != lb);
+  for (size_t i = 0; i < la; i++)
+    d |= (unsigned char)(a[i] ^ b[i % (lb ? lb : 1)]);
+  return d == 0;
+}
+
+static int authorized(const sg_mgr_server_t *s, sg_rpc_call_t *call) {
+  if (!s->auth_token)
+    return 1;
+  const char *h = sg_rpc_call_metadata(call, "authorization");
+  if (!h || strncmp(h, "Bearer ", 7) != 0)
+    return 0;
+  return ct_equal(h + 7, s->auth_token);
+}
+
+static void respond_err(sg_rpc_call_t *call, int status, const char *fmt, ...)
+    SG_PRINTF(3, 4);
+static void respond_err(sg_rpc_call_t *call, int status, const char *fmt, ...) {
+  char msg[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof(msg), fmt, ap);
+  va_end(ap);
+  sg_log(SG_LOG_DEBUG, LOG, "answering %s with %s: %s",
+         sg_rpc_call_method(call), sg__grpc_status_name(status), msg);
+  sg_rpc_call_respond(call, status, msg, NULL, 0);
+}
+
+/* check_wire: 0, or answers INVALID_ARGUMENT and returns -1. */
+static int check_wire(sg_rpc_call_t *call, const uint8_t *body, size_t len,
+                      const sg__pb_spec_t *spec) {
+  uint32_t field = 0;
+  int rc = sg__pb_check_strings(body, len, spec, &field);
+  if (rc == SG_EINVAL) {
+    respond_err(call, SG_GRPC_INVALID_ARGUMENT,
+                "string field %u is not valid UTF-8 or contains NUL", field);
+    return -1;
+  }
+  if (rc) {
+    respond_err(call, SG_GRPC_INVALID_ARGUMENT, "malformed protobuf message");
+    return -1;
+  }
+  return 0;
+}
+
+static void respond_msg(sg_rpc_call_t *call, const ProtobufCMessage *m) {
+  size_t len = protobuf_c_message_get_packed_size(m);
+  uint8_t *buf = sg_malloc(len ? len : 1);
+  if (!buf) {
+    respond_err(call, SG_GRPC_RESOURCE_EXHAUSTED, "manager out of memory");
+    return;
+  }
+  protobuf_c_message_pack(m, buf);
+  sg_rpc_call_respond(call, SG_GRPC_OK, NULL, buf, len);
+  sg_free(buf);
+}
+
+static void waiter_unlink(struct waiter **head, struct waiter *w) {
+  if (w->prev)
+    w->prev->next = w->next;
+  else
+    *head = w->next;
+  if (w->next)
+    w->next->prev = w->prev;
+  w->prev = w->next = NULL;
+}
+
+static void waiter_push(struct waiter **head, struct waiter *w) {
+  w->prev = NULL;
+  w->next = *head;
+  if (*head)
+    (*head)->prev = w;
+  *head = w;
+}
+
+/* quorum_waiter_gone: bookkeeping when a Quorum waiter leaves the list. */
+static void quorum_waiter_gone(sg_mgr_server_t *s, struct waiter *w) {
+  if (!w->in_round) {
+    struct rank *r = &s->ranks[w->group_rank];
+    if (r->waiting && --r->waiting == 0)
+      s->n_arrived--;
+  }
+}
+
+/* fail_all: answer every waiting call (both kinds) with `status`. */
+static void fail_all(sg_mgr_server_t *s, int status, const char *msg) {
+  while (s->quorum_waiters) {
+    struct waiter *w = s->quorum_waiters;
+    waiter_unlink(&s->quorum_waiters, w);
+    quorum_waiter_gone(s, w);
+    sg_rpc_call_respond(w->call, status, msg, NULL, 0);
+    sg_free(w);
+  }
+  while (s->commit_waiters) {
+    struct waiter *w = s->commit_waiters;
+    waiter_unlink(&s->commit_waiters, w);
+    sg_rpc_call_respond(w->call, status, msg, NULL, 0);
+    sg_free(w);
+  }
+}
+
+/* ---- leaving ------------------------------------------------------------ */
+
+/*
+ * leave: the replica group lost a rank.  Stop heartbeating, close the
+ * lighthouse connection for good (the lighthouse sees it close and drops the
+ * group at once) and fail every waiting call.  Loop thread.
+ */
+static void leave(sg_mgr_server_t *s, const char *why) {
+  if (atomic_exchange(&s->left, 1))
+    return;
+  sg_log(SG_LOG_WARN, LOG,
+         "[Replica %s] %s: the replica group leaves the job (it must restart "
+         "to rejoin)",
+         s->name, why);
+  pthread_mutex_lock(&s->mu);
+  pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+  sg_rpc_channel_abort(s->lh); /* wakes both workers, closes the socket */
+  char msg[300];
+  snprintf(msg, sizeof(msg), "replica group left: %s", why);
+  fail_all(s, SG_GRPC_UNAVAILABLE, msg);
+}
+
+/* ---- liveness ----------------------------------------------------------- */
+
+static void on_grace(uv_timer_t *t);
+
+static void rearm_grace(sg_mgr_server_t *s) {
+  int64_t best = INT64_MAX;
+  for (int64_t g = 0; g < s->world_size; g++)
+    if (s->ranks[g].grace_deadline && s->ranks[g].grace_deadline < best)
+      best = s->ranks[g].grace_deadline;
+  if (best == INT64_MAX || s->closing) {
+    uv_timer_stop(&s->grace_timer);
+    return;
+  }
+  int64_t now = sg_now_ns();
+  int64_t ms = best <= now ? 0 : (best - now + 999999) / 1000000;
+  uv_timer_start(&s->grace_timer, on_grace, (uint64_t)ms, 0);
+}
+
+static void on_grace(uv_timer_t *t) {
+  sg_mgr_server_t *s = t->data;
+  if (s->closing || atomic_load(&s->left))
+    return;
+  int64_t now = sg_now_ns();
+  for (int64_t g = 0; g < s->world_size; g++) {
+    struct rank *r = &s->ranks[g];
+    if (r->grace_deadline && r->grace_deadline <= now && r->nconns == 0) {
+      char why[160];
+      snprintf(why, sizeof(why),
+               "group rank %lld disconnected and stayed silent for %lld ms",
+               (long long)g, (long long)s->grace_ms);
+      r->grace_deadline = 0;
+      leave(s, why);
+      return;
+    }
+  }
+  rearm_grace(s);
+}
+
+/* note_speaker: group rank `g` spoke on connection `conn_id`. */
+static void note_speaker(sg_mgr_server_t *s, int64_t g, uint64_t conn_id) {
+  struct rank *r = &s->ranks[g];
+  if (r->grace_deadline) { /* came back in time */
+    r->grace_deadline = 0;
+    rearm_grace(s);
+  }
+  char key[24];
+  conn_key(conn_id, key);
+  struct conn *c = sg_map_get(&s->conns, key);
+  if (!c) {
+    c = sg_calloc(1, sizeof(*c));
+    if (!c || sg_map_put(&s->conns, key, c, NULL) != 0) {
+      sg_free(c);
+      return; /* best effort: liveness then relies on the lighthouse */
+    }
+  }
+  for (size_t i = 0; i < c->n; i++)
+    if (c->ranks[i] == g)
+      return;
+  if (c->n == c->cap) {
+    size_t cap = c->cap ? c->cap * 2 : 4;
+    int64_t *p = sg_realloc(c->ranks, cap * sizeof(*p));
+    if (!p)
+      return;
+    c->ranks = p;
+    c->cap = cap;
+  }
+  c->ranks[c->n++] = g;
+  r->nconns++;
+}
+
+static void on_conn_close(void *ud, uint64_t conn_id) {
+  sg_mgr_server_t *s = ud;
+  char key[24];
+  conn_key(conn_id, key);
+  struct conn *c = sg_map_del(&s->conns, key);
+  if (!c)
+    return;
+  int armed = 0;
+  int64_t deadline = sg_now_ns() + ms_to_ns(s->grace_ms);
+  for (size_t i = 0; i < c->n; i++) {
+    struct rank *r = &s->ranks[c->ranks[i]];
+    if (r->nconns && --r->nconns == 0 && !s->closing && s->grace_ms >= 0 &&
+        !atomic_load(&s->left)) {
+      sg_log(SG_LOG_DEBUG, LOG,
+             "[Replica %s] group rank %lld: last connection closed", s->name,
+             (long long)c->ranks[i]);
+      r->grace_deadline = deadline > 0 ? deadline : 1;
+      armed = 1;
+    }
+  }
+  sg_free(c->ranks);
+  sg_free(c);
+  if (armed)
+    rearm_grace(s);
+}
+
+/* ---- quorum rounds ------------------------------------------------------ */
+
+/* maybe_start_round: every group rank waits and no round is under way:
+ * hand the group's request to the quorum thread.  Loop thread. */
+static void maybe_start_round(sg_mgr_server_t *s) {
+  if (s->round_in_flight || s->closing || atomic_load(&s->left) ||
+      s->n_arrived < (size_t)s->world_size)
+    return;
+  int64_t *steps = sg_malloc((size_t)s->world_size * sizeof(*steps));
+  if (!steps) {
+    fail_all(s, SG_GRPC_RESOURCE_EXHAUSTED, "manager out of memory");
+    return;
+  }
+  struct job j = {0};
+  for (int64_t g = 0; g < s->world_size; g++) {
+    steps[g] = s->ranks[g].step;
+    if (s->ranks[g].commit_failures > j.commit_failures)
+      j.commit_failures = s->ranks[g].commit_failures;
+  }
+  int disagree = 0;
+  j.step = sg__mgr_group_step(steps, (size_t)s->world_size, &disagree);
+  if (disagree) {
+    char line[256];
+    size_t off = 0;
+    for (int64_t g = 0; g < s->world_size && off + 16 < sizeof(line); g++) {
+      int n = snprintf(line + off, sizeof(line) - off, "%s%lld", g ? "," : "",
+                       (long long)steps[g]);
+      if (n < 0)
+        break;
+      off += (size_t)n;
+    }
+    if (off >= sizeof(line) - 16)
+      snprintf(line + sizeof(line) - 4, 4, "...");
+    sg_log(SG_LOG_WARN, LOG,
+           "[Replica %s] group ranks disagree on the step [%s]; using the "
+           "minimum %lld",
+           s->name, line, (long long)j.step);
+  }
+  sg_free(steps);
+  /* torchft takes shrink_only and the timeout from the last-arriving rank */
+  j.shrink_only = s->last_shrink_only;
+  j.timeout_ms = s->last_timeout_ms;
+  for (struct waiter *w = s->quorum_waiters; w; w = w->next)
+    w->in_round = 1;
+  for (int64_t g = 0; g < s->world_size; g++)
+    s->ranks[g].waiting = 0;
+  s->n_arrived = 0;
+  s->round_in_flight = 1;
+  pthread_mutex_lock(&s->mu);
+  s->job = j;
+  s->job_ready = 1;
+  pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+}
+
+static void encode_results(sg_rpc_call_t *call, const sg__mgr_results_t *r) {
+  Torchft__ManagerQuorumResponse m = TORCHFT__MANAGER_QUORUM_RESPONSE__INIT;
+  m.quorum_id = r->quorum_id;
+  m.recover_src_manager_address = (char *)r->recover_src_manager_address;
+  if (r->has_recover_src_replica_rank) {
+    m._recover_src_replica_rank_case =
+        TORCHFT__MANAGER_QUORUM_RESPONSE___RECOVER_SRC_REPLICA_RANK_RECOVER_SRC_REPLICA_RANK;
+    m.recover_src_replica_rank = r->recover_src_replica_rank;
+  }
+  m.n_recover_dst_replica_ranks = r->n_recover_dst;
+  m.recover_dst_replica_ranks = r->recover_dst_replica_ranks;
+  m.store_address = (char *)r->store_address;
+  m.max_step = r->max_step;
+  if (r->has_max_replica_rank) {
+    m._max_replica_rank_case =
+        TORCHFT__MANAGER_QUORUM_RESPONSE___MAX_REPLICA_RANK_MAX_REPLICA_RANK;
+    m.max_replica_rank = r->max_replica_rank;
+  }
+  m.max_world_size = r->max_world_size;
+  m.replica_rank = r->replica_rank;
+  m.replica_world_size = r->replica_world_size;
+  m.heal = r->heal != 0;
+  m.commit_failures = r->commit_failures;
+  m.n_replica_ids = r->n_replica_ids;
+  m.replica_ids = (char **)r->replica_ids;
+  m.n_up_to_date_manager_addresses = r->n_up_to_date;
+  m.up_to_date_manager_addresses = (char **)r->up_to_date_addresses;
+  respond_msg(call, &m.base);
+}
+
+/* deliver: answer every waiting Quorum call with the round's outcome. */
+static void deliver(sg_mgr_server_t *s, int rc, const char *msg,
+                    Torchft__LighthouseQuorumResponse *resp) {
+  sg__mgr_peer_t *peers = NULL;
+  size_t n = 0;
+  int64_t qid = 0;
+  if (!rc) {
+    Torchft__Quorum *q = resp->quorum;
+    n = q->n_participants;
+    qid = q->quorum_id;
+    peers = sg_calloc(n ? n : 1, sizeof(*peers));
+    if (!peers) {
+      rc = SG_ENOMEM;
+      msg = "manager out of memory";
+    }
+    for (size_t i = 0; peers && i < n; i++) {
+      const Torchft__QuorumMember *p = q->participants[i];
+      peers[i].replica_id = p->replica_id;
+      peers[i].address = p->address;
+      peers[i].store_address = p->store_address;
+      peers[i].step = p->step;
+      peers[i].world_size = p->world_size;
+      peers[i].commit_failures = p->commit_failures;
+      peers[i].shrink_only = p->shrink_only;
+    }
+  }
+  if (rc) {
+    sg_log(SG_LOG_WARN, LOG, "[Replica %s] quorum failed: %s", s->name, msg);
+    while (s->quorum_waiters) {
+      struct waiter *w = s->quorum_waiters;
+      waiter_unlink(&s->quorum_waiters, w);
+      quorum_waiter_gone(s, w);
+      sg_rpc_call_respond(w->call,
+                          rc == SG_ENOMEM ? SG_GRPC_RESOURCE_EXHAUSTED
+                                          : SG_GRPC_INTERNAL,
+                          msg, NULL, 0);
+      sg_free(w);
+    }
+    sg_free(peers);
+    return;
+  }
+  int logged = 0;
+  while (s->quorum_waiters) {
+    struct waiter *w = s->quorum_waiters;
+    waiter_unlink(&s->quorum_waiters, w);
+    quorum_waiter_gone(s, w);
+    sg__mgr_results_t r;
+    sg_err_t e;
+    sg_err_clear(&e);
+    int crc = sg__mgr_compute_results(qid, peers, n, s->replica_id,
+                                      w->group_rank, w->init_sync, &r, &e);
+    if (crc == 0) {
+      if (!logged) {
+        sg_log(SG_LOG_INFO, LOG,
+               "[Replica %s] quorum %lld: replica_rank %lld of %lld, "
+               "max_step %lld, heal %s",
+               s->name, (long long)qid, (long long)r.replica_rank,
+               (long long)r.replica_world_size, (long long)r.max_step,
+               r.heal ? "yes" : "no");
+        logged = 1;
+      }
+      encode_results(w->call, &r);
+    } else {
+      respond_err(w->call,
+                  crc == SG_ENOTFOUND ? SG_GRPC_NOT_FOUND
+                  : crc == SG_ENOMEM  ? SG_GRPC_RESOURCE_EXHAUSTED
+                                      : SG_GRPC_INTERNAL,
+                  "%s", e.msg[0] ? e.msg : sg_strerror(crc));
+    }
+    sg__mgr_results_free(&r);
+    sg_free(w);
+  }
+  sg_free(peers);
+}
+
+static void on_result(uv_async_t *a) {
+  sg_mgr_server_t *s = a->data;
+  pthread_mutex_lock(&s->mu);
+  if (!s->result_ready) {
+    pthread_mutex_unlock(&s->mu);
+    return;
+  }
+  Torchft__LighthouseQuorumResponse *resp = s->result;
+  int rc = s->result_rc;
+  char msg[256];
+  memcpy(msg, s->result_msg, sizeof(msg));
+  s->result = NULL;
+  s->result_ready = 0;
+  pthread_mutex_unlock(&s->mu);
+  s->round_in_flight = 0;
+  if (!s->closing && !atomic_load(&s->left))
+    deliver(s, rc, msg, resp);
+  if (resp)
+    torchft__lighthouse_quorum_response__free_unpacked(resp, &pb_allocator);
+  maybe_start_round(s);
+}
+
+/* ---- calls -------------------------------------------------------------- */
+
+static struct waiter *add_waiter(sg_mgr_server_t *s, sg_rpc_call_t *call,
+                                 enum waiter_kind kind, int64_t g) {
+  struct waiter *w = sg_calloc(1, sizeof(*w));
+  if (!w) {
+    respond_err(call, SG_GRPC_RESOURCE_EXHAUSTED, "manager out of memory");
+    return NULL;
+  }
+  w->kind = kind;
+  w->call = call;
+  w->group_rank = g;
+  waiter_push(kind == W_QUORUM ? &s->quorum_waiters : &s->commit_waiters, w);
+  sg_rpc_call_set_user(call, w);
+  return w;
+}
+
+static int check_rank(sg_mgr_server_t *s, sg_rpc_call_t *call, int64_t g) {
+  if (g < 0 || g >= s->world_size) {
+    respond_err(call, SG_GRPC_INVALID_ARGUMENT,
+                "group_rank %lld out of range [0, %lld)", (long long)g,
+                (long long)s->world_size);
+    return -1;
+  }
+  return 0;
+}
+
+static int check_left(sg_mgr_server_t *s, sg_rpc_call_t *call) {
+  if (!atomic_load(&s->left))
+    return 0;
+  respond_err(call, SG_GRPC_UNAVAILABLE,
+              "replica group left the job; it must restart");
+  return -1;
+}
+
+static void handle_quorum(sg_mgr_server_t *s, sg_rpc_call_t *call,
+                          const uint8_t *body, size_t len) {
+  Torchft__ManagerQuorumRequest *req = NULL;
+  if (!sg_rpc_call_metadata(call, "grpc-timeout")) {
+    respond_err(call, SG_GRPC_INVALID_ARGUMENT, "missing timeout");
+    return;
+  }
+  if (check_wire(call, body, len, &qreq_spec))
+    return;
+  req = torchft__manager_quorum_request__unpack(&pb_allocator, len, body);
+  if (!req) {
+    respond_err(call, SG_GRPC_INVALID_ARGUMENT, "invalid ManagerQuorumRequest");
+    return;
+  }
+  if (check_rank(s, call, req->group_rank) || check_left(s, call))
+    goto out;
+  if (strlen(req->checkpoint_metadata) > SG_MGR_MAX_METADATA_LEN) {
+    respond_err(call, SG_GRPC_INVALID_ARGUMENT,
+                "checkpoint_metadata too long (max %d bytes)",
+                SG_MGR_MAX_METADATA_LEN);
+    goto out;
+  }
+  struct rank *r = &s->ranks[req->group_rank];
+  char *md = sg_strdup(req->checkpoint_metadata);
+  if (!md) {
+    respond_err(call, SG_GRPC_RESOURCE_EXHAUSTED, "manager out of memory");
+    goto out;
+  }
+  struct waiter *w = add_waiter(s, call, W_QUORUM, req->group_rank);
+  if (!w) {
+    sg_free(md);
+    goto out;
+  }
+  w->init_sync = req->init_sync != 0;
+  sg_free(r->metadata);
+  r->metadata = md;
+  r->step = req->step;
+  r->commit_failures = req->commit_failures;
+  if (r->waiting++ == 0)
+    s->n_arrived++;
+  s->last_shrink_only = req->shrink_only != 0;
+  s->last_timeout_ms = sg_deadline_left_ms(sg_rpc_call_deadline(call));
+  note_speaker(s, req->group_rank, sg_rpc_call_conn_id(call));
+  maybe_start_round(s);
+out:
+  torchft__manager_quorum_request__free_unpacked(req, &pb_allocator);
+}
+
+static void finish_commit_round(sg_mgr_server_t *s) {
+  int decision = s->n_no == 0;
+  Torchft__ShouldCommitResponse m = TORCHFT__SHOULD_COMMIT_RESPONSE__INIT;
+  m.should_commit = decision;
+  uint8_t buf[16];
+  size_t len = torchft__should_commit_response__pack(&m, buf);
+  sg_log(SG_LOG_DEBUG, LOG, "[Replica %s] should_commit: %s", s->name,
+         decision ? "yes" : "no");
+  while (s->commit_waiters) {
+    struct waiter *w = s->commit_waiters;
+    waiter_unlink(&s->commit_waiters, w);
+    sg_rpc_call_respond(w->call, SG_GRPC_OK, NULL, buf, len);
+    sg_free(w);
+  }
+  for (int64_t g = 0; g < s->world_size; g++)
+    s->ranks[g].voted = s->ranks[g].vote_no = 0;
+  s->n_voted = s->n_no = 0;
+}
+
+static void handle_should_commit(sg_mgr_server_t *s, sg_rpc_call_t *call,
+                                 const uint8_t *body, size_t len) {
+  if (check_wire(call, body, len, &no_strings_spec))
+    return;
+  Torchft__ShouldCommitRequest *req =
+      torchft__should_commit_request__unpack(&pb_allocator, len, body);
+  if (!req) {
+    respond_err(call, SG_GRPC_INVALID_ARGUMENT, "invalid ShouldCommitRequest");
+    return;
+  }
+  if (check_rank(s, call, req->group_rank) || check_left(s, call))
+    goto out;
+  if (!add_waiter(s, call, W_COMMIT, req->group_rank))
+    goto out;
+  struct rank *r = &s->ranks[req->group_rank];
+  /* torchft: a no vote sticks for the round; the step is not checked */
+  if (!req->should_commit && !r->vote_no) {
+    r->vote_no = 1;
+    s->n_no++;
+  }
+  if (!r->voted) {
+    r->voted = 1;
+    s->n_voted++;
+  }
+  note_speaker(s, req->group_rank, sg_rpc_call_conn_id(call));
+  if (s->n_voted == (size_t)s->world_size)
+    finish_commit_round(s);
+out:
+  torchft__should_commit_request__free_unpacked(req, &pb_allocator);
+}
+
+static void handle_checkpoint_metadata(sg_mgr_server_t *s, sg_rpc_call_t *call,
+                                       const uint8_t *body, size_t len) {
+  if (check_wire(call, body, len, &no_strings_spec))
+    return;
+  Torchft__CheckpointMetadataRequest *req =
+      torchft__checkpoint_metadata_request__unpack(&pb_allocator, len, body);
+  if (!req) {
+    respond_err(call, SG_GRPC_INVALID_ARGUMENT,
+                "invalid CheckpointMetadataRequest");
+    return;
+  }
+  if (req->rank < 0 || req->rank >= s->world_size ||
+      !s->ranks[req->rank].metadata) {
+    respond_err(call, SG_GRPC_INVALID_ARGUMENT, "rank not found");
+  } else {
+    Torchft__CheckpointMetadataResponse m =
+        TORCHFT__CHECKPOINT_METADATA_RESPONSE__INIT;
+    m.checkpoint_metadata = s->ranks[req->rank].metadata;
+    respond_msg(call, &m.base);
+  }
+  torchft__checkpoint_metadata_request__free_unpacked(req, &pb_allocator);
+}
+
+static void on_kill_timer(uv_timer_t *t) {
+  sg_mgr_server_t *s = t->data;
+  char *msg = s->kill_msg;
+  s->kill_msg = NULL;
+  if (s->kill && !s->closing)
+    s->kill(s->kill_ud, msg ? msg : "");
+  sg_free(msg);
+}
+
+static void handle_kill(sg_mgr_server_t *s, sg_rpc_call_t *call,
+                        const uint8_t *body, size_t len) {
+  if (check_wire(call, body, len, &kill_spec))
+    return;
+  Torchft__KillRequest *req =
+      torchft__kill_request__unpack(&pb_allocator, len, body);
+  if (!req) {
+    respond_err(call, SG_GRPC_INVALID_ARGUMENT, "invalid KillRequest");
+    return;
+  }
+  sg_log(SG_LOG_WARN, LOG, "[Replica %s] got kill request: %.1000s", s->name,
+         req->msg);
+  char *msg = sg_strdup(req->msg);
+  torchft__kill_request__free_unpacked(req, &pb_allocator);
+  sg_rpc_call_respond(call, SG_GRPC_OK, NULL, NULL, 0);
+  sg_free(s->kill_msg);
+  s->kill_msg = msg; /* NULL on ENOMEM: the handler gets "" */
+  uv_timer_start(&s->kill_timer, on_kill_timer, KILL_DELAY_MS, 0);
+}
+
+static void on_call(void *ud, sg_rpc_call_t *call) {
+  sg_mgr_server_t *s = ud;
+  const char *method = sg_rpc_call_method(call);
+  size_t len = 0;
+  const uint8_t *body = sg_rpc_call_body(call, &len);
+  if (s->closing) {
+    respond_err(call, SG_GRPC_UNAVAILABLE, "manager shutting down");
+  } else if (!authorized(s, call)) {
+    respond_err(call, SG_GRPC_UNAUTHENTICATED,
+                "missing or wrong authorization token");
+  } else if (strcmp(method, "/torchft.ManagerService/Quorum") == 0) {
+    handle_quorum(s, call, body, len);
+  } else if (strcmp(method, "/torchft.ManagerService/ShouldCommit") == 0) {
+    handle_should_commit(s, call, body, len);
+  } else if (strcmp(method, "/torchft.ManagerService/CheckpointMetadata") ==
+             0) {
+    handle_checkpoint_metadata(s, call, body, len);
+  } else if (strcmp(method, "/torchft.ManagerService/Kill") == 0) {
+    handle_kill(s, call, body, len);
+  } else {
+    respond_err(call, SG_GRPC_UNIMPLEMENTED, "unknown method %.200s", method);
+  }
+}
+
+/* on_call_cancel: the caller gave up (deadline, reset, closed).  A Quorum
+ * call not yet in a round no longer counts as arrived; a vote stays counted
+ * (torchft). */
+static void on_call_cancel(void *ud, sg_rpc_call_t *call) {
+  sg_mgr_server_t *s = ud;
+  struct waiter *w = sg_rpc_call_user(call);
+  if (!w)
+    return;
+  if (w->kind == W_QUORUM) {
+    waiter_unlink(&s->quorum_waiters, w);
+    quorum_waiter_gone(s, w);
+  } else {
+    waiter_unlink(&s->commit_waiters, w);
+  }
+  sg_free(w);
+}
+
+/* ---- lighthouse workers ------------------------------------------------- */
+
+/* wait_ms: sleep on cv until `ms` passed, stop or leave; returns nonzero
+ * when the worker must quit.  Caller holds mu. */
+static int wait_ms(sg_mgr_server_t *s, int64_t ms) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  int64_t ns = (int64_t)ts.tv_nsec + ms_to_ns(ms);
+  ts.tv_sec += (time_t)(ns / 1000000000);
+  ts.tv_nsec = (long)(ns % 1000000000);
+  while (!s->stopping && !atomic_load(&s->left))
+    if (pthread_cond_timedwait(&s->cv, &s->mu, &ts) != 0)
+      break;
+  return s->stopping || atomic_load(&s->left);
+}
+
+/* lh_heartbeat: one Heartbeat call (the request is encoded at start). */
+static int lh_heartbeat(sg_mgr_server_t *s, sg_deadline_t deadline,
+                        sg_err_t *err) {
+  uint8_t *resp = NULL;
+  size_t resp_len = 0;
+  int rc = sg_rpc_channel_call(s->lh, "/torchft.LighthouseService/Heartbeat",
+                               s->hb_req, s->hb_req_len, deadline, &resp,
+                               &resp_len, NULL, err);
+  sg_free(resp);
+  return rc;
+}
+
+/* lh_quorum_once: one LighthouseService/Quorum call. */
+static int lh_quorum_once(sg_mgr_server_t *s, const struct job *j,
+                          int64_t timeout_ms,
+                          Torchft__LighthouseQuorumResponse **out, int *local,
+                          sg_err_t *err) {
+  Torchft__QuorumMember m = TORCHFT__QUORUM_MEMBER__INIT;
+  m.replica_id = s->replica_id;
+  m.address = s->address;
+  m.store_address = s->store_addr;
+  m.step = j->step;
+  m.world_size = (uint64_t)s->world_size;
+  m.shrink_only = j->shrink_only;
+  m.commit_failures = j->commit_failures;
+  Torchft__LighthouseQuorumRequest q = TORCHFT__LIGHTHOUSE_QUORUM_REQUEST__INIT;
+  q.requester = &m;
+  size_t len = torchft__lighthouse_quorum_request__get_packed_size(&q);
+  uint8_t *req = sg_malloc(len), *resp = NULL;
+  size_t resp_len = 0;
+  int status = -1, rc;
+  *out = NULL;
+  *local = 0;
+  if (!req)
+    return sg_err_set(err, SG_ENOMEM, "out of memory");
+  torchft__lighthouse_quorum_request__pack(&q, req);
+  /* While the lighthouse is unreachable a call waits for a reconnect until
+   * its deadline.  Probe with a heartbeat bounded by the connect timeout, so
+   * an unreachable lighthouse fails the attempt within that bound while a
+   * reachable one still gets the whole timeout to form the quorum. */
+  if (!sg_rpc_channel_connected(s->lh)) {
+    int64_t probe_ms =
+        timeout_ms < s->connect_timeout_ms ? timeout_ms : s->connect_timeout_ms;
+    rc = lh_heartbeat(s, sg_deadline_in_ms(probe_ms), err);
+    if (rc)
+      goto out;
+  }
+  rc = sg_rpc_channel_call(s->lh, "/torchft.LighthouseService/Quorum", req, len,
+                           sg_deadline_in_ms(timeout_ms), &resp, &resp_len,
+                           &status, err);
+  if (rc) {
+    *local = rc == SG_ETIMEDOUT && status < 0;
+    goto out;
+  }
+  uint32_t field = 0;
+  if (sg__pb_check_strings(resp, resp_len, &lhresp_spec, &field) != 0) {
+    rc = sg_err_set(err, SG_EPROTO, "malformed LighthouseQuorumResponse");
+    goto out;
+  }
+  *out = torchft__lighthouse_quorum_response__unpack(&pb_allocator, resp_len,
+                                                     resp);
+  if (!*out || !(*out)->quorum) {
+    rc = sg_err_set(err, SG_EPROTO, "lighthouse returned no quorum");
+    if (*out)
+      torchft__lighthouse_quorum_response__free_unpacked(*out, &pb_allocator);
+    *out = NULL;
+  }
+out:
+  sg_free(resp);
+  sg_free(req);
+  return rc;
+}
+
+/*
+ * quorum_with_retries: torchft's _quorum_with_retries.  Attempts are
+ * numbered from 0; after a failed attempt n == quorum_retries the round
+ * fails; otherwise sleep max(100 ms, timeout / (retries + 1)) after an RPC
+ * error, 100 ms after a local timeout, and try again on the same channel
+ * (it reconnects by itself).  Called without mu.
+ */
+static int quorum_with_retries(sg_mgr_server_t *s, const struct job *j,
+                               Torchft__LighthouseQuorumResponse **out,
+                               sg_err_t *err) {
+  for (int64_t retry = 0;; retry++) {
+    int local = 0;
+    sg_err_t e;
+    sg_err_clear(&e);
+    int rc = lh_quorum_once(s, j, j->timeout_ms, out, &local, &e);
+    if (rc == 0)
+      return 0;
+    sg_log(SG_LOG_WARN, LOG, "[Replica %s] lighthouse quorum attempt %lld: %s",
+           s->name, (long long)retry, e.msg[0] ? e.msg : sg_strerror(rc));
+    if (rc == SG_EABORTED || rc == SG_ECLOSED)
+      return sg_err_set(err, rc, "lighthouse channel closed: %s",
+                        e.msg[0] ? e.msg : sg_strerror(rc));
+    if (retry >= s->quorum_retries)
+      return sg_err_set(err, rc,
+                        "lighthouse quorum failed after %lld retries: %s",
+                        (long long)retry, e.msg[0] ? e.msg : sg_strerror(rc));
+    int64_t div = s->quorum_retries + 1;
+    int64_t sleep_ms = local ? MIN_RETRY_SLEEP_MS : j->timeout_ms / div;
+    if (sleep_ms < MIN_RETRY_SLEEP_MS)
+      sleep_ms = MIN_RETRY_SLEEP_MS;
+    pthread_mutex_lock(&s->mu);
+    int quit = wait_ms(s, sleep_ms);
+    pthread_mutex_unlock(&s->mu);
+    if (quit)
+      return sg_err_set(err, SG_ECANCELED, "manager stopping");
+  }
+}
+
+static void *quorum_main(void *arg) {
+  sg_mgr_server_t *s = arg;
+  pthread_mutex_lock(&s->mu);
+  for (;;) {
+    while (!s->job_ready && !s->stopping)
+      pthread_cond_wait(&s->cv, &s->mu);
+    if (s->stopping)
+      break;
+    struct job j = s->job;
+    s->job_ready = 0;
+    pthread_mutex_unlock(&s->mu);
+    Torchft__LighthouseQuorumResponse *resp = NULL;
+    sg_err_t e;
+    sg_err_clear(&e);
+    int rc = quorum_with_retries(s, &j, &resp, &e);
+    pthread_mutex_lock(&s->mu);
+    s->result = resp;
+    s->result_rc = rc;
+    snprintf(s->result_msg, sizeof(s->result_msg), "%s",
+             e.msg[0] ? e.msg : sg_strerror(rc));
+    s->result_ready = 1;
+    uv_async_send(&s->result_async);
+  }
+  pthread_mutex_unlock(&s->mu);
+  return NULL;
+}
+
+static void *heartbeat_main(void *arg) {
+  sg_mgr_server_t *s = arg;
+  int failing = 0;
+  pthread_mutex_lock(&s->mu);
+  while (!s->stopping && !atomic_load(&s->left)) {
+    pthread_mutex_unlock(&s->mu);
+    sg_err_t e;
+    sg_err_clear(&e);
+    int rc = lh_heartbeat(s, sg_deadline_in_ms(s->connect_timeout_ms), &e);
+    if (rc && !failing && rc != SG_EABORTED)
+      sg_log(SG_LOG_WARN, LOG, "[Replica %s] heartbeat failed: %s", s->name,
+             e.msg[0] ? e.msg : sg_strerror(rc));
+    else if (!rc && failing)
+      sg_log(SG_LOG_INFO, LOG, "[Replica %s] heartbeats to %s resumed", s->name,
+             s->lighthouse_addr);
+    failing = rc != 0;
+    pthread_mutex_lock(&s->mu);
+    if (wait_ms(s, s->hb_interval_ms))
+      break;
+  }
+  pthread_mutex_unlock(&s->mu);
+  return NULL;
+}
+
+/* ---- loop thread and lifecycle ------------------------------------------ */
+
+static void on_handle_closed(uv_handle_t *h) {
+  sg_mgr_server_t *s = h->data;
+  s->handles_open--;
+}
+
+static void close_handles(sg_mgr_server_t *s) {
+  uv_close((uv_handle_t *)&s->grace_timer, on_handle_closed);
+  uv_close((uv_handle_t *)&s->kill_timer, on_handle_closed);
+  uv_close((uv_handle_t *)&s->stop_async, on_handle_closed);
+  uv_close((uv_handle_t *)&s->result_async, on_handle_closed);
+}
+
+static void on_rpc_closed(void *ud) {
+  sg_mgr_server_t *s = ud;
+  s->rpc = NULL;
+  close_handles(s);
+}
+
+static void on_stop(uv_async_t *a) {
+  sg_mgr_server_t *s = a->data;
+  if (s->closing)
+    return;
+  s->closing = 1;
+  uv_timer_stop(&s->grace_timer);
+  uv_timer_stop(&s->kill_timer);
+  fail_all(s, SG_GRPC_UNAVAILABLE, "manager shutting down");
+  sg_rpc_server_close(s->rpc, on_rpc_closed, s);
+}
+
+static void run_loop(void *arg) {
+  sg_mgr_server_t *s = arg;
+  uv_run(&s->loop, UV_RUN_DEFAULT);
+}
+
+static void server_free(sg_mgr_server_t *s) {
+  if (!s)
+    return;
+  size_t pos = 0;
+  const char *k;
+  void *v;
+  while (sg_map_next(&s->conns, &pos, &k, &v)) {
+    struct conn *c = v;
+    sg_free(c->ranks);
+    sg_free(c);
+  }
+  sg_map_free(&s->conns);
+  if (s->ranks)
+    for (int64_t g = 0; g < s->world_size; g++)
+      sg_free(s->ranks[g].metadata);
+  sg_free(s->ranks);
+  if (s->result)
+    torchft__lighthouse_quorum_response__free_unpacked(s->result,
+                                                       &pb_allocator);
+  if (s->lh)
+    sg_rpc_channel_free(s->lh);
+  sg_free(s->kill_msg);
+  sg_free(s->hb_req);
+  sg_free(s->replica_id);
+  sg_free(s->name);
+  sg_free(s->lighthouse_addr);
+  sg_free(s->store_addr);
+  sg_free(s->auth_token);
+  sg_free(s->bind);
+  sg_free(s->address);
+  pthread_cond_destroy(&s->cv);
+  pthread_mutex_destroy(&s->mu);
+  sg_free(s);
+}
+
+static char *dup_opt(const char *v, const char *dflt, int *fail) {
+  char *d = sg_strdup(v ? v : dflt);
+  if (!d)
+    *fail = 1;
+  return d;
+}
+
+static int validate(const sg_mgr_server_opts_t *o, sg_err_t *err) {
+  if (!o->replica_id || !o->replica_id[0])
+    return sg_err_set(err, SG_EINVAL, "replica_id is required");
+  if (strlen(o->replica_id) > SG_MGR_MAX_ID_LEN ||
+      !sg__utf8_valid(o->replica_id, strlen(o->replica_id)))
+    return sg_err_set(err, SG_EINVAL,
+                      "replica_id must be UTF-8 of at most %d bytes",
+                      SG_MGR_MAX_ID_LEN);
+  if (!o->lighthouse_addr || !o->lighthouse_addr[0])
+    return sg_err_set(err, SG_EINVAL, "lighthouse_addr is required");
+  if (o->world_size < 1 || o->world_size > SG_MGR_MAX_WORLD_SIZE)
+    return sg_err_set(err, SG_EINVAL, "world_size must be in [1, %d]",
+                      SG_MGR_MAX_WORLD_SIZE);
+  if (o->store_addr && (strlen(o->store_addr) > SG_MGR_MAX_ID_LEN ||
+                        !sg__utf8_valid(o->store_addr, strlen(o->store_addr))))
+    return sg_err_set(err, SG_EINVAL,
+                      "store_addr must be UTF-8 of at most %d bytes",
+                      SG_MGR_MAX_ID_LEN);
+  if (o->hostname && (strlen(o->hostname) > MAX_HOST_LEN ||
+                      !sg__utf8_valid(o->hostname, strlen(o->hostname))))
+    return sg_err_set(err, SG_EINVAL,
+                      "hostname must be UTF-8 of at most %d bytes",
+                      MAX_HOST_LEN);
+  return 0;
+}
+
+/* advertised_host: opts, else $STEPGUARD_ADVERTISE_HOST, else gethostname. */
+static void advertised_host(const char *opt, char *host, size_t cap) {
+  const char *env = getenv("STEPGUARD_ADVERTISE_HOST");
+  if (opt && opt[0])
+    snprintf(host, cap, "%s", opt);
+  else if (env && env[0])
+    snprintf(host, cap, "%s", env);
+  else if (gethostname(host, cap) != 0)
+    snprintf(host, cap, "localhost");
+  host[cap - 1] = '\0';
+}
+
+int sg_mgr_server_start(const sg_mgr_server_opts_t *o, sg_mgr_server_t **out,
+                        sg_err_t *err) {
+  sg_mgr_server_t *s = NULL;
+  int rc = validate(o, err);
+  if (rc)
+    return rc;
+  s = sg_calloc(1, sizeof(*s));
+  if (!s)
+    return sg_err_set(err, SG_ENOMEM, "out of memory");
+  pthread_mutex_init(&s->mu, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&s->cv, &ca);
+  pthread_condattr_destroy(&ca);
+  sg_map_init(&s->conns);
+  atomic_init(&s->left, 0);
+  int fail = 0;
+  s->replica_id = dup_opt(o->replica_id, "", &fail);
+  s->lighthouse_addr = dup_opt(o->lighthouse_addr, "", &fail);
+  s->store_addr = dup_opt(o->store_addr, "", &fail);
+  s->bind = dup_opt(o->bind, "[::]:0", &fail);
+  s->auth_token = o->auth_token && o->auth_token[0]
+                      ? dup_opt(o->auth_token, "", &fail)
+                      : NULL;
+  s->name = dup_opt(o->replica_id, "", &fail);
+  s->world_size = o->world_size;
+  s->ranks = sg_calloc((size_t)o->world_size, sizeof(*s->ranks));
+  if (fail || !s->ranks) {
+    rc = sg_err_set(err, SG_ENOMEM, "out of memory");
+    goto fail;
+  }
+  Torchft__LighthouseHeartbeatRequest h =
+      TORCHFT__LIGHTHOUSE_HEARTBEAT_REQUEST__INIT;
+  h.replica_id = s->replica_id;
+  s->hb_req_len = torchft__lighthouse_heartbeat_request__get_packed_size(&h);
+  s->hb_req = sg_malloc(s->hb_req_len ? s->hb_req_len : 1);
+  if (!s->hb_req) {
+    rc = sg_err_set(err, SG_ENOMEM, "out of memory");
+    goto fail;
+  }
+  torchft__lighthouse_heartbeat_request__pack(&h, s->hb_req);
+  char *colon = strchr(s->name, ':');
+  if (colon)
+    *colon = '\0'; /* torchft logs "[Replica {id up to the first ':'}]" */
+  s->hb_interval_ms =
+      o->heartbeat_interval_ms > 0 ? o->heartbeat_interval_ms : 100;
+  s->connect_timeout_ms =
+      o->connect_timeout_ms > 0 ? o->connect_timeout_ms : 10000;
+  s->quorum_retries = o->quorum_retries > 0 ? o->quorum_retries : 0;
+  s->grace_ms = o->disconnect_grace_ms == 0 ? SG_MGR_DISCONNECT_GRACE_MS
+                                            : o->disconnect_grace_ms;
+  s->kill = o->kill;
+  s->kill_ud = o->kill_ud;
+
+  sg_rpc_channel_opts_t co = {0};
+  co.target = s->lighthouse_addr;
+  co.connect_timeout_ms = s->connect_timeout_ms;
+  co.auth_token = s->auth_token;
+  co.max_message = LH_MAX_RESPONSE;
+  rc = sg_rpc_channel_new(&co, &s->lh, err);
+  if (rc)
+    goto fail;
+
+  rc = uv_loop_init(&s->loop);
+  if (rc) {
+    sg_err_set(err, rc, "uv_loop_init: %s", uv_strerror(rc));
+    goto fail;
+  }
+  uv_timer_init(&s->loop, &s->grace_timer);
+  uv_timer_init(&s->loop, &s->kill_timer);
+  uv_async_init(&s->loop, &s->stop_async, on_stop);
+  uv_async_init(&s->loop, &s->result_async, on_result);
+  s->grace_timer.data = s->kill_timer.data = s;
+  s->stop_async.data = s->result_async.data = s;
+  s->handles_open = 4;
+
+  sg_rpc_server_opts_t ro = {0};
+  ro.bind = s->bind;
+  ro.on_call = on_call;
+  ro.on_call_cancel = on_call_cancel;
+  ro.on_conn_close = on_conn_close;
+  ro.ud = s;
+  rc = sg_rpc_server_start(&s->loop, &ro, &s->rpc, err);
+  if (rc) {
+    close_handles(s);
+    uv_run(&s->loop, UV_RUN_DEFAULT);
+    uv_loop_close(&s->loop);
+    goto fail;
+  }
+  s->port = sg_rpc_server_port(s->rpc);
+  char host[MAX_HOST_LEN + 1];
+  advertised_host(o->hostname, host, sizeof(host));
+  int v6 = strchr(host, ':') && host[0] != '[';
+  size_t alen = strlen(host) + 40;
+  s->address = sg_malloc(alen);
+  if (!s->address) {
+    rc = sg_err_set(err, SG_ENOMEM, "out of memory");
+    goto fail_loop;
+  }
+  snprintf(s->address, alen, v6 ? "http://[%s]:%d" : "http://%s:%d", host,
+           s->port);
+
+  rc = uv_thread_create(&s->thread, run_loop, s);
+  if (rc) {
+    sg_err_set(err, rc, "thread: %s", uv_strerror(rc));
+    goto fail_loop;
+  }
+  s->loop_started = 1;
+  rc = -pthread_create(&s->q_thread, NULL, quorum_main, s);
+  if (!rc) {
+    s->q_started = 1;
+    rc = -pthread_create(&s->hb_thread, NULL, heartbeat_main, s);
+    s->hb_started = rc == 0;
+  }
+  if (rc) {
+    sg_err_set(err, rc, "thread: %s", sg_strerror(rc));
+    sg_mgr_server_stop(s);
+    return rc;
+  }
+  sg_log(SG_LOG_INFO, LOG,
+         "[Replica %s] manager listening on %s (bind %s), lighthouse %s, "
+         "world_size %lld",
+         s->name, s->address, s->bind, s->lighthouse_addr,
+         (long long)s->world_size);
+  *out = s;
+  return 0;
+fail_loop:
+  uv_async_send(&s->stop_async);
+  uv_run(&s->loop, UV_RUN_DEFAULT);
+  uv_loop_close(&s->loop);
+fail:
+  server_free(s);
+  return rc;
+}
+
+const char *sg_mgr_server_address(const sg_mgr_server_t *s) {
+  return s->address;
+}
+
+int sg_mgr_server_port(const sg_mgr_server_t *s) { return s->port; }
+
+int sg_mgr_server_has_left(const sg_mgr_server_t *s) {
+  return atomic_load(&((sg_mgr_server_t *)s)->left);
+}
+
+void sg_mgr_server_stop(sg_mgr_server_t *s) {
+  if (!s)
+    return;
+  pthread_mutex_lock(&s->mu);
+  s->stopping = 1;
+  pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+  sg_rpc_channel_abort(s->lh);
+  if (s->q_started)
+    pthread_join(s->q_thread, NULL);
+  if (s->hb_started)
+    pthread_join(s->hb_thread, NULL);
+  if (s->loop_started) {
+    uv_async_send(&s->stop_async);
+    uv_thread_join(&s->thread);
+  }
+  if (uv_loop_close(&s->loop) != 0)
+    sg_log(SG_LOG_WARN, LOG, "manager loop closed with handles open");
+  server_free(s);
+}

@@ -1,0 +1,1038 @@
+/*
+ * test_manager.c: the manager server and client in one process against our
+ * lighthouse, under the sanitizers: quorums of two replica groups of two
+ * ranks over several steps, healing a group that is behind, ShouldCommit
+ * AND, CheckpointMetadata, Kill, the group step when ranks disagree, a
+ * lighthouse that goes away (waiting ranks fail at once) and comes back on
+ * the same port (heartbeats and quorums resume), group liveness (a rank's
+ * connection closes: the group leaves), a request without grpc-timeout, bad
+ * input and stopping with calls in flight.
+ */
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+#include <nghttp2/nghttp2.h>
+
+#include "stepguard/base.h"
+#include "stepguard/lighthouse.h"
+#include "stepguard/manager.h"
+#include "torchft.pb-c.h"
+
+/* ---- fixtures ------------------------------------------------------------ */
+
+static sg_lh_server_t *lh_start(int port, int64_t min_replicas,
+                                int64_t join_timeout_ms,
+                                int64_t heartbeat_timeout_ms) {
+  char bind[64];
+  snprintf(bind, sizeof(bind), "127.0.0.1:%d", port);
+  sg_lh_opts_t o;
+  sg_lh_opts_init(&o);
+  o.bind = bind;
+  o.hostname = "127.0.0.1";
+  o.min_replicas = min_replicas;
+  o.join_timeout_ms = join_timeout_ms;
+  o.heartbeat_timeout_ms = heartbeat_timeout_ms;
+  sg_lh_server_t *s = NULL;
+  sg_err_t err;
+  sg_err_clear(&err);
+  /* a restart on the same port may race the old socket's close briefly */
+  for (int i = 0; i < 50; i++) {
+    int rc = sg_lh_server_start(&o, &s, &err);
+    if (rc == 0)
+      return s;
+    if (rc != SG_EADDRINUSE)
+      break;
+    usleep(100 * 1000);
+  }
+  fail_msg("lighthouse start: %s", err.msg);
+  return NULL;
+}
+
+struct killed {
+  atomic_int n;
+  char msg[128];
+};
+
+static void on_kill(void *ud, const char *msg) {
+  struct killed *k = ud;
+  snprintf(k->msg, sizeof(k->msg), "%s", msg);
+  atomic_fetch_add(&k->n, 1);
+}
+
+typedef struct group_s {
+  sg_mgr_server_t *srv;
+  sg_mgr_client_t *cl[4];
+  int64_t world;
+} group_t;
+
+static void group_start_opts(group_t *g, sg_mgr_server_opts_t *o) {
+  memset(g, 0, sizeof(*g));
+  sg_err_t err;
+  sg_err_clear(&err);
+  if (sg_mgr_server_start(o, &g->srv, &err) != 0)
+    fail_msg("manager start: %s", err.msg);
+  g->world = o->world_size;
+  for (int64_t r = 0; r < g->world; r++)
+    if (sg_mgr_client_new(sg_mgr_server_address(g->srv), 5000, o->auth_token,
+                          &g->cl[r], &err) != 0)
+      fail_msg("manager client: %s", err.msg);
+}
+
+static void base_opts(sg_mgr_server_opts_t *o, const char *id,
+                      const char *lh_addr, const char *store) {
+  memset(o, 0, sizeof(*o));
+  o->replica_id = id;
+  o->lighthouse_addr = lh_addr;
+  o->hostname = "127.0.0.1";
+  o->bind = "127.0.0.1:0";
+  o->store_addr = store;
+  o->world_size = 2;
+  o->heartbeat_interval_ms = 50;
+  o->connect_timeout_ms = 2000;
+}
+
+static void group_start(group_t *g, const char *id, const char *lh_addr,
+                        const char *store) {
+  sg_mgr_server_opts_t o;
+  base_opts(&o, id, lh_addr, store);
+  group_start_opts(g, &o);
+}
+
+static void group_stop(group_t *g) {
+  for (int64_t r = 0; r < g->world; r++)
+    sg_mgr_client_free(g->cl[r]);
+  sg_mgr_server_stop(g->srv);
+  memset(g, 0, sizeof(*g));
+}
+
+struct qreq {
+  sg_mgr_client_t *c;
+  int64_t group_rank, step;
+  const char *md;
+  int init_sync;
+  int64_t commit_failures;
+  int64_t timeout_ms;
+  int64_t delay_ms; /* sleep before calling */
+  int rc;
+  int64_t elapsed_ms;
+  sg_mgr_quorum_result_t r;
+  sg_err_t err;
+  pthread_t t;
+};
+
+static void *quorum_thread(void *arg) {
+  struct qreq *q = arg;
+  if (q->delay_ms)
+    usleep((useconds_t)q->delay_ms * 1000);
+  int64_t t0 = sg_now_ns();
+  q->rc = sg_mgr_client_quorum(
+      q->c, q->group_rank, q->step, q->md, 0, q->init_sync, q->commit_failures,
+      sg_deadline_in_ms(q->timeout_ms), &q->r, &q->err);
+  q->elapsed_ms = (sg_now_ns() - t0) / 1000000;
+  return NULL;
+}
+
+static void q_init(struct qreq *q, group_t *g, int64_t rank, int64_t step) {
+  memset(q, 0, sizeof(*q));
+  q->c = g->cl[rank];
+  q->group_rank = rank;
+  q->step = step;
+  q->timeout_ms = 10000;
+}
+
+static void q_start(struct qreq *q) {
+  assert_int_equal(pthread_create(&q->t, NULL, quorum_thread, q), 0);
+}
+
+static void q_join(struct qreq *q) { pthread_join(q->t, NULL); }
+
+static void q_free(struct qreq *q, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    sg_mgr_quorum_result_free(&q[i].r);
+}
+
+/* run_round: every rank of every group calls quorum at once with the given
+ * steps (steps[group][rank]); q receives groups * 2 results. */
+static void run_round(group_t *gs, size_t ng, const int64_t steps[][2],
+                      int init_sync, struct qreq *q) {
+  for (size_t g = 0; g < ng; g++)
+    for (int64_t r = 0; r < 2; r++) {
+      struct qreq *x = &q[g * 2 + (size_t)r];
+      q_init(x, &gs[g], r, steps[g][r]);
+      x->init_sync = init_sync;
+      x->md = g == 0 ? (r == 0 ? "md-a-0" : "md-a-1")
+                     : (r == 0 ? "md-b-0" : "md-b-1");
+      q_start(x);
+    }
+  for (size_t i = 0; i < ng * 2; i++) {
+    q_join(&q[i]);
+    if (q[i].rc)
+      fail_msg("quorum %zu: %s", i, q[i].err.msg);
+  }
+}
+
+struct creq {
+  sg_mgr_client_t *c;
+  int64_t rank;
+  int vote, rc, out;
+  pthread_t t;
+};
+
+static void *commit_thread(void *arg) {
+  struct creq *c = arg;
+  sg_err_t err;
+  c->rc = sg_mgr_client_should_commit(c->c, c->rank, 1, c->vote,
+                                      sg_deadline_in_ms(10000), &c->out, &err);
+  return NULL;
+}
+
+/* commit_round: both ranks of each group vote at once. */
+static void commit_round(group_t *gs, size_t ng, const int votes[][2],
+                         int out[][2]) {
+  struct creq c[8];
+  for (size_t g = 0; g < ng; g++)
+    for (int r = 0; r < 2; r++) {
+      struct creq *x = &c[g * 2 + (size_t)r];
+      memset(x, 0, sizeof(*x));
+      x->c = gs[g].cl[r];
+      x->rank = r;
+      x->vote = votes[g][r];
+      pthread_create(&x->t, NULL, commit_thread, x);
+    }
+  for (size_t g = 0; g < ng; g++)
+    for (int r = 0; r < 2; r++) {
+      struct creq *x = &c[g * 2 + (size_t)r];
+      pthread_join(x->t, NULL);
+      assert_int_equal(x->rc, 0);
+      out[g][r] = x->out;
+    }
+}
+
+/* ---- raw HTTP/2: a Quorum request without grpc-timeout -------------------
+ */
+
+struct raw {
+  int fd;
+  int done;
+  int status;
+  char msg[256];
+  uint8_t body[64];
+  size_t len, off;
+};
+
+static ssize_t raw_send(nghttp2_session *s, const uint8_t *d, size_t n,
+                        int flags, void *ud) {
+  (void)s;
+  (void)flags;
+  struct raw *r = ud;
+  ssize_t w = send(r->fd, d, n, MSG_NOSIGNAL);
+  return w < 0 ? NGHTTP2_ERR_CALLBACK_FAILURE : w;
+}
+
+static int raw_header(nghttp2_session *s, const nghttp2_frame *f,
+                      const uint8_t *name, size_t nl, const uint8_t *value,
+                      size_t vl, uint8_t flags, void *ud) {
+  (void)s;
+  (void)f;
+  (void)flags;
+  struct raw *r = ud;
+  if (nl == 11 && memcmp(name, "grpc-status", 11) == 0)
+    r->status = atoi((const char *)value);
+  if (nl == 12 && memcmp(name, "grpc-message", 12) == 0)
+    snprintf(r->msg, sizeof(r->msg), "%.*s", (int)vl, (const char *)value);
+  return 0;
+}
+
+static int raw_close(nghttp2_session *s, int32_t id, uint32_t code, void *ud) {
+  (void)s;
+  (void)id;
+  (void)code;
+  ((struct raw *)ud)->done = 1;
+  return 0;
+}
+
+static ssize_t raw_read(nghttp2_session *s, int32_t id, uint8_t *buf,
+                        size_t len, uint32_t *flags, nghttp2_data_source *src,
+                        void *ud) {
+  (void)s;
+  (void)id;
+  (void)src;
+  struct raw *r = ud;
+  size_t n = r->len - r->off;
+  if (n > len)
+    n = len;
+  memcpy(buf, r->body + r->off, n);
+  r->off += n;
+  if (r->off == r->len)
+    *flags |= NGHTTP2_DATA_FLAG_EOF;
+  return (ssize_t)n;
+}
+
+#define NV(n, v)                                                               \
+  {                                                                            \
+    (uint8_t *)(n), (uint8_t *)(v), sizeof(n) - 1, sizeof(v) - 1,              \
+        NGHTTP2_NV_FLAG_NONE                                                   \
+  }
+
+/* raw_call: the grpc-status of a request to `path` whose message is
+ * msg[0..n) (at most 59 bytes), with or without grpc-timeout; *out gets
+ * grpc-message. */
+static int raw_call(int port, const char *path, int with_timeout,
+                    const void *msg, size_t n, char *out, size_t cap) {
+  struct raw r = {0};
+  r.status = -1;
+  assert_true(n + 5 <= sizeof(r.body));
+  r.body[4] = (uint8_t)n;
+  memcpy(r.body + 5, msg, n);
+  r.len = n + 5;
+  r.fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {0};
+  a.sin_family = AF_INET;
+  a.sin_port = htons((uint16_t)port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  assert_int_equal(connect(r.fd, (struct sockaddr *)&a, sizeof(a)), 0);
+  nghttp2_session_callbacks *cb;
+  nghttp2_session_callbacks_new(&cb);
+  nghttp2_session_callbacks_set_send_callback(cb, raw_send);
+  nghttp2_session_callbacks_set_on_header_callback(cb, raw_header);
+  nghttp2_session_callbacks_set_on_stream_close_callback(cb, raw_close);
+  nghttp2_session *s;
+  nghttp2_session_client_new(&s, cb, &r);
+  nghttp2_session_callbacks_del(cb);
+  nghttp2_submit_settings(s, NGHTTP2_FLAG_NONE, NULL, 0);
+  nghttp2_nv hdrs[] = {
+      NV(":method", "POST"),
+      NV(":scheme", "http"),
+      NV(":path", "/"),
+      NV(":authority", "127.0.0.1"),
+      NV("content-type", "application/grpc"),
+      NV("te", "trailers"),
+      NV("grpc-timeout", "5S"),
+  };
+  hdrs[2].value = (uint8_t *)path;
+  hdrs[2].valuelen = strlen(path);
+  nghttp2_data_provider dp = {.read_callback = raw_read};
+  assert_true(nghttp2_submit_request(s, NULL, hdrs, with_timeout ? 7 : 6, &dp,
+                                     NULL) > 0);
+  int64_t end = sg_now_ns() + 5000000000LL;
+  while (!r.done && sg_now_ns() < end) {
+    assert_int_equal(nghttp2_session_send(s), 0);
+    struct pollfd p = {r.fd, POLLIN, 0};
+    if (poll(&p, 1, 100) <= 0)
+      continue;
+    uint8_t buf[4096];
+    ssize_t got = recv(r.fd, buf, sizeof(buf), 0);
+    if (got <= 0)
+      break;
+    assert_true(nghttp2_session_mem_recv(s, buf, (size_t)got) >= 0);
+  }
+  nghttp2_session_del(s);
+  close(r.fd);
+  snprintf(out, cap, "%s", r.msg);
+  return r.status;
+}
+
+/* http_get: the body of GET `path` from 127.0.0.1:port (sg_malloc'd). */
+static char *http_get(int port, const char *path) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {0};
+  a.sin_family = AF_INET;
+  a.sin_port = htons((uint16_t)port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+  char req[256];
+  int n =
+      snprintf(req, sizeof(req),
+               "GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", path);
+  assert_int_equal(send(fd, req, (size_t)n, MSG_NOSIGNAL), n);
+  size_t cap = 1 << 16, len = 0;
+  char *out = sg_malloc(cap);
+  for (;;) {
+    struct pollfd p = {fd, POLLIN, 0};
+    if (poll(&p, 1, 5000) <= 0)
+      break;
+    ssize_t k = recv(fd, out + len, cap - 1 - len, 0);
+    if (k <= 0)
+      break;
+    len += (size_t)k;
+  }
+  out[len] = '\0';
+  close(fd);
+  return out;
+}
+
+/* heartbeating: /status shows `id` healthy and connected. */
+static int heartbeating(int port, const char *id) {
+  char *s = http_get(port, "/status");
+  char key[128];
+  snprintf(key, sizeof(key), "{\"replica_id\":\"%s\",", id);
+  const char *h = strstr(s, "\"heartbeats\":[");
+  const char *p = h ? strstr(h, key) : NULL;
+  int ok = 0;
+  if (p) {
+    const char *e = strchr(p, '}');
+    const char *x = strstr(p, "\"expired\":false");
+    const char *c = strstr(p, "\"connected\":true");
+    ok = e && x && c && x < e && c < e;
+  }
+  sg_free(s);
+  return ok;
+}
+
+/* ---- tests --------------------------------------------------------------- */
+
+static void test_invalid_options(void **state) {
+  (void)state;
+  sg_mgr_server_opts_t o;
+  sg_mgr_server_t *s = NULL;
+  sg_err_t err;
+  base_opts(&o, "a", "http://127.0.0.1:1", "st:1");
+  o.world_size = 0;
+  assert_int_equal(sg_mgr_server_start(&o, &s, &err), SG_EINVAL);
+  o.world_size = SG_MGR_MAX_WORLD_SIZE + 1;
+  assert_int_equal(sg_mgr_server_start(&o, &s, &err), SG_EINVAL);
+  o.world_size = 2;
+  o.replica_id = "";
+  assert_int_equal(sg_mgr_server_start(&o, &s, &err), SG_EINVAL);
+  o.replica_id = "a";
+  o.lighthouse_addr = NULL;
+  assert_int_equal(sg_mgr_server_start(&o, &s, &err), SG_EINVAL);
+  /* an unreachable lighthouse fails the start within connect_timeout */
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
+  char addr[64];
+  snprintf(addr, sizeof(addr), "http://127.0.0.1:%d", sg_lh_server_port(lh));
+  sg_lh_server_stop(lh);
+  o.lighthouse_addr = addr;
+  o.connect_timeout_ms = 300;
+  int64_t t0 = sg_now_ns();
+  assert_true(sg_mgr_server_start(&o, &s, &err) < 0);
+  assert_true((sg_now_ns() - t0) / 1000000 < 3000);
+  assert_null(s);
+}
+
+static void test_two_groups_quorum_commit_metadata(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 2, 100, 5000);
+  group_t gs[2];
+  group_start(&gs[0], "a:uuid1", sg_lh_server_address(lh), "storeA:1");
+  group_start(&gs[1], "b:uuid2", sg_lh_server_address(lh), "storeB:1");
+  const char *addr_a = sg_mgr_server_address(gs[0].srv);
+  const char *addr_b = sg_mgr_server_address(gs[1].srv);
+  assert_non_null(strstr(addr_a, "http://127.0.0.1:"));
+  struct qreq q[4];
+  int64_t last_id = -1;
+
+  /* several steps in lock step: nobody heals */
+  for (int64_t step = 0; step < 3; step++) {
+    const int64_t steps[2][2] = {{step, step}, {step, step}};
+    run_round(gs, 2, steps, 0, q);
+    for (int i = 0; i < 4; i++) {
+      const sg_mgr_quorum_result_t *r = &q[i].r;
+      assert_int_equal(r->quorum_id, q[0].r.quorum_id);
+      assert_int_equal(r->replica_rank, i / 2);
+      assert_int_equal(r->replica_world_size, 2);
+      assert_int_equal(r->max_step, step);
+      assert_int_equal(r->max_world_size, 2);
+      assert_false(r->heal);
+      assert_true(r->has_max_replica_rank);
+      assert_int_equal(r->max_replica_rank, i / 2);
+      assert_int_equal(r->n_replica_ids, 2);
+      assert_string_equal(r->replica_ids[0], "a:uuid1");
+      assert_string_equal(r->replica_ids[1], "b:uuid2");
+      assert_int_equal(r->n_up_to_date_manager_addresses, 2);
+      assert_string_equal(r->up_to_date_manager_addresses[0], addr_a);
+      assert_string_equal(r->up_to_date_manager_addresses[1], addr_b);
+      /* primary = M[group_rank % |M|] */
+      assert_string_equal(r->store_address,
+                          i % 2 == 0 ? "storeA:1" : "storeB:1");
+    }
+    assert_true(q[0].r.quorum_id >= last_id);
+    last_id = q[0].r.quorum_id;
+    q_free(q, 4);
+  }
+
+  /* group b is behind: it heals from a; a sends to it */
+  const int64_t behind[2][2] = {{5, 5}, {2, 2}};
+  run_round(gs, 2, behind, 0, q);
+  for (int i = 0; i < 4; i++) {
+    const sg_mgr_quorum_result_t *r = &q[i].r;
+    assert_int_equal(r->max_step, 5);
+    assert_int_equal(r->max_world_size, 1);
+    assert_int_equal(r->n_up_to_date_manager_addresses, 1);
+    assert_string_equal(r->up_to_date_manager_addresses[0], addr_a);
+    assert_string_equal(r->store_address, "storeA:1");
+  }
+  for (int i = 0; i < 2; i++) { /* group a, ranks 0 and 1 */
+    assert_false(q[i].r.heal);
+    assert_int_equal(q[i].r.n_recover_dst_replica_ranks, 1);
+    assert_int_equal(q[i].r.recover_dst_replica_ranks[0], 1);
+    assert_string_equal(q[i].r.recover_src_manager_address, "");
+  }
+  for (int i = 2; i < 4; i++) { /* group b */
+    assert_true(q[i].r.heal);
+    assert_true(q[i].r.has_recover_src_replica_rank);
+    assert_int_equal(q[i].r.recover_src_replica_rank, 0);
+    assert_string_equal(q[i].r.recover_src_manager_address, addr_a);
+    assert_false(q[i].r.has_max_replica_rank);
+    assert_int_equal(q[i].r.n_recover_dst_replica_ranks, 0);
+  }
+  q_free(q, 4);
+
+  /* init_sync at step 0: everyone but the primary heals */
+  const int64_t zero[2][2] = {{0, 0}, {0, 0}};
+  run_round(gs, 2, zero, 1, q);
+  assert_false(q[0].r.heal); /* a, rank 0: a is rank 0's primary */
+  assert_true(q[1].r.heal);  /* a, rank 1: b is rank 1's primary */
+  assert_true(q[2].r.heal);  /* b, rank 0 */
+  assert_false(q[3].r.heal); /* b, rank 1 */
+  q_free(q, 4);
+
+  /* ShouldCommit: AND within a group, independent across groups, reset */
+  int out[2][2];
+  const int votes1[2][2] = {{1, 0}, {1, 1}};
+  commit_round(gs, 2, votes1, out);
+  assert_false(out[0][0]);
+  assert_false(out[0][1]);
+  assert_true(out[1][0]);
+  assert_true(out[1][1]);
+  const int votes2[2][2] = {{1, 1}, {0, 0}};
+  commit_round(gs, 2, votes2, out);
+  assert_true(out[0][0]);
+  assert_true(out[0][1]);
+  assert_false(out[1][0]);
+  assert_false(out[1][1]);
+
+  /* CheckpointMetadata per rank, from the last quorum call */
+  char *md = NULL;
+  sg_err_t err;
+  assert_int_equal(sg_mgr_client_checkpoint_metadata(
+                       gs[1].cl[0], 1, sg_deadline_in_ms(5000), &md, &err),
+                   0);
+  assert_string_equal(md, "md-b-1");
+  sg_free(md);
+  assert_int_equal(sg_mgr_client_checkpoint_metadata(
+                       gs[0].cl[1], 0, sg_deadline_in_ms(5000), &md, &err),
+                   0);
+  assert_string_equal(md, "md-a-0");
+  sg_free(md);
+  assert_int_equal(sg_mgr_client_checkpoint_metadata(
+                       gs[0].cl[0], 2, sg_deadline_in_ms(5000), &md, &err),
+                   SG_EINVAL);
+  assert_non_null(strstr(err.msg, "rank not found"));
+  assert_null(md);
+
+  group_stop(&gs[0]);
+  group_stop(&gs[1]);
+  sg_lh_server_stop(lh);
+}
+
+static void test_metadata_of_silent_rank_not_found(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
+  group_t g;
+  group_start(&g, "a", sg_lh_server_address(lh), "st:1");
+  char *md = NULL;
+  sg_err_t err;
+  assert_int_equal(sg_mgr_client_checkpoint_metadata(
+                       g.cl[0], 0, sg_deadline_in_ms(5000), &md, &err),
+                   SG_EINVAL);
+  assert_non_null(strstr(err.msg, "rank not found"));
+  group_stop(&g);
+  sg_lh_server_stop(lh);
+}
+
+static void test_step_disagreement_uses_minimum(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 2, 100, 5000);
+  group_t gs[2];
+  group_start(&gs[0], "a", sg_lh_server_address(lh), "storeA:1");
+  group_start(&gs[1], "b", sg_lh_server_address(lh), "storeB:1");
+  /* group a: rank 1 at step 4 first, then rank 0 at step 7 arrives last
+   * (torchft would report the last-arriving 7 and b would heal) */
+  struct qreq q[4];
+  q_init(&q[0], &gs[0], 0, 7);
+  q[0].delay_ms = 300;
+  q_init(&q[1], &gs[0], 1, 4);
+  q_init(&q[2], &gs[1], 0, 4);
+  q_init(&q[3], &gs[1], 1, 4);
+  q[0].commit_failures = 3; /* forwarded as the max over ranks */
+  for (int i = 0; i < 4; i++)
+    q_start(&q[i]);
+  for (int i = 0; i < 4; i++) {
+    q_join(&q[i]);
+    if (q[i].rc)
+      fail_msg("quorum %d: %s", i, q[i].err.msg);
+  }
+  for (int i = 0; i < 4; i++) {
+    assert_int_equal(q[i].r.max_step, 4);
+    assert_false(q[i].r.heal);
+    assert_int_equal(q[i].r.max_world_size, 2);
+    assert_int_equal(q[i].r.commit_failures, 3);
+  }
+  q_free(q, 4);
+  group_stop(&gs[0]);
+  group_stop(&gs[1]);
+  sg_lh_server_stop(lh);
+}
+
+static void test_kill_calls_handler(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
+  struct killed k = {0};
+  sg_mgr_server_opts_t o;
+  base_opts(&o, "a", sg_lh_server_address(lh), "st:1");
+  o.kill = on_kill;
+  o.kill_ud = &k;
+  group_t g;
+  group_start_opts(&g, &o);
+  sg_err_t err;
+  assert_int_equal(
+      sg_mgr_client_kill(g.cl[0], "bye now", sg_deadline_in_ms(5000), &err), 0);
+  for (int i = 0; i < 200 && atomic_load(&k.n) == 0; i++)
+    usleep(10 * 1000);
+  assert_int_equal(atomic_load(&k.n), 1);
+  assert_string_equal(k.msg, "bye now");
+  group_stop(&g);
+  sg_lh_server_stop(lh);
+}
+
+static void test_bad_requests(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
+  group_t g;
+  group_start(&g, "a", sg_lh_server_address(lh), "st:1");
+  sg_err_t err;
+  sg_mgr_quorum_result_t r;
+  int out = 0;
+  assert_int_equal(sg_mgr_client_quorum(g.cl[0], 2, 0, "", 0, 0, 0,
+                                        sg_deadline_in_ms(5000), &r, &err),
+                   SG_EINVAL);
+  assert_non_null(strstr(err.msg, "out of range"));
+  assert_int_equal(sg_mgr_client_quorum(g.cl[0], -1, 0, "", 0, 0, 0,
+                                        sg_deadline_in_ms(5000), &r, &err),
+                   SG_EINVAL);
+  assert_int_equal(sg_mgr_client_should_commit(
+                       g.cl[0], 7, 0, 1, sg_deadline_in_ms(5000), &out, &err),
+                   SG_EINVAL);
+  /* metadata over the limit */
+  size_t big = SG_MGR_MAX_METADATA_LEN + 1;
+  char *md = sg_malloc(big + 1);
+  memset(md, 'x', big);
+  md[big] = '\0';
+  assert_int_equal(sg_mgr_client_quorum(g.cl[0], 0, 0, md, 0, 0, 0,
+                                        sg_deadline_in_ms(5000), &r, &err),
+                   SG_EINVAL);
+  sg_free(md);
+  /* no grpc-timeout: INVALID_ARGUMENT "missing timeout" */
+  char msg[256];
+  int port = sg_mgr_server_port(g.srv);
+  const char *qpath = "/torchft.ManagerService/Quorum";
+  assert_int_equal(raw_call(port, qpath, 0, "", 0, msg, sizeof(msg)), 3);
+  assert_string_equal(msg, "missing timeout");
+  /* malformed protobuf, and a string that is not UTF-8 */
+  static const uint8_t garbage[] = {0x0a, 0xff, 0xff, 0xff};
+  assert_int_equal(
+      raw_call(port, qpath, 1, garbage, sizeof(garbage), msg, sizeof(msg)), 3);
+  static const uint8_t bad_utf8[] = {0x1a, 0x02, 0xc3, 0x28}; /* field 3 */
+  assert_int_equal(
+      raw_call(port, qpath, 1, bad_utf8, sizeof(bad_utf8), msg, sizeof(msg)),
+      3);
+  assert_non_null(strstr(msg, "UTF-8"));
+  static const uint8_t nul[] = {0x1a, 0x02, 'a', 0x00};
+  assert_int_equal(raw_call(port, qpath, 1, nul, sizeof(nul), msg, sizeof(msg)),
+                   3);
+  static const uint8_t bad_kill[] = {0x0a, 0x01, 0xff};
+  assert_int_equal(raw_call(port, "/torchft.ManagerService/Kill", 1, bad_kill,
+                            sizeof(bad_kill), msg, sizeof(msg)),
+                   3);
+  assert_int_equal(raw_call(port, "/torchft.ManagerService/Nope", 1, "", 0, msg,
+                            sizeof(msg)),
+                   12);
+  assert_int_equal(raw_call(port, "/torchft.ManagerService/ShouldCommit", 1,
+                            garbage, sizeof(garbage), msg, sizeof(msg)),
+                   3);
+  /* the server still serves */
+  assert_int_equal(
+      sg_mgr_client_kill(g.cl[1], NULL, sg_deadline_in_ms(5000), &err), 0);
+  group_stop(&g);
+  sg_lh_server_stop(lh);
+}
+
+static void test_auth_token_required(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
+  sg_mgr_server_opts_t o;
+  base_opts(&o, "a", sg_lh_server_address(lh), "st:1");
+  o.world_size = 1;
+  o.auth_token = "s3cret"; /* the lighthouse has none: it ignores it */
+  group_t g;
+  group_start_opts(&g, &o);
+  sg_mgr_client_t *anon = NULL;
+  sg_err_t err;
+  assert_int_equal(
+      sg_mgr_client_new(sg_mgr_server_address(g.srv), 5000, NULL, &anon, &err),
+      0);
+  int out = 0;
+  assert_int_equal(sg_mgr_client_should_commit(
+                       anon, 0, 0, 1, sg_deadline_in_ms(5000), &out, &err),
+                   SG_EAUTH);
+  sg_mgr_client_free(anon);
+  assert_int_equal(sg_mgr_client_should_commit(
+                       g.cl[0], 0, 0, 1, sg_deadline_in_ms(5000), &out, &err),
+                   0);
+  assert_true(out);
+  group_stop(&g);
+  sg_lh_server_stop(lh);
+}
+
+static void test_lighthouse_down_then_back(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 1000);
+  int port = sg_lh_server_port(lh);
+  char lh_addr[64];
+  snprintf(lh_addr, sizeof(lh_addr), "http://127.0.0.1:%d", port);
+  group_t g;
+  group_start(&g, "a", lh_addr, "st:1");
+  struct qreq q[2];
+  const int64_t steps[1][2] = {{1, 1}};
+  run_round(&g, 1, steps, 0, q);
+  assert_int_equal(q[0].r.replica_world_size, 1);
+  q_free(q, 2);
+
+  /* the lighthouse goes away: both waiting ranks fail at once, not at
+   * their 30 s deadlines */
+  sg_lh_server_stop(lh);
+  for (int r = 0; r < 2; r++) {
+    q_init(&q[r], &g, r, 2);
+    q[r].timeout_ms = 30000;
+    q_start(&q[r]);
+  }
+  for (int r = 0; r < 2; r++) {
+    q_join(&q[r]);
+    assert_true(q[r].rc < 0);
+    assert_int_not_equal(q[r].rc, SG_ETIMEDOUT);
+    assert_true(q[r].elapsed_ms < 10000);
+    assert_non_null(strstr(q[r].err.msg, "lighthouse quorum failed"));
+  }
+  assert_int_equal(q[0].rc, q[1].rc);
+  q_free(q, 2);
+
+  /* it comes back on the same port: heartbeats and quorums resume */
+  lh = lh_start(port, 1, 100, 1000);
+  int ok = 0;
+  for (int i = 0; i < 100 && !ok; i++) {
+    usleep(50 * 1000);
+    ok = heartbeating(port, "a");
+  }
+  assert_true(ok);
+  const int64_t steps2[1][2] = {{3, 3}};
+  run_round(&g, 1, steps2, 0, q);
+  assert_int_equal(q[0].r.max_step, 3);
+  assert_int_equal(q[1].r.quorum_id, q[0].r.quorum_id);
+  q_free(q, 2);
+  /* heartbeats keep it healthy past the heartbeat timeout */
+  usleep(1500 * 1000);
+  assert_true(heartbeating(port, "a"));
+  group_stop(&g);
+  sg_lh_server_stop(lh);
+}
+
+static void test_quorum_retries(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
+  sg_mgr_server_opts_t o;
+  base_opts(&o, "a", sg_lh_server_address(lh), "st:1");
+  o.world_size = 1;
+  o.quorum_retries = 2;
+  o.connect_timeout_ms = 300;
+  group_t g;
+  group_start_opts(&g, &o);
+  sg_lh_server_stop(lh);
+  struct qreq q;
+  q_init(&q, &g, 0, 0);
+  q.timeout_ms = 6000; /* 3 tries of 300 ms, sleeps of 6000 / 3 ms */
+  q_start(&q);
+  q_join(&q);
+  assert_true(q.rc < 0);
+  assert_non_null(strstr(q.err.msg, "after 2 retries"));
+  group_stop(&g);
+}
+
+static void test_group_leaves_when_rank_disconnects(void **state) {
+  (void)state;
+  /* long heartbeat and join timeouts: only connection liveness can make
+   * the lighthouse drop group a within the test's bound */
+  sg_lh_server_t *lh = lh_start(0, 1, 600000, 60000);
+  group_t gs[2];
+  group_start(&gs[0], "a", sg_lh_server_address(lh), "storeA:1");
+  group_start(&gs[1], "b", sg_lh_server_address(lh), "storeB:1");
+  usleep(200 * 1000); /* both heartbeat: the first quorum waits for both */
+  struct qreq q[4];
+  const int64_t steps[2][2] = {{1, 1}, {1, 1}};
+  run_round(gs, 2, steps, 0, q);
+  assert_int_equal(q[0].r.replica_world_size, 2);
+  q_free(q, 4);
+
+  /* a's rank 0 waits for the next quorum; a's rank 1 dies */
+  q_init(&q[0], &gs[0], 0, 2);
+  q[0].timeout_ms = 30000;
+  q_start(&q[0]);
+  usleep(100 * 1000);
+  sg_mgr_client_free(gs[0].cl[1]);
+  gs[0].cl[1] = NULL;
+  q_join(&q[0]);
+  assert_int_equal(q[0].rc, SG_ECONNREFUSED); /* UNAVAILABLE */
+  assert_non_null(strstr(q[0].err.msg, "left"));
+  assert_true(q[0].elapsed_ms < 5000);
+  assert_true(sg_mgr_server_has_left(gs[0].srv));
+
+  /* b's next quorum no longer includes a */
+  q_init(&q[2], &gs[1], 0, 2);
+  q_init(&q[3], &gs[1], 1, 2);
+  q_start(&q[2]);
+  q_start(&q[3]);
+  q_join(&q[2]);
+  q_join(&q[3]);
+  assert_int_equal(q[2].rc, 0);
+  assert_int_equal(q[3].rc, 0);
+  assert_true(q[2].elapsed_ms < 10000);
+  assert_int_equal(q[2].r.replica_world_size, 1);
+  assert_string_equal(q[2].r.replica_ids[0], "b");
+  q_free(q, 4);
+
+  /* a answers every later call with UNAVAILABLE */
+  sg_mgr_quorum_result_t r;
+  sg_err_t err;
+  assert_int_equal(sg_mgr_client_quorum(gs[0].cl[0], 0, 3, "", 0, 0, 0,
+                                        sg_deadline_in_ms(5000), &r, &err),
+                   SG_ECONNREFUSED);
+  int out = 1;
+  assert_int_equal(sg_mgr_client_should_commit(gs[0].cl[0], 0, 3, 1,
+                                               sg_deadline_in_ms(5000), &out,
+                                               &err),
+                   SG_ECONNREFUSED);
+  group_stop(&gs[0]);
+  group_stop(&gs[1]);
+  sg_lh_server_stop(lh);
+}
+
+static void test_reconnect_within_grace_keeps_group(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
+  sg_mgr_server_opts_t o;
+  base_opts(&o, "a", sg_lh_server_address(lh), "st:1");
+  o.disconnect_grace_ms = 2000;
+  group_t g;
+  group_start_opts(&g, &o);
+  struct qreq q[2];
+  const int64_t steps[1][2] = {{1, 1}};
+  run_round(&g, 1, steps, 0, q);
+  q_free(q, 2);
+  /* rank 1 reconnects (a new client) within the grace */
+  sg_mgr_client_free(g.cl[1]);
+  sg_err_t err;
+  assert_int_equal(sg_mgr_client_new(sg_mgr_server_address(g.srv), 5000, NULL,
+                                     &g.cl[1], &err),
+                   0);
+  const int64_t steps2[1][2] = {{2, 2}};
+  run_round(&g, 1, steps2, 0, q);
+  q_free(q, 2);
+  usleep(2500 * 1000);
+  assert_false(sg_mgr_server_has_left(g.srv));
+  group_stop(&g);
+  sg_lh_server_stop(lh);
+}
+
+static void test_cancelled_call_no_longer_counts(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
+  group_t g;
+  group_start(&g, "a", sg_lh_server_address(lh), "st:1");
+  /* rank 0 gives up before rank 1 arrives: rank 1 alone starts no round */
+  struct qreq q[2];
+  q_init(&q[0], &g, 0, 1);
+  q[0].timeout_ms = 200;
+  q_start(&q[0]);
+  q_join(&q[0]);
+  assert_int_equal(q[0].rc, SG_ETIMEDOUT);
+  usleep(100 * 1000); /* the cancel reaches the server */
+  q_init(&q[1], &g, 1, 1);
+  q[1].timeout_ms = 600;
+  q_start(&q[1]);
+  q_join(&q[1]);
+  assert_int_equal(q[1].rc, SG_ETIMEDOUT);
+  /* both together still work */
+  const int64_t steps[1][2] = {{1, 1}};
+  run_round(&g, 1, steps, 0, q);
+  assert_int_equal(q[0].r.replica_world_size, 1);
+  q_free(q, 2);
+  group_stop(&g);
+  sg_lh_server_stop(lh);
+}
+
+static void test_lighthouse_stops_during_round(void **state) {
+  (void)state;
+  /* min_replicas 2 and one group: the lighthouse call waits */
+  sg_lh_server_t *lh = lh_start(0, 2, 100, 5000);
+  group_t g;
+  group_start(&g, "a", sg_lh_server_address(lh), "st:1");
+  struct qreq q[2];
+  for (int r = 0; r < 2; r++) {
+    q_init(&q[r], &g, r, 1);
+    q[r].timeout_ms = 30000;
+    q_start(&q[r]);
+  }
+  usleep(300 * 1000);
+  int64_t t0 = sg_now_ns();
+  sg_lh_server_stop(lh);
+  for (int r = 0; r < 2; r++) {
+    q_join(&q[r]);
+    assert_true(q[r].rc < 0);
+    assert_int_not_equal(q[r].rc, SG_ETIMEDOUT);
+    assert_non_null(strstr(q[r].err.msg, "lighthouse quorum failed"));
+  }
+  assert_true((sg_now_ns() - t0) / 1000000 < 5000);
+  group_stop(&g);
+}
+
+/* A quorum asked while the lighthouse connection is down (it restarted)
+ * gets the whole timeout, not just the connect timeout, once it connects. */
+static void test_quorum_after_restart_gets_full_timeout(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 2, 100, 60000);
+  int port = sg_lh_server_port(lh);
+  char lh_addr[64];
+  snprintf(lh_addr, sizeof(lh_addr), "http://127.0.0.1:%d", port);
+  sg_mgr_server_opts_t o;
+  base_opts(&o, "a", lh_addr, "storeA:1");
+  o.world_size = 1;
+  o.connect_timeout_ms = 300;
+  o.heartbeat_interval_ms = 600000; /* only the first heartbeat, at start */
+  group_t a, b;
+  group_start_opts(&a, &o);
+  sg_lh_server_stop(lh);
+  lh = lh_start(port, 2, 100, 60000);
+  /* a's channel is down; b joins 1 s later (> a's connect timeout) */
+  base_opts(&o, "b", lh_addr, "storeB:1");
+  o.world_size = 1;
+  group_start_opts(&b, &o);
+  struct qreq q[2];
+  q_init(&q[0], &a, 0, 1);
+  q_init(&q[1], &b, 0, 1);
+  q[1].delay_ms = 1000;
+  q_start(&q[0]);
+  q_start(&q[1]);
+  q_join(&q[0]);
+  q_join(&q[1]);
+  if (q[0].rc)
+    fail_msg("a: %s", q[0].err.msg);
+  assert_int_equal(q[1].rc, 0);
+  assert_int_equal(q[0].r.replica_world_size, 2);
+  q_free(q, 2);
+  group_stop(&a);
+  group_stop(&b);
+  sg_lh_server_stop(lh);
+}
+
+/* Fail each allocation in turn during a round of calls: every call ends
+ * (with an error or not), nothing crashes or leaks, and the server serves
+ * normally afterwards. */
+static void test_allocation_failures(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
+  sg_mgr_server_opts_t o;
+  base_opts(&o, "a", sg_lh_server_address(lh), "st:1");
+  o.world_size = 1;
+  group_t g;
+  group_start_opts(&g, &o);
+  long failed = 0;
+  for (long nth = 1; nth <= 80; nth++) {
+    sg_mgr_quorum_result_t r;
+    sg_err_t err;
+    char *md = NULL;
+    int out = 0;
+    sg_test_fail_alloc(nth, 0);
+    if (sg_mgr_client_quorum(g.cl[0], 0, nth, "md", 0, 0, 0,
+                             sg_deadline_in_ms(2000), &r, &err) == 0)
+      sg_mgr_quorum_result_free(&r);
+    sg_mgr_client_should_commit(g.cl[0], 0, nth, 1, sg_deadline_in_ms(2000),
+                                &out, &err);
+    if (sg_mgr_client_checkpoint_metadata(g.cl[0], 0, sg_deadline_in_ms(2000),
+                                          &md, &err) == 0)
+      sg_free(md);
+    failed += sg_test_fail_alloc(0, 0);
+  }
+  assert_true(failed > 0);
+  /* the server still works */
+  usleep(200 * 1000);
+  sg_mgr_quorum_result_t r;
+  sg_err_t err;
+  int rc = sg_mgr_client_quorum(g.cl[0], 0, 100, "md", 0, 0, 0,
+                                sg_deadline_in_ms(10000), &r, &err);
+  if (rc)
+    fail_msg("quorum after failures: %s", err.msg);
+  assert_int_equal(r.max_step, 100);
+  sg_mgr_quorum_result_free(&r);
+  group_stop(&g);
+  sg_lh_server_stop(lh);
+}
+
+static void test_stop_with_calls_in_flight(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
+  group_t g;
+  group_start(&g, "a", sg_lh_server_address(lh), "st:1");
+  struct qreq q;
+  q_init(&q, &g, 0, 0); /* rank 1 never comes: rank 0 waits */
+  q.timeout_ms = 30000;
+  q_start(&q);
+  usleep(200 * 1000);
+  int64_t t0 = sg_now_ns();
+  sg_mgr_server_stop(g.srv);
+  g.srv = NULL;
+  q_join(&q);
+  assert_true(q.rc < 0);
+  assert_true((sg_now_ns() - t0) / 1000000 < 5000);
+  for (int r = 0; r < 2; r++)
+    sg_mgr_client_free(g.cl[r]);
+  sg_lh_server_stop(lh);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_invalid_options),
+      cmocka_unit_test(test_two_groups_quorum_commit_metadata),
+      cmocka_unit_test(test_metadata_of_silent_rank_not_found),
+      cmocka_unit_test(test_step_disagreement_uses_minimum),
+      cmocka_unit_test(test_kill_calls_handler),
+      cmocka_unit_test(test_bad_requests),
+      cmocka_unit_test(test_auth_token_required),
+      cmocka_unit_test(test_lighthouse_down_then_back),
+      cmocka_unit_test(test_quorum_retries),
+      cmocka_unit_test(test_group_leaves_when_rank_disconnects),
+      cmocka_unit_test(test_reconnect_within_grace_keeps_group),
+      cmocka_unit_test(test_cancelled_call_no_longer_counts),
+      cmocka_unit_test(test_lighthouse_stops_during_round),
+      cmocka_unit_test(test_quorum_after_restart_gets_full_timeout),
+      cmocka_unit_test(test_allocation_failures),
+      cmocka_unit_test(test_stop_with_calls_in_flight),
+  };
+  /* The rpc server writes with write(2) through libuv: a peer that resets
+   * its connection would raise SIGPIPE (Python ignores it already). */
+  signal(SIGPIPE, SIG_IGN);
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}

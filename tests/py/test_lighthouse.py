@@ -459,7 +459,9 @@ def test_metrics_parse_and_counters_move():
         assert m1["stepguard_lighthouse_quorum_request_duration_seconds_count"] >= 1
 
 
-MANAGER_CHILD = LOAD_TORCHFT_CODE + """
+# RUST_LOG=warn: torchft's info lines go to the same pipe and could split
+# the MANAGER line.
+MANAGER_CHILD = "import os\nos.environ['RUST_LOG'] = 'warn'\n" + LOAD_TORCHFT_CODE + """
 import time
 from datetime import timedelta
 m = torchft_c.ManagerServer("r0", sys.argv[1], "localhost", "[::]:0", "x:1", 1,

@@ -7,7 +7,6 @@ checked with loose upper bounds against a slow path made impossibly slow
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal

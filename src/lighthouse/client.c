@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "rpc/grpc.h"
+#include "rpc/pb.h"
 #include "stepguard/lighthouse.h"
 #include "stepguard/rpc_client.h"
 #include "torchft.pb-c.h"
@@ -14,10 +15,6 @@
 struct sg_lh_client_s {
   sg_rpc_channel_t *ch;
 };
-
-static void *pb_alloc(void *ud, size_t n) { return sg_malloc(n); }
-static void pb_free(void *ud, void *p) { sg_free(p); }
-static ProtobufCAllocator pb_allocator = {pb_alloc, pb_free, NULL};
 
 int sg_lh_client_new(const char *addr, int64_t connect_timeout_ms,
                      const char *auth_token, sg_lh_client_t **out,
@@ -112,7 +109,7 @@ int sg_lh_client_quorum(sg_lh_client_t *c, const sg_lh_member_t *r,
                            deadline, &resp, &resp_len, &status, err);
   if (rc)
     goto out;
-  msg = torchft__lighthouse_quorum_response__unpack(&pb_allocator, resp_len,
+  msg = torchft__lighthouse_quorum_response__unpack(&sg__pb_allocator, resp_len,
                                                     resp);
   if (!msg || !msg->quorum) {
     rc = sg_err_set(err, SG_EPROTO, "invalid LighthouseQuorumResponse");
@@ -140,7 +137,7 @@ int sg_lh_client_quorum(sg_lh_client_t *c, const sg_lh_member_t *r,
   }
 out:
   if (msg)
-    torchft__lighthouse_quorum_response__free_unpacked(msg, &pb_allocator);
+    torchft__lighthouse_quorum_response__free_unpacked(msg, &sg__pb_allocator);
   if (rc)
     sg_lh_quorum_free(out);
   sg_free(resp);

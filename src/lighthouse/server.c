@@ -29,6 +29,7 @@
 #include "lighthouse/quorum.h"
 #include "lighthouse/status.h"
 #include "rpc/grpc.h"
+#include "rpc/pb.h"
 #include "stepguard/lighthouse.h"
 #include "stepguard/rpc.h"
 #include "stepguard/rpc_client.h"
@@ -158,10 +159,6 @@ static int check_wire(sg_lh_server_t *s, sg_rpc_call_t *call,
                   "malformed protobuf message");
   return 0;
 }
-
-static void *pb_alloc(void *ud, size_t n) { return sg_malloc(n); }
-static void pb_free(void *ud, void *p) { sg_free(p); }
-static ProtobufCAllocator pb_allocator = {pb_alloc, pb_free, NULL};
 
 /* ---- unknown fields ---------------------------------------------------------
  *
@@ -639,7 +636,8 @@ static void handle_heartbeat(sg_lh_server_t *s, sg_rpc_call_t *call,
   if (check_wire(s, call, body, len, &hb_spec))
     return;
   Torchft__LighthouseHeartbeatRequest *req =
-      torchft__lighthouse_heartbeat_request__unpack(&pb_allocator, len, body);
+      torchft__lighthouse_heartbeat_request__unpack(&sg__pb_allocator, len,
+                                                    body);
   if (!req) {
     reject(s, call, SG_GRPC_INVALID_ARGUMENT, "%s",
            "invalid LighthouseHeartbeatRequest");
@@ -667,7 +665,7 @@ static void handle_heartbeat(sg_lh_server_t *s, sg_rpc_call_t *call,
   if (!was_healthy)
     process(s);
 out:
-  torchft__lighthouse_heartbeat_request__free_unpacked(req, &pb_allocator);
+  torchft__lighthouse_heartbeat_request__free_unpacked(req, &sg__pb_allocator);
 }
 
 static void handle_quorum(sg_lh_server_t *s, sg_rpc_call_t *call,
@@ -677,7 +675,7 @@ static void handle_quorum(sg_lh_server_t *s, sg_rpc_call_t *call,
   if (check_wire(s, call, body, len, &quorum_spec))
     return;
   Torchft__LighthouseQuorumRequest *req =
-      torchft__lighthouse_quorum_request__unpack(&pb_allocator, len, body);
+      torchft__lighthouse_quorum_request__unpack(&sg__pb_allocator, len, body);
   if (!req) {
     reject(s, call, SG_GRPC_INVALID_ARGUMENT, "%s",
            "invalid LighthouseQuorumRequest");
@@ -758,7 +756,7 @@ static void handle_quorum(sg_lh_server_t *s, sg_rpc_call_t *call,
   note_speaker(s, r->replica_id, sg_rpc_call_conn_id(call));
   process(s);
 out:
-  torchft__lighthouse_quorum_request__free_unpacked(req, &pb_allocator);
+  torchft__lighthouse_quorum_request__free_unpacked(req, &sg__pb_allocator);
 }
 
 static void on_call(void *ud, sg_rpc_call_t *call) {

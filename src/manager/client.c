@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "rpc/grpc.h"
+#include "rpc/pb.h"
 #include "stepguard/manager.h"
 #include "stepguard/rpc_client.h"
 #include "torchft.pb-c.h"
@@ -16,16 +17,6 @@
 struct sg_mgr_client_s {
   sg_rpc_channel_t *ch;
 };
-
-static void *pb_alloc(void *ud, size_t n) {
-  (void)ud;
-  return sg_malloc(n);
-}
-static void pb_free(void *ud, void *p) {
-  (void)ud;
-  sg_free(p);
-}
-static ProtobufCAllocator pb_allocator = {pb_alloc, pb_free, NULL};
 
 static const uint32_t qresp_strings[] = {2, 5, 13, 100};
 static const sg__pb_spec_t qresp_spec = {qresp_strings, 4, NULL, 0};
@@ -150,7 +141,8 @@ int sg_mgr_client_quorum(sg_mgr_client_t *c, int64_t group_rank, int64_t step,
                 deadline, &resp, &resp_len, err);
   if (rc)
     goto out;
-  m = torchft__manager_quorum_response__unpack(&pb_allocator, resp_len, resp);
+  m = torchft__manager_quorum_response__unpack(&sg__pb_allocator, resp_len,
+                                               resp);
   if (!m) {
     rc = sg_err_set(err, SG_EPROTO, "invalid ManagerQuorumResponse");
     goto out;
@@ -202,7 +194,7 @@ int sg_mgr_client_quorum(sg_mgr_client_t *c, int64_t group_rank, int64_t step,
     sg_err_set(err, rc, "out of memory");
 out:
   if (m)
-    torchft__manager_quorum_response__free_unpacked(m, &pb_allocator);
+    torchft__manager_quorum_response__free_unpacked(m, &sg__pb_allocator);
   sg_free(resp);
   if (rc)
     sg_mgr_quorum_result_free(out);
@@ -223,13 +215,13 @@ int sg_mgr_client_checkpoint_metadata(sg_mgr_client_t *c, int64_t rank,
   if (rc)
     return rc;
   Torchft__CheckpointMetadataResponse *m =
-      torchft__checkpoint_metadata_response__unpack(&pb_allocator, resp_len,
+      torchft__checkpoint_metadata_response__unpack(&sg__pb_allocator, resp_len,
                                                     resp);
   sg_free(resp);
   if (!m)
     return sg_err_set(err, SG_EPROTO, "invalid CheckpointMetadataResponse");
   *out = sg_strdup(m->checkpoint_metadata);
-  torchft__checkpoint_metadata_response__free_unpacked(m, &pb_allocator);
+  torchft__checkpoint_metadata_response__free_unpacked(m, &sg__pb_allocator);
   return *out ? 0 : sg_err_set(err, SG_ENOMEM, "out of memory");
 }
 
@@ -248,13 +240,13 @@ int sg_mgr_client_should_commit(sg_mgr_client_t *c, int64_t group_rank,
                 &no_strings_spec, deadline, &resp, &resp_len, err);
   if (rc)
     return rc;
-  Torchft__ShouldCommitResponse *m =
-      torchft__should_commit_response__unpack(&pb_allocator, resp_len, resp);
+  Torchft__ShouldCommitResponse *m = torchft__should_commit_response__unpack(
+      &sg__pb_allocator, resp_len, resp);
   sg_free(resp);
   if (!m)
     return sg_err_set(err, SG_EPROTO, "invalid ShouldCommitResponse");
   *out = m->should_commit != 0;
-  torchft__should_commit_response__free_unpacked(m, &pb_allocator);
+  torchft__should_commit_response__free_unpacked(m, &sg__pb_allocator);
   return 0;
 }
 

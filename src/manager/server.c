@@ -33,6 +33,7 @@
 
 #include "manager/results.h"
 #include "rpc/grpc.h"
+#include "rpc/pb.h"
 #include "stepguard/manager.h"
 #include "stepguard/rpc.h"
 #include "stepguard/rpc_client.h"
@@ -125,16 +126,6 @@ struct sg_mgr_server_s {
   pthread_t hb_thread, q_thread;
   int hb_started, q_started, loop_started;
 };
-
-static void *pb_alloc(void *ud, size_t n) {
-  (void)ud;
-  return sg_malloc(n);
-}
-static void pb_free(void *ud, void *p) {
-  (void)ud;
-  sg_free(p);
-}
-static ProtobufCAllocator pb_allocator = {pb_alloc, pb_free, NULL};
 
 static const uint32_t qreq_strings[] = {3};
 static const sg__pb_spec_t qreq_spec = {qreq_strings, 1, NULL, 0};
@@ -560,7 +551,7 @@ static void on_result(uv_async_t *a) {
   if (!s->closing && !atomic_load(&s->left))
     deliver(s, rc, msg, resp);
   if (resp)
-    torchft__lighthouse_quorum_response__free_unpacked(resp, &pb_allocator);
+    torchft__lighthouse_quorum_response__free_unpacked(resp, &sg__pb_allocator);
   maybe_start_round(s);
 }
 
@@ -608,7 +599,7 @@ static void handle_quorum(sg_mgr_server_t *s, sg_rpc_call_t *call,
   }
   if (check_wire(call, body, len, &qreq_spec))
     return;
-  req = torchft__manager_quorum_request__unpack(&pb_allocator, len, body);
+  req = torchft__manager_quorum_request__unpack(&sg__pb_allocator, len, body);
   if (!req) {
     respond_err(call, SG_GRPC_INVALID_ARGUMENT, "invalid ManagerQuorumRequest");
     return;
@@ -644,7 +635,7 @@ static void handle_quorum(sg_mgr_server_t *s, sg_rpc_call_t *call,
   note_speaker(s, req->group_rank, sg_rpc_call_conn_id(call));
   maybe_start_round(s);
 out:
-  torchft__manager_quorum_request__free_unpacked(req, &pb_allocator);
+  torchft__manager_quorum_request__free_unpacked(req, &sg__pb_allocator);
 }
 
 static void finish_commit_round(sg_mgr_server_t *s) {
@@ -671,7 +662,7 @@ static void handle_should_commit(sg_mgr_server_t *s, sg_rpc_call_t *call,
   if (check_wire(call, body, len, &no_strings_spec))
     return;
   Torchft__ShouldCommitRequest *req =
-      torchft__should_commit_request__unpack(&pb_allocator, len, body);
+      torchft__should_commit_request__unpack(&sg__pb_allocator, len, body);
   if (!req) {
     respond_err(call, SG_GRPC_INVALID_ARGUMENT, "invalid ShouldCommitRequest");
     return;
@@ -694,7 +685,7 @@ static void handle_should_commit(sg_mgr_server_t *s, sg_rpc_call_t *call,
   if (s->n_voted == (size_t)s->world_size)
     finish_commit_round(s);
 out:
-  torchft__should_commit_request__free_unpacked(req, &pb_allocator);
+  torchft__should_commit_request__free_unpacked(req, &sg__pb_allocator);
 }
 
 static void handle_checkpoint_metadata(sg_mgr_server_t *s, sg_rpc_call_t *call,
@@ -702,7 +693,8 @@ static void handle_checkpoint_metadata(sg_mgr_server_t *s, sg_rpc_call_t *call,
   if (check_wire(call, body, len, &no_strings_spec))
     return;
   Torchft__CheckpointMetadataRequest *req =
-      torchft__checkpoint_metadata_request__unpack(&pb_allocator, len, body);
+      torchft__checkpoint_metadata_request__unpack(&sg__pb_allocator, len,
+                                                   body);
   if (!req) {
     respond_err(call, SG_GRPC_INVALID_ARGUMENT,
                 "invalid CheckpointMetadataRequest");
@@ -717,7 +709,7 @@ static void handle_checkpoint_metadata(sg_mgr_server_t *s, sg_rpc_call_t *call,
     m.checkpoint_metadata = s->ranks[req->rank].metadata;
     respond_msg(call, &m.base);
   }
-  torchft__checkpoint_metadata_request__free_unpacked(req, &pb_allocator);
+  torchft__checkpoint_metadata_request__free_unpacked(req, &sg__pb_allocator);
 }
 
 static void on_kill_timer(uv_timer_t *t) {
@@ -734,7 +726,7 @@ static void handle_kill(sg_mgr_server_t *s, sg_rpc_call_t *call,
   if (check_wire(call, body, len, &kill_spec))
     return;
   Torchft__KillRequest *req =
-      torchft__kill_request__unpack(&pb_allocator, len, body);
+      torchft__kill_request__unpack(&sg__pb_allocator, len, body);
   if (!req) {
     respond_err(call, SG_GRPC_INVALID_ARGUMENT, "invalid KillRequest");
     return;
@@ -742,7 +734,7 @@ static void handle_kill(sg_mgr_server_t *s, sg_rpc_call_t *call,
   sg_log(SG_LOG_WARN, LOG, "[Replica %s] got kill request: %.1000s", s->name,
          req->msg);
   char *msg = sg_strdup(req->msg);
-  torchft__kill_request__free_unpacked(req, &pb_allocator);
+  torchft__kill_request__free_unpacked(req, &sg__pb_allocator);
   sg_rpc_call_respond(call, SG_GRPC_OK, NULL, NULL, 0);
   sg_free(s->kill_msg);
   s->kill_msg = msg; /* NULL on ENOMEM: the handler gets "" */
@@ -865,12 +857,13 @@ static int lh_quorum_once(sg_mgr_server_t *s, const struct job *j,
     rc = sg_err_set(err, SG_EPROTO, "malformed LighthouseQuorumResponse");
     goto out;
   }
-  *out = torchft__lighthouse_quorum_response__unpack(&pb_allocator, resp_len,
-                                                     resp);
+  *out = torchft__lighthouse_quorum_response__unpack(&sg__pb_allocator,
+                                                     resp_len, resp);
   if (!*out || !(*out)->quorum) {
     rc = sg_err_set(err, SG_EPROTO, "lighthouse returned no quorum");
     if (*out)
-      torchft__lighthouse_quorum_response__free_unpacked(*out, &pb_allocator);
+      torchft__lighthouse_quorum_response__free_unpacked(*out,
+                                                         &sg__pb_allocator);
     *out = NULL;
   }
 out:
@@ -1022,7 +1015,7 @@ static void server_free(sg_mgr_server_t *s) {
   sg_free(s->ranks);
   if (s->result)
     torchft__lighthouse_quorum_response__free_unpacked(s->result,
-                                                       &pb_allocator);
+                                                       &sg__pb_allocator);
   if (s->lh)
     sg_rpc_channel_free(s->lh);
   sg_free(s->kill_msg);

@@ -52,11 +52,12 @@ typedef void (*sg_mgr_kill_cb)(void *ud, const char *msg);
 typedef struct sg_mgr_server_opts_s {
   const char *replica_id;      /* required, non-empty */
   const char *lighthouse_addr; /* required: "http://host:port" */
-  const char *hostname;   /* advertised host; NULL: $STEPGUARD_ADVERTISE_HOST,
-                             else gethostname() */
-  const char *bind;       /* NULL: "[::]:0" */
-  const char *store_addr; /* the group's TCPStore "host:port"; NULL: "" */
-  int64_t world_size;     /* group ranks, 1..SG_MGR_MAX_WORLD_SIZE */
+  const char *hostname;        /* advertised host; NULL: gethostname().
+                                  $STEPGUARD_ADVERTISE_HOST, a host or a network
+                                  interface name, overrides it */
+  const char *bind;            /* NULL: "[::]:0" */
+  const char *store_addr;      /* the group's TCPStore "host:port"; NULL: "" */
+  int64_t world_size;          /* group ranks, 1..SG_MGR_MAX_WORLD_SIZE */
   int64_t heartbeat_interval_ms; /* <= 0: 100 */
   int64_t connect_timeout_ms;    /* <= 0: 10000.  Bounds the connect at start
                                     and each lighthouse call made while the
@@ -143,6 +144,10 @@ typedef struct sg_mgr_quorum_result_s {
      replica-rank order; empty from a torchft server */
   char **up_to_date_manager_addresses;
   size_t n_up_to_date_manager_addresses;
+  /* this group rank's reconfigure_handle of every participant, in
+     replica_ids order; empty when no participant sent one */
+  char **reconfigure_handles;
+  size_t n_reconfigure_handles;
 } sg_mgr_quorum_result_t;
 
 /* sg_mgr_quorum_result_free: free what `r` owns and zero it (not `r`). */
@@ -164,8 +169,9 @@ SG_EXPORT int sg_mgr_client_new(const char *addr, int64_t connect_timeout_ms,
 
 /*
  * sg_mgr_client_quorum: ManagerService/Quorum for `group_rank`, waiting
- * until `deadline` (sent as grpc-timeout).  `checkpoint_metadata` may be
- * NULL ("").  On success *out is filled (free with
+ * until `deadline` (sent as grpc-timeout).  `checkpoint_metadata` and
+ * `reconfigure_handle` (an opaque process-group handle, torchft's native
+ * reconfigure) may be NULL ("").  On success *out is filled (free with
  * sg_mgr_quorum_result_free); on error it is zeroed.  Blocks; thread-safe.
  * Returns 0; SG_ETIMEDOUT (deadline, or DEADLINE_EXCEEDED/CANCELLED);
  * SG_EABORTED; SG_EINVAL (INVALID_ARGUMENT); SG_ENOTFOUND (NOT_FOUND);
@@ -173,13 +179,12 @@ SG_EXPORT int sg_mgr_client_new(const char *addr, int64_t connect_timeout_ms,
  * SG_EPROTO (a malformed response); SG_ECONNRESET; SG_ENOMEM; detail in
  * err ('status: NAME, message: "..."' for statuses).
  */
-SG_EXPORT int sg_mgr_client_quorum(sg_mgr_client_t *c, int64_t group_rank,
-                                   int64_t step,
-                                   const char *checkpoint_metadata,
-                                   int shrink_only, int init_sync,
-                                   int64_t commit_failures,
-                                   sg_deadline_t deadline,
-                                   sg_mgr_quorum_result_t *out, sg_err_t *err);
+SG_EXPORT int
+sg_mgr_client_quorum(sg_mgr_client_t *c, int64_t group_rank, int64_t step,
+                     const char *checkpoint_metadata, int shrink_only,
+                     int init_sync, int64_t commit_failures,
+                     const char *reconfigure_handle, sg_deadline_t deadline,
+                     sg_mgr_quorum_result_t *out, sg_err_t *err);
 
 /*
  * sg_mgr_client_checkpoint_metadata: the metadata group rank `rank` sent

@@ -279,6 +279,11 @@ void sg__lh_member_free(sg__lh_member_t *m) {
   sg_free(m->store_address);
   sg_free(m->data);
   sg_free(m->extra);
+  for (size_t i = 0; i < m->n_reconfigure_handles; i++)
+    sg_free(m->reconfigure_handles[i]);
+  sg_free(m->reconfigure_handles);
+  m->reconfigure_handles = NULL;
+  m->n_reconfigure_handles = 0;
   m->replica_id = m->address = m->store_address = m->data = NULL;
   m->extra = NULL;
   m->extra_len = 0;
@@ -299,8 +304,20 @@ int sg__lh_member_copy(sg__lh_member_t *dst, const sg__lh_member_t *src) {
       dst->extra_len = src->extra_len;
     }
   }
-  if (!dst->replica_id || !dst->address || !dst->store_address || !dst->data ||
-      (src->extra_len && src->extra && !dst->extra)) {
+  int nomem = 0;
+  if (src->n_reconfigure_handles) {
+    dst->reconfigure_handles =
+        sg_calloc(src->n_reconfigure_handles, sizeof(char *));
+    nomem = !dst->reconfigure_handles;
+    for (size_t i = 0; !nomem && i < src->n_reconfigure_handles; i++) {
+      const char *h = src->reconfigure_handles[i];
+      dst->reconfigure_handles[i] = sg_strdup(h ? h : "");
+      dst->n_reconfigure_handles = i + 1;
+      nomem = !dst->reconfigure_handles[i];
+    }
+  }
+  if (nomem || !dst->replica_id || !dst->address || !dst->store_address ||
+      !dst->data || (src->extra_len && src->extra && !dst->extra)) {
     sg__lh_member_free(dst);
     memset(dst, 0, sizeof(*dst));
     return SG_ENOMEM;

@@ -37,10 +37,12 @@ typedef struct sg__lh_member_s {
   char *data;          /* opaque user JSON string */
   int64_t step;
   uint64_t world_size;
-  int64_t commit_failures; /* consecutive failed commits of the requester */
-  int shrink_only;         /* bool */
-  uint8_t *extra;          /* owned: protobuf fields this version does not know,
-                              as wire bytes, sent back verbatim (forward compat) */
+  int64_t commit_failures;    /* consecutive failed commits of the requester */
+  int shrink_only;            /* bool */
+  char **reconfigure_handles; /* owned: one per group rank, carried unread */
+  size_t n_reconfigure_handles;
+  uint8_t *extra; /* owned: protobuf fields this version does not know,
+                     as wire bytes, sent back verbatim (forward compat) */
   size_t extra_len;
 } sg__lh_member_t;
 

@@ -37,7 +37,8 @@
 
 #define LOG "lighthouse"
 #define MAX_ID_LEN 1024    /* replica ids and addresses */
-#define MAX_DATA_LEN 65536 /* QuorumMember.data */
+#define MAX_DATA_LEN 65536 /* QuorumMember.data, each reconfigure handle */
+#define MAX_HANDLES 65536  /* reconfigure handles per member (group ranks) */
 #define KILL_TIMEOUT_MS 10000
 
 /* A Quorum call waiting for its quorum. */
@@ -135,8 +136,8 @@ static const char *check_str(const char *v, size_t max) {
 
 static const uint32_t hb_strings[] = {1};
 static const sg__pb_spec_t hb_spec = {hb_strings, 1, NULL, 0};
-static const uint32_t member_strings[] = {1, 2, 3, 7};
-static const sg__pb_spec_t member_spec = {member_strings, 4, NULL, 0};
+static const uint32_t member_strings[] = {1, 2, 3, 7, 9};
+static const sg__pb_spec_t member_spec = {member_strings, 5, NULL, 0};
 static const sg__pb_nested_t quorum_nested[] = {{1, &member_spec}};
 static const sg__pb_spec_t quorum_spec = {NULL, 0, quorum_nested, 1};
 
@@ -370,6 +371,8 @@ static sg_rpc_blob_t *encode_quorum(const sg__lh_quorum_t *q) {
     members[i].world_size = m->world_size;
     members[i].shrink_only = m->shrink_only != 0;
     members[i].commit_failures = m->commit_failures;
+    members[i].n_reconfigure_handles = m->n_reconfigure_handles;
+    members[i].reconfigure_handles = m->reconfigure_handles;
     if (m->extra_len) {
       size_t k =
           unknown_unpack(m->extra, m->extra_len, next_unknown, MAX_UNKNOWN);
@@ -705,6 +708,18 @@ static void handle_quorum(sg_lh_server_t *s, sg_rpc_call_t *call,
     reject(s, call, SG_GRPC_INVALID_ARGUMENT, "requester.data %s", bad);
     goto out;
   }
+  if (r->n_reconfigure_handles > MAX_HANDLES) {
+    reject(s, call, SG_GRPC_INVALID_ARGUMENT, "%s",
+           "requester.reconfigure_handles: too many (one per group rank)");
+    goto out;
+  }
+  for (size_t i = 0; i < r->n_reconfigure_handles; i++) {
+    if ((bad = check_str(r->reconfigure_handles[i], MAX_DATA_LEN))) {
+      reject(s, call, SG_GRPC_INVALID_ARGUMENT,
+             "requester.reconfigure_handles %s", bad);
+      goto out;
+    }
+  }
   sg__lh_member_t m = {
       .replica_id = r->replica_id,
       .address = r->address,
@@ -714,6 +729,8 @@ static void handle_quorum(sg_lh_server_t *s, sg_rpc_call_t *call,
       .world_size = r->world_size,
       .commit_failures = r->commit_failures,
       .shrink_only = r->shrink_only,
+      .reconfigure_handles = r->reconfigure_handles,
+      .n_reconfigure_handles = r->n_reconfigure_handles,
   };
   if (r->base.n_unknown_fields > MAX_UNKNOWN) {
     reject(s, call, SG_GRPC_INVALID_ARGUMENT, "%s",

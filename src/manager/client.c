@@ -18,8 +18,8 @@ struct sg_mgr_client_s {
   sg_rpc_channel_t *ch;
 };
 
-static const uint32_t qresp_strings[] = {2, 5, 13, 100};
-static const sg__pb_spec_t qresp_spec = {qresp_strings, 4, NULL, 0};
+static const uint32_t qresp_strings[] = {2, 5, 13, 14, 100};
+static const sg__pb_spec_t qresp_spec = {qresp_strings, 5, NULL, 0};
 static const uint32_t md_strings[] = {1};
 static const sg__pb_spec_t md_spec = {md_strings, 1, NULL, 0};
 static const sg__pb_spec_t no_strings_spec = {NULL, 0, NULL, 0};
@@ -72,6 +72,7 @@ void sg_mgr_quorum_result_free(sg_mgr_quorum_result_t *r) {
   sg_free(r->store_address);
   free_strv(r->replica_ids, r->n_replica_ids);
   free_strv(r->up_to_date_manager_addresses, r->n_up_to_date_manager_addresses);
+  free_strv(r->reconfigure_handles, r->n_reconfigure_handles);
   memset(r, 0, sizeof(*r));
 }
 
@@ -123,8 +124,8 @@ static int call(sg_mgr_client_t *c, const char *method,
 int sg_mgr_client_quorum(sg_mgr_client_t *c, int64_t group_rank, int64_t step,
                          const char *checkpoint_metadata, int shrink_only,
                          int init_sync, int64_t commit_failures,
-                         sg_deadline_t deadline, sg_mgr_quorum_result_t *out,
-                         sg_err_t *err) {
+                         const char *reconfigure_handle, sg_deadline_t deadline,
+                         sg_mgr_quorum_result_t *out, sg_err_t *err) {
   uint8_t *resp = NULL;
   size_t resp_len = 0;
   Torchft__ManagerQuorumResponse *m = NULL;
@@ -137,6 +138,7 @@ int sg_mgr_client_quorum(sg_mgr_client_t *c, int64_t group_rank, int64_t step,
   q.shrink_only = shrink_only != 0;
   q.init_sync = init_sync != 0;
   q.commit_failures = commit_failures;
+  q.reconfigure_handle = (char *)(reconfigure_handle ? reconfigure_handle : "");
   int rc = call(c, "/torchft.ManagerService/Quorum", &q.base, &qresp_spec,
                 deadline, &resp, &resp_len, err);
   if (rc)
@@ -190,6 +192,11 @@ int sg_mgr_client_quorum(sg_mgr_client_t *c, int64_t group_rank, int64_t step,
                   &out->up_to_date_manager_addresses);
   if (!rc)
     out->n_up_to_date_manager_addresses = m->n_up_to_date_manager_addresses;
+  if (!rc)
+    rc = dup_strv(m->reconfigure_handles, m->n_reconfigure_handles,
+                  &out->reconfigure_handles);
+  if (!rc)
+    out->n_reconfigure_handles = m->n_reconfigure_handles;
   if (rc)
     sg_err_set(err, rc, "out of memory");
 out:

@@ -21,6 +21,10 @@
  *             connections all closed and who stays silent past the grace
  *             makes the group leave for good (manager.h)
  */
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -60,6 +64,7 @@ struct waiter {
 /* Per group rank state; loop thread only. */
 struct rank {
   char *metadata;   /* last checkpoint_metadata; NULL: never sent */
+  char *handle;     /* last reconfigure_handle; NULL: never sent */
   unsigned waiting; /* Quorum waiters not yet in a round */
   int64_t step;     /* from its latest such call */
   int64_t commit_failures;
@@ -78,7 +83,17 @@ struct conn {
 struct job {
   int64_t step, commit_failures, timeout_ms;
   int shrink_only;
+  char **handles; /* owned: one reconfigure handle per group rank, or NULL */
+  size_t n_handles;
 };
+
+static void job_clear(struct job *j) {
+  for (size_t i = 0; i < j->n_handles; i++)
+    sg_free(j->handles[i]);
+  sg_free(j->handles);
+  j->handles = NULL;
+  j->n_handles = 0;
+}
 
 struct sg_mgr_server_s {
   /* options (strings owned) */
@@ -127,14 +142,14 @@ struct sg_mgr_server_s {
   int hb_started, q_started, loop_started;
 };
 
-static const uint32_t qreq_strings[] = {3};
-static const sg__pb_spec_t qreq_spec = {qreq_strings, 1, NULL, 0};
+static const uint32_t qreq_strings[] = {3, 7};
+static const sg__pb_spec_t qreq_spec = {qreq_strings, 2, NULL, 0};
 static const sg__pb_spec_t no_strings_spec = {NULL, 0, NULL, 0};
 static const uint32_t kill_strings[] = {1};
 static const sg__pb_spec_t kill_spec = {kill_strings, 1, NULL, 0};
 /* LighthouseQuorumResponse -> Quorum (field 1) -> QuorumMember (field 2) */
-static const uint32_t member_strings[] = {1, 2, 3, 7};
-static const sg__pb_spec_t member_spec = {member_strings, 4, NULL, 0};
+static const uint32_t member_strings[] = {1, 2, 3, 7, 9};
+static const sg__pb_spec_t member_spec = {member_strings, 5, NULL, 0};
 static const sg__pb_nested_t quorum_nested[] = {{2, &member_spec}};
 static const sg__pb_spec_t quorum_spec = {NULL, 0, quorum_nested, 1};
 static const sg__pb_nested_t lhresp_nested[] = {{1, &quorum_spec}};
@@ -412,6 +427,26 @@ static void maybe_start_round(sg_mgr_server_t *s) {
            s->name, line, (long long)j.step);
   }
   sg_free(steps);
+  /* reconfigure handles travel only when some rank sent one, so the
+   * request stays what an older torchft sends otherwise */
+  int any_handle = 0;
+  for (int64_t g = 0; g < s->world_size; g++)
+    any_handle |= s->ranks[g].handle && s->ranks[g].handle[0];
+  if (any_handle) {
+    j.handles = sg_calloc((size_t)s->world_size, sizeof(char *));
+    int nomem = !j.handles;
+    for (int64_t g = 0; !nomem && g < s->world_size; g++) {
+      const char *h = s->ranks[g].handle;
+      j.handles[g] = sg_strdup(h ? h : "");
+      j.n_handles = (size_t)g + 1;
+      nomem = !j.handles[g];
+    }
+    if (nomem) {
+      job_clear(&j);
+      fail_all(s, SG_GRPC_RESOURCE_EXHAUSTED, "manager out of memory");
+      return;
+    }
+  }
   /* torchft takes shrink_only and the timeout from the last-arriving rank */
   j.shrink_only = s->last_shrink_only;
   j.timeout_ms = s->last_timeout_ms;
@@ -428,7 +463,25 @@ static void maybe_start_round(sg_mgr_server_t *s) {
   pthread_mutex_unlock(&s->mu);
 }
 
-static void encode_results(sg_rpc_call_t *call, const sg__mgr_results_t *r) {
+/* member_of: the participant of `q` named `id`; `hint` is where it is when
+ * `q` is sorted like the results (the lighthouse sorts by replica id). */
+static const Torchft__QuorumMember *member_of(const Torchft__Quorum *q,
+                                              const char *id, size_t hint) {
+  if (hint < q->n_participants &&
+      strcmp(q->participants[hint]->replica_id, id) == 0)
+    return q->participants[hint];
+  for (size_t i = 0; i < q->n_participants; i++)
+    if (strcmp(q->participants[i]->replica_id, id) == 0)
+      return q->participants[i];
+  return NULL;
+}
+
+/* encode_results: answer `call` with `r`, and with group rank g's
+ * reconfigure handle of every participant, in the order of r->replica_ids
+ * (`scratch` has room for one pointer per participant). */
+static void encode_results(sg_rpc_call_t *call, const sg__mgr_results_t *r,
+                           const Torchft__Quorum *q, int64_t g,
+                           char **scratch) {
   Torchft__ManagerQuorumResponse m = TORCHFT__MANAGER_QUORUM_RESPONSE__INIT;
   m.quorum_id = r->quorum_id;
   m.recover_src_manager_address = (char *)r->recover_src_manager_address;
@@ -455,6 +508,18 @@ static void encode_results(sg_rpc_call_t *call, const sg__mgr_results_t *r) {
   m.replica_ids = (char **)r->replica_ids;
   m.n_up_to_date_manager_addresses = r->n_up_to_date;
   m.up_to_date_manager_addresses = (char **)r->up_to_date_addresses;
+  int any_handle = 0;
+  for (size_t i = 0; i < r->n_replica_ids; i++) {
+    const Torchft__QuorumMember *p = member_of(q, r->replica_ids[i], i);
+    scratch[i] = p && (size_t)g < p->n_reconfigure_handles
+                     ? p->reconfigure_handles[g]
+                     : (char *)"";
+    any_handle |= scratch[i][0] != 0;
+  }
+  if (any_handle) {
+    m.n_reconfigure_handles = r->n_replica_ids;
+    m.reconfigure_handles = scratch;
+  }
   respond_msg(call, &m.base);
 }
 
@@ -462,6 +527,7 @@ static void encode_results(sg_rpc_call_t *call, const sg__mgr_results_t *r) {
 static void deliver(sg_mgr_server_t *s, int rc, const char *msg,
                     Torchft__LighthouseQuorumResponse *resp) {
   sg__mgr_peer_t *peers = NULL;
+  char **scratch = NULL;
   size_t n = 0;
   int64_t qid = 0;
   if (!rc) {
@@ -469,7 +535,10 @@ static void deliver(sg_mgr_server_t *s, int rc, const char *msg,
     n = q->n_participants;
     qid = q->quorum_id;
     peers = sg_calloc(n ? n : 1, sizeof(*peers));
-    if (!peers) {
+    scratch = sg_calloc(n ? n : 1, sizeof(*scratch));
+    if (!peers || !scratch) {
+      sg_free(peers);
+      peers = NULL;
       rc = SG_ENOMEM;
       msg = "manager out of memory";
     }
@@ -497,6 +566,7 @@ static void deliver(sg_mgr_server_t *s, int rc, const char *msg,
       sg_free(w);
     }
     sg_free(peers);
+    sg_free(scratch);
     return;
   }
   int logged = 0;
@@ -519,7 +589,7 @@ static void deliver(sg_mgr_server_t *s, int rc, const char *msg,
                r.heal ? "yes" : "no");
         logged = 1;
       }
-      encode_results(w->call, &r);
+      encode_results(w->call, &r, resp->quorum, w->group_rank, scratch);
     } else {
       respond_err(w->call,
                   crc == SG_ENOTFOUND ? SG_GRPC_NOT_FOUND
@@ -531,6 +601,7 @@ static void deliver(sg_mgr_server_t *s, int rc, const char *msg,
     sg_free(w);
   }
   sg_free(peers);
+  sg_free(scratch);
 }
 
 static void on_result(uv_async_t *a) {
@@ -612,17 +683,29 @@ static void handle_quorum(sg_mgr_server_t *s, sg_rpc_call_t *call,
                 SG_MGR_MAX_METADATA_LEN);
     goto out;
   }
+  if (strlen(req->reconfigure_handle) > SG_MGR_MAX_METADATA_LEN) {
+    respond_err(call, SG_GRPC_INVALID_ARGUMENT,
+                "reconfigure_handle too long (max %d bytes)",
+                SG_MGR_MAX_METADATA_LEN);
+    goto out;
+  }
   struct rank *r = &s->ranks[req->group_rank];
   char *md = sg_strdup(req->checkpoint_metadata);
-  if (!md) {
+  char *handle = sg_strdup(req->reconfigure_handle);
+  if (!md || !handle) {
+    sg_free(md);
+    sg_free(handle);
     respond_err(call, SG_GRPC_RESOURCE_EXHAUSTED, "manager out of memory");
     goto out;
   }
   struct waiter *w = add_waiter(s, call, W_QUORUM, req->group_rank);
   if (!w) {
     sg_free(md);
+    sg_free(handle);
     goto out;
   }
+  sg_free(r->handle);
+  r->handle = handle;
   w->init_sync = req->init_sync != 0;
   sg_free(r->metadata);
   r->metadata = md;
@@ -823,6 +906,8 @@ static int lh_quorum_once(sg_mgr_server_t *s, const struct job *j,
   m.world_size = (uint64_t)s->world_size;
   m.shrink_only = j->shrink_only;
   m.commit_failures = j->commit_failures;
+  m.n_reconfigure_handles = j->n_handles;
+  m.reconfigure_handles = j->handles;
   Torchft__LighthouseQuorumRequest q = TORCHFT__LIGHTHOUSE_QUORUM_REQUEST__INIT;
   q.requester = &m;
   size_t len = torchft__lighthouse_quorum_request__get_packed_size(&q);
@@ -925,6 +1010,7 @@ static void *quorum_main(void *arg) {
     sg_err_t e;
     sg_err_clear(&e);
     int rc = quorum_with_retries(s, &j, &resp, &e);
+    job_clear(&j);
     pthread_mutex_lock(&s->mu);
     s->result = resp;
     s->result_rc = rc;
@@ -1010,9 +1096,13 @@ static void server_free(sg_mgr_server_t *s) {
   }
   sg_map_free(&s->conns);
   if (s->ranks)
-    for (int64_t g = 0; g < s->world_size; g++)
+    for (int64_t g = 0; g < s->world_size; g++) {
       sg_free(s->ranks[g].metadata);
+      sg_free(s->ranks[g].handle);
+    }
   sg_free(s->ranks);
+  if (s->job_ready)
+    job_clear(&s->job);
   if (s->result)
     torchft__lighthouse_quorum_response__free_unpacked(s->result,
                                                        &sg__pb_allocator);
@@ -1065,13 +1155,47 @@ static int validate(const sg_mgr_server_opts_t *o, sg_err_t *err) {
   return 0;
 }
 
-/* advertised_host: opts, else $STEPGUARD_ADVERTISE_HOST, else gethostname. */
+/* interface_addr: the first IPv4 (else IPv6) address of interface `name`
+ * as a URL host ("10.0.0.2", "[fe80::1]"); 0 on success. */
+static int interface_addr(const char *name, char *host, size_t cap) {
+  struct ifaddrs *ifs = NULL;
+  if (getifaddrs(&ifs) != 0)
+    return -1;
+  int found = 0;
+  for (int want = AF_INET; !found && want;
+       want = want == AF_INET ? AF_INET6 : 0)
+    for (struct ifaddrs *i = ifs; !found && i; i = i->ifa_next) {
+      if (!i->ifa_addr || i->ifa_addr->sa_family != want ||
+          strcmp(i->ifa_name, name) != 0)
+        continue;
+      char buf[INET6_ADDRSTRLEN];
+      const void *a =
+          want == AF_INET
+              ? (const void *)&((struct sockaddr_in *)i->ifa_addr)->sin_addr
+              : (const void *)&((struct sockaddr_in6 *)i->ifa_addr)->sin6_addr;
+      if (!inet_ntop(want, a, buf, sizeof(buf)))
+        continue;
+      snprintf(host, cap, want == AF_INET ? "%s" : "[%s]", buf);
+      found = 1;
+    }
+  freeifaddrs(ifs);
+  return found ? 0 : -1;
+}
+
+/*
+ * advertised_host: $STEPGUARD_ADVERTISE_HOST, else the hostname option,
+ * else gethostname().  The variable wins over the option because training
+ * code usually passes socket.gethostname() by default, and the operator who
+ * sets the variable knows which network must carry recovery traffic.  When
+ * it names a network interface ("eth1"), that interface's address is used.
+ */
 static void advertised_host(const char *opt, char *host, size_t cap) {
   const char *env = getenv("STEPGUARD_ADVERTISE_HOST");
-  if (opt && opt[0])
+  if (env && env[0]) {
+    if (!if_nametoindex(env) || interface_addr(env, host, cap) != 0)
+      snprintf(host, cap, "%s", env);
+  } else if (opt && opt[0])
     snprintf(host, cap, "%s", opt);
-  else if (env && env[0])
-    snprintf(host, cap, "%s", env);
   else if (gethostname(host, cap) != 0)
     snprintf(host, cap, "localhost");
   host[cap - 1] = '\0';

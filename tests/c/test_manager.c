@@ -125,6 +125,7 @@ struct qreq {
   const char *md;
   int init_sync;
   int64_t commit_failures;
+  const char *handle; /* reconfigure_handle */
   int64_t timeout_ms;
   int64_t delay_ms; /* sleep before calling */
   int rc;
@@ -141,7 +142,7 @@ static void *quorum_thread(void *arg) {
   int64_t t0 = sg_now_ns();
   q->rc = sg_mgr_client_quorum(
       q->c, q->group_rank, q->step, q->md, 0, q->init_sync, q->commit_failures,
-      sg_deadline_in_ms(q->timeout_ms), &q->r, &q->err);
+      q->handle, sg_deadline_in_ms(q->timeout_ms), &q->r, &q->err);
   q->elapsed_ms = (sg_now_ns() - t0) / 1000000;
   return NULL;
 }
@@ -540,6 +541,75 @@ static void test_two_groups_quorum_commit_metadata(void **state) {
   sg_lh_server_stop(lh);
 }
 
+/* Each group rank's reconfigure handle reaches the same group rank of every
+ * replica, in replica_ids order; a round without handles sends none. */
+static void test_reconfigure_handles(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 2, 100, 5000);
+  group_t gs[2];
+  group_start(&gs[0], "a", sg_lh_server_address(lh), "storeA:1");
+  group_start(&gs[1], "b", sg_lh_server_address(lh), "storeB:1");
+  static const char *handles[4] = {"Ha0", "Ha1", "Hb0", "Hb1"};
+  struct qreq q[4];
+  for (size_t i = 0; i < 4; i++) {
+    q_init(&q[i], &gs[i / 2], (int64_t)(i % 2), 1);
+    q[i].handle = handles[i];
+    q_start(&q[i]);
+  }
+  for (size_t i = 0; i < 4; i++) {
+    q_join(&q[i]);
+    if (q[i].rc)
+      fail_msg("quorum %zu: %s", i, q[i].err.msg);
+    const sg_mgr_quorum_result_t *r = &q[i].r;
+    assert_int_equal(r->n_reconfigure_handles, 2);
+    assert_string_equal(r->reconfigure_handles[0], handles[i % 2]);
+    assert_string_equal(r->reconfigure_handles[1], handles[2 + i % 2]);
+  }
+  q_free(q, 4);
+  const int64_t steps[2][2] = {{2, 2}, {2, 2}};
+  run_round(gs, 2, steps, 0, q);
+  for (size_t i = 0; i < 4; i++)
+    assert_int_equal(q[i].r.n_reconfigure_handles, 0);
+  q_free(q, 4);
+  group_stop(&gs[0]);
+  group_stop(&gs[1]);
+  sg_lh_server_stop(lh);
+}
+
+/* STEPGUARD_ADVERTISE_HOST overrides the hostname option; an interface
+ * name advertises that interface's address. */
+static void test_advertised_host(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
+  const char *cases[][2] = {
+      {"lo", "http://127.0.0.1:"},
+      {"recovery-net.example", "http://recovery-net.example:"},
+      {NULL, "http://127.0.0.1:"}, /* unset: the option */
+  };
+  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+    if (cases[i][0])
+      setenv("STEPGUARD_ADVERTISE_HOST", cases[i][0], 1);
+    else
+      unsetenv("STEPGUARD_ADVERTISE_HOST");
+    sg_mgr_server_opts_t o;
+    base_opts(&o, "adv", sg_lh_server_address(lh), "st:1");
+    sg_mgr_server_t *srv = NULL;
+    sg_err_t err;
+    int rc = sg_mgr_server_start(&o, &srv, &err);
+    unsetenv("STEPGUARD_ADVERTISE_HOST");
+    if (rc != 0)
+      fail_msg("manager start: %s", err.msg);
+    char addr[512];
+    snprintf(addr, sizeof(addr), "%s", sg_mgr_server_address(srv));
+    sg_mgr_server_stop(srv);
+    if (strncmp(addr, cases[i][1], strlen(cases[i][1])) != 0)
+      fail_msg("%s: advertised %s, want %s...", cases[i][0] ? cases[i][0] : "-",
+               addr, cases[i][1]);
+  }
+  unsetenv("STEPGUARD_ADVERTISE_HOST");
+  sg_lh_server_stop(lh);
+}
+
 static void test_metadata_of_silent_rank_not_found(void **state) {
   (void)state;
   sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
@@ -618,11 +688,11 @@ static void test_bad_requests(void **state) {
   sg_err_t err;
   sg_mgr_quorum_result_t r;
   int out = 0;
-  assert_int_equal(sg_mgr_client_quorum(g.cl[0], 2, 0, "", 0, 0, 0,
+  assert_int_equal(sg_mgr_client_quorum(g.cl[0], 2, 0, "", 0, 0, 0, NULL,
                                         sg_deadline_in_ms(5000), &r, &err),
                    SG_EINVAL);
   assert_non_null(strstr(err.msg, "out of range"));
-  assert_int_equal(sg_mgr_client_quorum(g.cl[0], -1, 0, "", 0, 0, 0,
+  assert_int_equal(sg_mgr_client_quorum(g.cl[0], -1, 0, "", 0, 0, 0, NULL,
                                         sg_deadline_in_ms(5000), &r, &err),
                    SG_EINVAL);
   assert_int_equal(sg_mgr_client_should_commit(
@@ -633,7 +703,7 @@ static void test_bad_requests(void **state) {
   char *md = sg_malloc(big + 1);
   memset(md, 'x', big);
   md[big] = '\0';
-  assert_int_equal(sg_mgr_client_quorum(g.cl[0], 0, 0, md, 0, 0, 0,
+  assert_int_equal(sg_mgr_client_quorum(g.cl[0], 0, 0, md, 0, 0, 0, NULL,
                                         sg_deadline_in_ms(5000), &r, &err),
                    SG_EINVAL);
   sg_free(md);
@@ -817,7 +887,7 @@ static void test_group_leaves_when_rank_disconnects(void **state) {
   /* a answers every later call with UNAVAILABLE */
   sg_mgr_quorum_result_t r;
   sg_err_t err;
-  assert_int_equal(sg_mgr_client_quorum(gs[0].cl[0], 0, 3, "", 0, 0, 0,
+  assert_int_equal(sg_mgr_client_quorum(gs[0].cl[0], 0, 3, "", 0, 0, 0, NULL,
                                         sg_deadline_in_ms(5000), &r, &err),
                    SG_ECONNREFUSED);
   int out = 1;
@@ -966,7 +1036,7 @@ static void test_allocation_failures(void **state) {
     char *md = NULL;
     int out = 0;
     sg_test_fail_alloc(nth, 0);
-    if (sg_mgr_client_quorum(g.cl[0], 0, nth, "md", 0, 0, 0,
+    if (sg_mgr_client_quorum(g.cl[0], 0, nth, "md", 0, 0, 0, NULL,
                              sg_deadline_in_ms(2000), &r, &err) == 0)
       sg_mgr_quorum_result_free(&r);
     sg_mgr_client_should_commit(g.cl[0], 0, nth, 1, sg_deadline_in_ms(2000),
@@ -981,7 +1051,7 @@ static void test_allocation_failures(void **state) {
   usleep(200 * 1000);
   sg_mgr_quorum_result_t r;
   sg_err_t err;
-  int rc = sg_mgr_client_quorum(g.cl[0], 0, 100, "md", 0, 0, 0,
+  int rc = sg_mgr_client_quorum(g.cl[0], 0, 100, "md", 0, 0, 0, NULL,
                                 sg_deadline_in_ms(10000), &r, &err);
   if (rc)
     fail_msg("quorum after failures: %s", err.msg);
@@ -1016,6 +1086,8 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_invalid_options),
       cmocka_unit_test(test_two_groups_quorum_commit_metadata),
+      cmocka_unit_test(test_reconfigure_handles),
+      cmocka_unit_test(test_advertised_host),
       cmocka_unit_test(test_metadata_of_silent_rank_not_found),
       cmocka_unit_test(test_step_disagreement_uses_minimum),
       cmocka_unit_test(test_kill_calls_handler),

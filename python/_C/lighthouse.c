@@ -12,7 +12,6 @@
  */
 #include "module.h"
 
-#include <pthread.h>
 #include <string.h>
 
 #include "stepguard/lighthouse.h"
@@ -217,12 +216,7 @@ static int client_guard(lh_client_obj *self) {
   return 0;
 }
 
-/*
- * A blocking call that Ctrl-C can stop: the call runs on a short-lived
- * helper thread while this thread waits in 100 ms slices, checking for
- * signals with the GIL; on a signal the client is aborted (the call ends
- * with SG_EABORTED) and the signal's exception propagates.
- */
+/* One blocking client call, run through sg_py_blocking. */
 struct call_ctx {
   lh_client_obj *self;
   int kind; /* 0 quorum, 1 heartbeat */
@@ -232,75 +226,32 @@ struct call_ctx {
   sg_lh_quorum_t q;
   sg_err_t err;
   int rc;
-  int done;
-  pthread_mutex_t mu;
-  pthread_cond_t cv;
 };
 
-static void *call_thread(void *arg) {
+static void call_run(void *arg) {
   struct call_ctx *c = arg;
-  int rc;
   if (c->kind == 0)
-    rc = sg_lh_client_quorum(c->self->cli, c->member, c->deadline, &c->q,
-                             &c->err);
-  else
-    rc = sg_lh_client_heartbeat(c->self->cli, c->replica_id, c->deadline,
+    c->rc = sg_lh_client_quorum(c->self->cli, c->member, c->deadline, &c->q,
                                 &c->err);
-  pthread_mutex_lock(&c->mu);
-  c->rc = rc;
-  c->done = 1;
-  pthread_cond_signal(&c->cv);
-  pthread_mutex_unlock(&c->mu);
-  return NULL;
+  else
+    c->rc = sg_lh_client_heartbeat(c->self->cli, c->replica_id, c->deadline,
+                                   &c->err);
+}
+
+static void call_abort(void *arg) {
+  struct call_ctx *c = arg;
+  sg_lh_client_abort(c->self->cli);
 }
 
 /* run_call: returns 0 with c->rc set, or -1 with a Python exception. */
 static int run_call(struct call_ctx *c) {
-  pthread_t th;
-  pthread_mutex_init(&c->mu, NULL);
-  pthread_cond_init(&c->cv, NULL);
   sg_err_clear(&c->err);
-  int signalled = 0;
-  if (pthread_create(&th, NULL, call_thread, c) != 0) {
-    PyErr_SetString(PyExc_RuntimeError, "cannot start a thread");
-    return -1;
-  }
   c->self->inflight++;
-  for (;;) {
-    int done;
-    Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&c->mu);
-    if (!c->done) {
-      struct timespec ts;
-      clock_gettime(CLOCK_REALTIME, &ts);
-      ts.tv_nsec += 100000000;
-      if (ts.tv_nsec >= 1000000000) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000;
-      }
-      pthread_cond_timedwait(&c->cv, &c->mu, &ts);
-    }
-    done = c->done;
-    pthread_mutex_unlock(&c->mu);
-    Py_END_ALLOW_THREADS
-    if (done)
-      break;
-    if (!signalled && PyErr_CheckSignals() < 0) {
-      signalled = 1; /* keep the exception; wait for the aborted call */
-      sg_lh_client_abort(c->self->cli);
-    }
-  }
-  Py_BEGIN_ALLOW_THREADS
-  pthread_join(th, NULL);
-  Py_END_ALLOW_THREADS
+  int rc = sg_py_blocking(call_run, call_abort, c);
   c->self->inflight--;
-  pthread_mutex_destroy(&c->mu);
-  pthread_cond_destroy(&c->cv);
-  if (signalled) {
+  if (rc < 0)
     sg_lh_quorum_free(&c->q);
-    return -1;
-  }
-  return 0;
+  return rc;
 }
 
 static PyObject *member_tuple(const sg_lh_member_t *m) {

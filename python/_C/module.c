@@ -279,6 +279,8 @@ static int module_exec(PyObject *module) {
     return -1;
   if (sg_py_lighthouse_init(module, st) < 0)
     return -1;
+  if (sg_py_manager_init(module, st) < 0)
+    return -1;
   return add_error_constants(module);
 }
 
@@ -287,6 +289,8 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg) {
   Py_VISIT(st->error_type);
   Py_VISIT(st->lh_server_type);
   Py_VISIT(st->lh_client_type);
+  Py_VISIT(st->mgr_server_type);
+  Py_VISIT(st->mgr_client_type);
   return 0;
 }
 
@@ -295,6 +299,8 @@ static int module_clear(PyObject *module) {
   Py_CLEAR(st->error_type);
   Py_CLEAR(st->lh_server_type);
   Py_CLEAR(st->lh_client_type);
+  Py_CLEAR(st->mgr_server_type);
+  Py_CLEAR(st->mgr_client_type);
   return 0;
 }
 

@@ -10,9 +10,11 @@
 #include "stepguard/base.h"
 
 typedef struct {
-  PyObject *error_type;     /* stepguard._C.Error */
-  PyObject *lh_server_type; /* stepguard._C.LighthouseServer */
-  PyObject *lh_client_type; /* stepguard._C.LighthouseClient */
+  PyObject *error_type;      /* stepguard._C.Error */
+  PyObject *lh_server_type;  /* stepguard._C.LighthouseServer */
+  PyObject *lh_client_type;  /* stepguard._C.LighthouseClient */
+  PyObject *mgr_server_type; /* stepguard._C.ManagerServer */
+  PyObject *mgr_client_type; /* stepguard._C.ManagerClient */
 } sg_py_state;
 
 /* sg_py_state_of: the module state reached from a heap type's instance. */
@@ -29,7 +31,19 @@ PyObject *sg_py_raise(sg_py_state *st, int code, const char *detail);
 /* sg_py_timeout_ms: seconds (float) to whole ms; -1 with ValueError set. */
 int64_t sg_py_timeout_ms(double seconds);
 
+/*
+ * sg_py_blocking: run fn(arg) so that Ctrl-C can stop it (see blocking.c).
+ * Call with the GIL held; fn runs without it on another thread.  On a
+ * signal whose handler raises, abort_fn(arg) is called once (from this
+ * thread, without the GIL) and -1 is returned with the exception set after
+ * fn has returned; otherwise 0.  fn must return promptly after abort_fn.
+ */
+int sg_py_blocking(void (*fn)(void *), void (*abort_fn)(void *), void *arg);
+
 /* sg_py_lighthouse_init: add LighthouseServer and LighthouseClient. */
 int sg_py_lighthouse_init(PyObject *module, sg_py_state *st);
+
+/* sg_py_manager_init: add ManagerServer and ManagerClient. */
+int sg_py_manager_init(PyObject *module, sg_py_state *st);
 
 #endif

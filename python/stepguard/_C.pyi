@@ -1,5 +1,7 @@
 """Type stubs for stepguard._C, the thin binding over libstepguard."""
 
+from typing import Any, Callable
+
 OK: int
 EINVAL: int
 ENOMEM: int
@@ -77,5 +79,49 @@ class LighthouseClient:
         commit_failures: int = 0,
     ) -> tuple[int, int, int, list[_Member]]: ...
     def heartbeat(self, replica_id: str, timeout_s: float = 5.0) -> None: ...
+    def abort(self) -> None: ...
+    def close(self) -> None: ...
+
+class ManagerServer:
+    def __init__(
+        self,
+        replica_id: str,
+        lighthouse_addr: str,
+        hostname: str | None,
+        bind: str | None,
+        store_addr: str | None,
+        world_size: int,
+        heartbeat_interval_s: float,
+        connect_timeout_s: float,
+        quorum_retries: int,
+        auth_token: str | None = None,
+        disconnect_grace_ms: int = 0,
+        kill_handler: Callable[[str], object] | None = None,
+    ) -> None: ...
+    def address(self) -> str: ...
+    def port(self) -> int: ...
+    def has_left(self) -> bool: ...
+    def shutdown(self) -> None: ...
+
+class ManagerClient:
+    def __init__(
+        self, addr: str, connect_timeout_s: float, auth_token: str | None = None
+    ) -> None: ...
+    def _quorum(
+        self,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        init_sync: bool,
+        commit_failures: int,
+        timeout_s: float,
+        reconfigure_handle: str = "",
+    ) -> dict[str, Any]: ...
+    def _checkpoint_metadata(self, rank: int, timeout_s: float) -> str: ...
+    def should_commit(
+        self, group_rank: int, step: int, should_commit: bool, timeout_s: float
+    ) -> bool: ...
+    def kill(self, msg: str, timeout_s: float = 10.0) -> None: ...
     def abort(self) -> None: ...
     def close(self) -> None: ...

@@ -1,31 +1,38 @@
-"""Coordination (low-level API): the lighthouse server and client.
+"""Coordination (low-level API): lighthouse and manager servers and clients.
 
 The same names, signatures and defaults as ``torchft.coordination``, over
-stepguard's C lighthouse.  Deadlines raise :class:`TimeoutError`; every
-other failure raises :class:`RuntimeError` (:class:`stepguard.Error`).
+stepguard's C lighthouse and manager.  Deadlines raise
+:class:`TimeoutError`; every other failure raises :class:`RuntimeError`
+(:class:`stepguard.Error`).  Blocking calls release the GIL, and Ctrl-C
+stops them (the client is aborted then; make a new one).
 
 stepguard additions, all keyword-only: ``auth_token`` (default: the
-``STEPGUARD_AUTH_TOKEN`` environment variable), and on the server
+``STEPGUARD_AUTH_TOKEN`` environment variable); on the lighthouse server
 ``disconnect_grace_ms``, ``prune_after_ms``, ``quorum_id_file``,
-``hostname``, ``max_replicas`` and ``max_connections``.
+``hostname``, ``max_replicas`` and ``max_connections``; on the manager
+server ``disconnect_grace_ms`` and ``kill_handler``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Hashable
+from typing import Callable, Hashable
 
 from stepguard import _C
 
 __all__ = [
     "LighthouseClient",
     "LighthouseServer",
+    "ManagerClient",
+    "ManagerServer",
     "Quorum",
     "QuorumMember",
+    "QuorumResult",
     "Timestamp",
     "lighthouse_main",
 ]
@@ -224,6 +231,212 @@ class LighthouseClient:
 
     def close(self) -> None:
         """Closes the connection (the lighthouse sees it close)."""
+        self._client.close()
+
+
+@dataclass
+class QuorumResult:
+    """What one group rank learns from a manager quorum.
+
+    ``replica_rank``/``replica_world_size`` count every replica in the
+    quorum; the ``max_*`` fields describe the replicas at the highest step.
+    ``heal`` is set when this replica must fetch state from
+    ``recover_src_manager_address`` (replica ``recover_src_replica_rank``);
+    ``recover_dst_replica_ranks`` are the replicas this one sends to.
+    ``up_to_date_manager_addresses`` (stepguard; empty from a torchft
+    manager) lists the managers of every up-to-date replica, so a healer
+    can fetch from all of them.
+    """
+
+    quorum_id: int = 0
+    replica_rank: int = 0
+    replica_world_size: int = 1
+    recover_src_manager_address: str = ""
+    recover_src_replica_rank: int | None = None
+    recover_dst_replica_ranks: list[int] = field(default_factory=list)
+    store_address: str = ""
+    max_step: int = 0
+    max_replica_rank: int | None = None
+    max_world_size: int = 1
+    heal: bool = False
+    commit_failures: int = 0
+    replica_ids: list[str] = field(default_factory=list)
+    reconfigure_handles: list[str] = field(default_factory=list)
+    up_to_date_manager_addresses: list[str] = field(default_factory=list)
+
+
+_log = logging.getLogger("stepguard.manager")
+
+
+def _exit_on_kill(msg: str) -> None:
+    """The default Kill handler: log, flush, and end the process now."""
+    _log.error("got kill request: %s", msg)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    os._exit(1)
+
+
+class ManagerServer:
+    """Runs the C manager of one replica group on threads of this process.
+
+    Start it in group rank 0.  It joins every group rank's ``_quorum`` into
+    one lighthouse quorum for the group, ANDs ``should_commit`` votes, and
+    heartbeats to the lighthouse.  If a group rank's connections all close
+    and it stays silent for ``disconnect_grace_ms`` (default 250), the
+    group leaves the job at once; the whole group must then restart.
+
+    Args:
+        replica_id: this replica group's id (unique per incarnation).
+        lighthouse_addr: ``http://host:port`` of the lighthouse.
+        hostname: host name to advertise; ``STEPGUARD_ADVERTISE_HOST`` (a
+            host or a network interface name) overrides it.
+        bind: address to bind, e.g. ``"[::]:0"``.
+        store_addr: ``host:port`` of the group's TCPStore.
+        world_size: number of group ranks.
+        heartbeat_interval: time between heartbeats.
+        connect_timeout: bounds the lighthouse connection at construction.
+        quorum_retries: lighthouse quorum retries, as torchft.
+        kill_handler: called with the message of a Kill request (default:
+            log and ``os._exit(1)``, as torchft).
+    """
+
+    def __init__(
+        self,
+        replica_id: str,
+        lighthouse_addr: str,
+        hostname: str,
+        bind: str,
+        store_addr: str,
+        world_size: int,
+        heartbeat_interval: timedelta,
+        connect_timeout: timedelta,
+        quorum_retries: int = 0,
+        *,
+        auth_token: str | None = None,
+        disconnect_grace_ms: int | None = None,
+        kill_handler: Callable[[str], None] | None = None,
+    ) -> None:
+        self._server = _C.ManagerServer(
+            replica_id,
+            lighthouse_addr,
+            hostname,
+            bind,
+            store_addr,
+            world_size,
+            _seconds(heartbeat_interval),
+            _seconds(connect_timeout),
+            quorum_retries,
+            auth_token=_env_token(auth_token),
+            disconnect_grace_ms=disconnect_grace_ms or 0,
+            kill_handler=kill_handler or _exit_on_kill,
+        )
+
+    def address(self) -> str:
+        """Returns ``http://{hostname}:{port}``."""
+        return self._server.address()
+
+    def port(self) -> int:
+        """Returns the bound port."""
+        return self._server.port()
+
+    def has_left(self) -> bool:
+        """True once the group lost a rank and left the job."""
+        return self._server.has_left()
+
+    def shutdown(self) -> None:
+        """Stops the server; waiting calls fail."""
+        self._server.shutdown()
+
+    def __enter__(self) -> ManagerServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+class ManagerClient:
+    """A group rank's client of its replica group's manager.
+
+    Works with stepguard's and torchft's managers.  Keep it open for the
+    life of training: the manager treats a rank whose connections all close
+    as dead.
+
+    Args:
+        addr: ``http://host:port`` of the manager.
+        connect_timeout: how long construction may try to connect.
+    """
+
+    def __init__(
+        self,
+        addr: str,
+        connect_timeout: timedelta,
+        *,
+        auth_token: str | None = None,
+    ) -> None:
+        self._client = _C.ManagerClient(
+            addr, _seconds(connect_timeout), _env_token(auth_token)
+        )
+
+    def _quorum(
+        self,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        init_sync: bool = True,
+        commit_failures: int = 0,
+        timeout: timedelta = timedelta(seconds=60),
+        reconfigure_handle: str = "",
+    ) -> QuorumResult:
+        """Joins this step's quorum and waits for it.
+
+        Raises:
+            TimeoutError: no quorum within ``timeout``.
+            RuntimeError: any other failure (the lighthouse call failed,
+                the group left the job, a bad argument).
+        """
+        d = self._client._quorum(
+            group_rank,
+            step,
+            checkpoint_metadata,
+            shrink_only,
+            init_sync,
+            commit_failures,
+            _seconds(timeout),
+            reconfigure_handle or "",
+        )
+        return QuorumResult(**d)
+
+    def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
+        """The checkpoint metadata group rank ``rank`` sent with its last
+        quorum call (``RuntimeError`` if it never did)."""
+        return self._client._checkpoint_metadata(rank, _seconds(timeout))
+
+    def should_commit(
+        self,
+        group_rank: int,
+        step: int,
+        should_commit: bool,
+        timeout: timedelta,
+    ) -> bool:
+        """Votes for this step; True only if every group rank voted yes."""
+        return self._client.should_commit(
+            group_rank, step, should_commit, _seconds(timeout)
+        )
+
+    def kill(self, msg: str, timeout: timedelta = timedelta(seconds=10)) -> None:
+        """Asks the manager's process to end (its Kill handler runs)."""
+        self._client.kill(msg, _seconds(timeout))
+
+    def abort(self) -> None:
+        """Fails every call in progress and every later one."""
+        self._client.abort()
+
+    def close(self) -> None:
+        """Closes the connection."""
         self._client.close()
 
 

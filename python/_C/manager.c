@@ -1,0 +1,566 @@
+/*
+ * manager.c: stepguard._C.ManagerServer and ManagerClient, heap types over
+ * sg_mgr_server_t and sg_mgr_client_t.
+ *
+ * As in lighthouse.c: every method checks that the object is open, waits
+ * without the GIL, and raises only once the GIL is back; client calls go
+ * through sg_py_blocking so Ctrl-C stops them (the client is aborted then).
+ * The Kill handler runs on the server's thread: it takes the GIL and calls
+ * the Python callable given at construction (the package's default logs and
+ * ends the process).
+ */
+#include "module.h"
+
+#include <string.h>
+
+#include "stepguard/manager.h"
+
+/* ---- ManagerServer ---------------------------------------------------------
+ */
+
+typedef struct {
+  PyObject_HEAD sg_mgr_server_t *srv;
+  PyObject *kill_handler; /* callable or NULL */
+} mgr_server_obj;
+
+#if PY_VERSION_HEX >= 0x030D0000
+#define interpreter_finalizing() Py_IsFinalizing()
+#else
+#define interpreter_finalizing() _Py_IsFinalizing()
+#endif
+
+static void on_kill(void *ud, const char *msg) {
+  mgr_server_obj *self = ud;
+  if (interpreter_finalizing())
+    return;
+  PyGILState_STATE g = PyGILState_Ensure();
+  if (self->kill_handler) {
+    PyObject *r = PyObject_CallFunction(self->kill_handler, "s", msg);
+    if (!r)
+      PyErr_WriteUnraisable(self->kill_handler);
+    Py_XDECREF(r);
+  }
+  PyGILState_Release(g);
+}
+
+static int mserver_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
+  mgr_server_obj *self = (mgr_server_obj *)self_obj;
+  static char *kwlist[] = {"replica_id",
+                           "lighthouse_addr",
+                           "hostname",
+                           "bind",
+                           "store_addr",
+                           "world_size",
+                           "heartbeat_interval_s",
+                           "connect_timeout_s",
+                           "quorum_retries",
+                           "auth_token",
+                           "disconnect_grace_ms",
+                           "kill_handler",
+                           NULL};
+  const char *id, *lh, *host, *bind, *store, *token = NULL;
+  long long world, retries, grace = 0;
+  double hb_s, connect_s;
+  PyObject *handler = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "szzzzLddL|zLO:ManagerServer",
+                                   kwlist, &id, &lh, &host, &bind, &store,
+                                   &world, &hb_s, &connect_s, &retries, &token,
+                                   &grace, &handler))
+    return -1;
+  if (self->srv) {
+    PyErr_SetString(PyExc_RuntimeError, "ManagerServer already started");
+    return -1;
+  }
+  if (handler != Py_None && !PyCallable_Check(handler)) {
+    PyErr_SetString(PyExc_TypeError, "kill_handler must be callable");
+    return -1;
+  }
+  int64_t hb_ms = sg_py_timeout_ms(hb_s), connect_ms;
+  if (hb_ms < 0 || (connect_ms = sg_py_timeout_ms(connect_s)) < 0)
+    return -1;
+  if (!lh) {
+    PyErr_SetString(PyExc_ValueError, "lighthouse_addr is required");
+    return -1;
+  }
+  sg_mgr_server_opts_t o;
+  memset(&o, 0, sizeof(o));
+  o.replica_id = id;
+  o.lighthouse_addr = lh;
+  o.hostname = host;
+  o.bind = bind && bind[0] ? bind : NULL;
+  o.store_addr = store;
+  o.world_size = world;
+  o.heartbeat_interval_ms = hb_ms > 0 ? hb_ms : 1;
+  o.connect_timeout_ms = connect_ms > 0 ? connect_ms : 1;
+  o.quorum_retries = retries;
+  o.disconnect_grace_ms = grace;
+  o.auth_token = token;
+  o.kill = on_kill;
+  o.kill_ud = self;
+  Py_XSETREF(self->kill_handler,
+             handler == Py_None ? NULL : Py_NewRef(handler));
+  sg_err_t err;
+  sg_err_clear(&err);
+  sg_mgr_server_t *srv = NULL;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = sg_mgr_server_start(&o, &srv, &err);
+  Py_END_ALLOW_THREADS
+  if (rc) {
+    if (rc == SG_EINVAL)
+      PyErr_SetString(PyExc_ValueError, err.msg);
+    else {
+      char msg[512];
+      snprintf(msg, sizeof(msg), "failed to start manager: %s",
+               err.msg[0] ? err.msg : sg_strerror(rc));
+      /* unreachable lighthouse is a RuntimeError, as in torchft */
+      sg_py_raise(sg_py_state_of_type(Py_TYPE(self)),
+                  rc == SG_ETIMEDOUT ? SG_ECONNREFUSED : rc, msg);
+    }
+    return -1;
+  }
+  self->srv = srv;
+  return 0;
+}
+
+static int mserver_guard(mgr_server_obj *self) {
+  if (!self->srv) {
+    PyErr_SetString(PyExc_RuntimeError, "ManagerServer is shut down");
+    return -1;
+  }
+  return 0;
+}
+
+static PyObject *mserver_address(PyObject *self_obj, PyObject *unused) {
+  mgr_server_obj *self = (mgr_server_obj *)self_obj;
+  if (mserver_guard(self) < 0)
+    return NULL;
+  return PyUnicode_FromString(sg_mgr_server_address(self->srv));
+}
+
+static PyObject *mserver_port(PyObject *self_obj, PyObject *unused) {
+  mgr_server_obj *self = (mgr_server_obj *)self_obj;
+  if (mserver_guard(self) < 0)
+    return NULL;
+  return PyLong_FromLong(sg_mgr_server_port(self->srv));
+}
+
+static PyObject *mserver_has_left(PyObject *self_obj, PyObject *unused) {
+  mgr_server_obj *self = (mgr_server_obj *)self_obj;
+  if (mserver_guard(self) < 0)
+    return NULL;
+  return PyBool_FromLong(sg_mgr_server_has_left(self->srv));
+}
+
+static void mserver_stop(mgr_server_obj *self) {
+  sg_mgr_server_t *srv = self->srv;
+  self->srv = NULL;
+  if (srv) {
+    Py_BEGIN_ALLOW_THREADS
+    sg_mgr_server_stop(srv);
+    Py_END_ALLOW_THREADS
+  }
+}
+
+static PyObject *mserver_shutdown(PyObject *self_obj, PyObject *unused) {
+  mserver_stop((mgr_server_obj *)self_obj);
+  Py_RETURN_NONE;
+}
+
+static int mserver_traverse(PyObject *self_obj, visitproc visit, void *arg) {
+  mgr_server_obj *self = (mgr_server_obj *)self_obj;
+  Py_VISIT(Py_TYPE(self_obj));
+  Py_VISIT(self->kill_handler);
+  return 0;
+}
+
+static int mserver_clear(PyObject *self_obj) {
+  mgr_server_obj *self = (mgr_server_obj *)self_obj;
+  mserver_stop(self); /* the handler may run until the server stops */
+  Py_CLEAR(self->kill_handler);
+  return 0;
+}
+
+static void mserver_dealloc(PyObject *self_obj) {
+  mgr_server_obj *self = (mgr_server_obj *)self_obj;
+  PyTypeObject *tp = Py_TYPE(self);
+  PyObject_GC_UnTrack(self_obj);
+  if (self->srv) {
+    PyErr_WarnFormat(PyExc_ResourceWarning, 1,
+                     "unclosed ManagerServer; call shutdown()");
+    mserver_stop(self);
+  }
+  Py_CLEAR(self->kill_handler);
+  tp->tp_free(self_obj);
+  Py_DECREF(tp);
+}
+
+static PyMethodDef mserver_methods[] = {
+    {"address", mserver_address, METH_NOARGS,
+     "address() -> str: http://host:port other replicas reach it at."},
+    {"port", mserver_port, METH_NOARGS, "port() -> int: the bound port."},
+    {"has_left", mserver_has_left, METH_NOARGS,
+     "has_left() -> bool: the group lost a rank and left the job."},
+    {"shutdown", mserver_shutdown, METH_NOARGS,
+     "shutdown(): stop serving (idempotent); waiting calls fail."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot mserver_slots[] = {
+    {Py_tp_init, mserver_init},
+    {Py_tp_dealloc, mserver_dealloc},
+    {Py_tp_traverse, mserver_traverse},
+    {Py_tp_clear, mserver_clear},
+    {Py_tp_methods, mserver_methods},
+    {Py_tp_doc, "ManagerServer(replica_id, lighthouse_addr, hostname, bind, "
+                "store_addr, world_size, heartbeat_interval_s, "
+                "connect_timeout_s, quorum_retries, auth_token=None, "
+                "disconnect_grace_ms=0, kill_handler=None)"},
+    {0, NULL},
+};
+
+static PyType_Spec mserver_spec = {
+    .name = "stepguard._C.ManagerServer",
+    .basicsize = sizeof(mgr_server_obj),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .slots = mserver_slots,
+};
+
+/* ---- ManagerClient ---------------------------------------------------------
+ */
+
+typedef struct {
+  PyObject_HEAD sg_mgr_client_t *cli;
+  int inflight; /* calls running without the GIL */
+} mgr_client_obj;
+
+static int mclient_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
+  mgr_client_obj *self = (mgr_client_obj *)self_obj;
+  static char *kwlist[] = {"addr", "connect_timeout_s", "auth_token", NULL};
+  const char *addr, *token = NULL;
+  double timeout_s;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "sd|z:ManagerClient", kwlist,
+                                   &addr, &timeout_s, &token))
+    return -1;
+  if (self->cli) {
+    PyErr_SetString(PyExc_RuntimeError, "ManagerClient already connected");
+    return -1;
+  }
+  int64_t ms = sg_py_timeout_ms(timeout_s);
+  if (ms < 0)
+    return -1;
+  sg_err_t err;
+  sg_err_clear(&err);
+  sg_mgr_client_t *cli = NULL;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = sg_mgr_client_new(addr, ms > 0 ? ms : 1, token, &cli, &err);
+  Py_END_ALLOW_THREADS
+  if (rc) {
+    char msg[512];
+    snprintf(msg, sizeof(msg),
+             "failed to connect to %s within timeout of %lldms: %s", addr,
+             (long long)ms, err.msg[0] ? err.msg : sg_strerror(rc));
+    sg_py_raise(sg_py_state_of_type(Py_TYPE(self)),
+                rc == SG_ETIMEDOUT ? SG_ECONNREFUSED : rc, msg);
+    return -1;
+  }
+  self->cli = cli;
+  return 0;
+}
+
+static int mclient_guard(mgr_client_obj *self) {
+  if (!self->cli) {
+    PyErr_SetString(PyExc_RuntimeError, "ManagerClient is closed");
+    return -1;
+  }
+  return 0;
+}
+
+enum mcall_kind { MC_QUORUM, MC_METADATA, MC_COMMIT, MC_KILL };
+
+struct mcall {
+  mgr_client_obj *self;
+  enum mcall_kind kind;
+  int64_t group_rank, step, commit_failures;
+  const char *str, *handle; /* metadata or kill message; reconfigure handle */
+  int shrink_only, init_sync, vote;
+  sg_deadline_t deadline;
+  sg_mgr_quorum_result_t r;
+  char *metadata;
+  int decision;
+  sg_err_t err;
+  int rc;
+};
+
+static void mcall_run(void *arg) {
+  struct mcall *c = arg;
+  sg_mgr_client_t *cli = c->self->cli;
+  switch (c->kind) {
+  case MC_QUORUM:
+    c->rc = sg_mgr_client_quorum(
+        cli, c->group_rank, c->step, c->str, c->shrink_only, c->init_sync,
+        c->commit_failures, c->handle, c->deadline, &c->r, &c->err);
+    break;
+  case MC_METADATA:
+    c->rc = sg_mgr_client_checkpoint_metadata(cli, c->group_rank, c->deadline,
+                                              &c->metadata, &c->err);
+    break;
+  case MC_COMMIT:
+    c->rc = sg_mgr_client_should_commit(cli, c->group_rank, c->step, c->vote,
+                                        c->deadline, &c->decision, &c->err);
+    break;
+  case MC_KILL:
+    c->rc = sg_mgr_client_kill(cli, c->str, c->deadline, &c->err);
+    break;
+  }
+}
+
+static void mcall_abort(void *arg) {
+  struct mcall *c = arg;
+  sg_mgr_client_abort(c->self->cli);
+}
+
+/* mcall_do: 0 with c->rc == 0; -1 with an exception set. */
+static int mcall_do(struct mcall *c, double timeout_s) {
+  if (mclient_guard(c->self) < 0)
+    return -1;
+  int64_t ms = sg_py_timeout_ms(timeout_s);
+  if (ms < 0)
+    return -1;
+  c->deadline = sg_deadline_in_ms(ms);
+  sg_err_clear(&c->err);
+  c->self->inflight++;
+  int rc = sg_py_blocking(mcall_run, mcall_abort, c);
+  c->self->inflight--;
+  if (rc == 0 && c->rc) {
+    sg_py_raise(sg_py_state_of_type(Py_TYPE(c->self)), c->rc, c->err.msg);
+    rc = -1;
+  }
+  if (rc < 0) {
+    sg_mgr_quorum_result_free(&c->r);
+    sg_free(c->metadata);
+    c->metadata = NULL;
+  }
+  return rc;
+}
+
+static PyObject *str_list(char **v, size_t n) {
+  PyObject *l = PyList_New((Py_ssize_t)n);
+  for (size_t i = 0; l && i < n; i++) {
+    PyObject *s = PyUnicode_FromString(v[i]);
+    if (!s) {
+      Py_CLEAR(l);
+      break;
+    }
+    PyList_SET_ITEM(l, (Py_ssize_t)i, s);
+  }
+  return l;
+}
+
+static PyObject *opt_int(int has, int64_t v) {
+  return has ? PyLong_FromLongLong(v) : Py_NewRef(Py_None);
+}
+
+/* result_dict: the fields of torchft's QuorumResult plus stepguard's. */
+static PyObject *result_dict(const sg_mgr_quorum_result_t *r) {
+  PyObject *dst = PyList_New((Py_ssize_t)r->n_recover_dst_replica_ranks);
+  for (size_t i = 0; dst && i < r->n_recover_dst_replica_ranks; i++) {
+    PyObject *x = PyLong_FromLongLong(r->recover_dst_replica_ranks[i]);
+    if (!x) {
+      Py_CLEAR(dst);
+      break;
+    }
+    PyList_SET_ITEM(dst, (Py_ssize_t)i, x);
+  }
+  if (!dst)
+    return NULL;
+  return Py_BuildValue(
+      "{s:L,s:L,s:L,s:s,s:N,s:N,s:s,s:L,s:N,s:L,s:O,s:L,s:N,s:N,s:N}",
+      "quorum_id", (long long)r->quorum_id, "replica_rank",
+      (long long)r->replica_rank, "replica_world_size",
+      (long long)r->replica_world_size, "recover_src_manager_address",
+      r->recover_src_manager_address, "recover_src_replica_rank",
+      opt_int(r->has_recover_src_replica_rank, r->recover_src_replica_rank),
+      "recover_dst_replica_ranks", dst, "store_address", r->store_address,
+      "max_step", (long long)r->max_step, "max_replica_rank",
+      opt_int(r->has_max_replica_rank, r->max_replica_rank), "max_world_size",
+      (long long)r->max_world_size, "heal", r->heal ? Py_True : Py_False,
+      "commit_failures", (long long)r->commit_failures, "replica_ids",
+      str_list(r->replica_ids, r->n_replica_ids), "reconfigure_handles",
+      str_list(r->reconfigure_handles, r->n_reconfigure_handles),
+      "up_to_date_manager_addresses",
+      str_list(r->up_to_date_manager_addresses,
+               r->n_up_to_date_manager_addresses));
+}
+
+static PyObject *mclient_quorum(PyObject *self_obj, PyObject *args,
+                                PyObject *kw) {
+  static char *kwlist[] = {"group_rank",
+                           "step",
+                           "checkpoint_metadata",
+                           "shrink_only",
+                           "init_sync",
+                           "commit_failures",
+                           "timeout_s",
+                           "reconfigure_handle",
+                           NULL};
+  struct mcall c;
+  memset(&c, 0, sizeof(c));
+  c.self = (mgr_client_obj *)self_obj;
+  c.kind = MC_QUORUM;
+  c.handle = "";
+  double timeout_s;
+  long long g, step, cf;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "LLsppLd|s:_quorum", kwlist, &g,
+                                   &step, &c.str, &c.shrink_only, &c.init_sync,
+                                   &cf, &timeout_s, &c.handle))
+    return NULL;
+  c.group_rank = g;
+  c.step = step;
+  c.commit_failures = cf;
+  if (mcall_do(&c, timeout_s) < 0)
+    return NULL;
+  PyObject *d = result_dict(&c.r);
+  sg_mgr_quorum_result_free(&c.r);
+  return d;
+}
+
+static PyObject *mclient_metadata(PyObject *self_obj, PyObject *args,
+                                  PyObject *kw) {
+  static char *kwlist[] = {"rank", "timeout_s", NULL};
+  struct mcall c;
+  memset(&c, 0, sizeof(c));
+  c.self = (mgr_client_obj *)self_obj;
+  c.kind = MC_METADATA;
+  long long rank;
+  double timeout_s;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "Ld:_checkpoint_metadata", kwlist,
+                                   &rank, &timeout_s))
+    return NULL;
+  c.group_rank = rank;
+  if (mcall_do(&c, timeout_s) < 0)
+    return NULL;
+  PyObject *s = PyUnicode_FromString(c.metadata ? c.metadata : "");
+  sg_free(c.metadata);
+  return s;
+}
+
+static PyObject *mclient_should_commit(PyObject *self_obj, PyObject *args,
+                                       PyObject *kw) {
+  static char *kwlist[] = {"group_rank", "step", "should_commit", "timeout_s",
+                           NULL};
+  struct mcall c;
+  memset(&c, 0, sizeof(c));
+  c.self = (mgr_client_obj *)self_obj;
+  c.kind = MC_COMMIT;
+  long long g, step;
+  double timeout_s;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "LLpd:should_commit", kwlist, &g,
+                                   &step, &c.vote, &timeout_s))
+    return NULL;
+  c.group_rank = g;
+  c.step = step;
+  if (mcall_do(&c, timeout_s) < 0)
+    return NULL;
+  return PyBool_FromLong(c.decision);
+}
+
+static PyObject *mclient_kill(PyObject *self_obj, PyObject *args,
+                              PyObject *kw) {
+  static char *kwlist[] = {"msg", "timeout_s", NULL};
+  struct mcall c;
+  memset(&c, 0, sizeof(c));
+  c.self = (mgr_client_obj *)self_obj;
+  c.kind = MC_KILL;
+  double timeout_s = 10.0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "s|d:kill", kwlist, &c.str,
+                                   &timeout_s))
+    return NULL;
+  if (mcall_do(&c, timeout_s) < 0)
+    return NULL;
+  Py_RETURN_NONE;
+}
+
+static PyObject *mclient_abort(PyObject *self_obj, PyObject *unused) {
+  mgr_client_obj *self = (mgr_client_obj *)self_obj;
+  if (self->cli)
+    sg_mgr_client_abort(self->cli);
+  Py_RETURN_NONE;
+}
+
+static void mclient_close_now(mgr_client_obj *self) {
+  sg_mgr_client_t *cli = self->cli;
+  self->cli = NULL;
+  if (cli) {
+    Py_BEGIN_ALLOW_THREADS
+    sg_mgr_client_free(cli);
+    Py_END_ALLOW_THREADS
+  }
+}
+
+static PyObject *mclient_close(PyObject *self_obj, PyObject *unused) {
+  mgr_client_obj *self = (mgr_client_obj *)self_obj;
+  if (self->inflight) {
+    PyErr_SetString(PyExc_RuntimeError,
+                    "ManagerClient.close() while a call is running; abort() "
+                    "it first");
+    return NULL;
+  }
+  mclient_close_now(self);
+  Py_RETURN_NONE;
+}
+
+static void mclient_dealloc(PyObject *self_obj) {
+  mgr_client_obj *self = (mgr_client_obj *)self_obj;
+  PyTypeObject *tp = Py_TYPE(self);
+  mclient_close_now(self);
+  tp->tp_free(self_obj);
+  Py_DECREF(tp);
+}
+
+static PyMethodDef mclient_methods[] = {
+    {"_quorum", (PyCFunction)(void (*)(void))mclient_quorum,
+     METH_VARARGS | METH_KEYWORDS,
+     "_quorum(group_rank, step, checkpoint_metadata, shrink_only, init_sync, "
+     "commit_failures, timeout_s, reconfigure_handle='') -> dict"},
+    {"_checkpoint_metadata", (PyCFunction)(void (*)(void))mclient_metadata,
+     METH_VARARGS | METH_KEYWORDS,
+     "_checkpoint_metadata(rank, timeout_s) -> str"},
+    {"should_commit", (PyCFunction)(void (*)(void))mclient_should_commit,
+     METH_VARARGS | METH_KEYWORDS,
+     "should_commit(group_rank, step, should_commit, timeout_s) -> bool"},
+    {"kill", (PyCFunction)(void (*)(void))mclient_kill,
+     METH_VARARGS | METH_KEYWORDS, "kill(msg, timeout_s=10.0)"},
+    {"abort", mclient_abort, METH_NOARGS,
+     "abort(): fail every call in progress and later ones."},
+    {"close", mclient_close, METH_NOARGS, "close(): drop the connection."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot mclient_slots[] = {
+    {Py_tp_init, mclient_init},
+    {Py_tp_dealloc, mclient_dealloc},
+    {Py_tp_methods, mclient_methods},
+    {Py_tp_doc, "ManagerClient(addr, connect_timeout_s, auth_token=None)"},
+    {0, NULL},
+};
+
+static PyType_Spec mclient_spec = {
+    .name = "stepguard._C.ManagerClient",
+    .basicsize = sizeof(mgr_client_obj),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .slots = mclient_slots,
+};
+
+int sg_py_manager_init(PyObject *module, sg_py_state *st) {
+  st->mgr_server_type = PyType_FromModuleAndSpec(module, &mserver_spec, NULL);
+  if (!st->mgr_server_type ||
+      PyModule_AddObjectRef(module, "ManagerServer", st->mgr_server_type) < 0)
+    return -1;
+  st->mgr_client_type = PyType_FromModuleAndSpec(module, &mclient_spec, NULL);
+  if (!st->mgr_client_type ||
+      PyModule_AddObjectRef(module, "ManagerClient", st->mgr_client_type) < 0)
+    return -1;
+  return 0;
+}

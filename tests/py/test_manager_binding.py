@@ -1,0 +1,234 @@
+"""stepguard.coordination's ManagerServer, ManagerClient and QuorumResult,
+in this process against the C lighthouse: fields, votes, errors, Kill and
+Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from lighthouse_util import td
+from stepguard.coordination import (
+    LighthouseServer,
+    ManagerClient,
+    ManagerServer,
+    QuorumResult,
+)
+
+
+def start_group(lh: LighthouseServer, rid: str, world: int, **kw) -> ManagerServer:
+    return ManagerServer(rid, lh.address(), "127.0.0.1", "127.0.0.1:0",
+                         f"store-{rid}:1", world, td(0.05), td(5), **kw)
+
+
+def run_parallel(fns):
+    """Runs every fn on its own thread; returns their results or raises."""
+    out: list = [None] * len(fns)
+    errs: list = []
+
+    def run(i, fn):
+        try:
+            out[i] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errs.append(e)
+
+    ts = [threading.Thread(target=run, args=(i, f)) for i, f in enumerate(fns)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+        assert not t.is_alive(), "a call did not return within 60 s"
+    if errs:
+        raise errs[0]
+    return out
+
+
+@pytest.fixture
+def two_groups():
+    lh = LighthouseServer("127.0.0.1:0", 2, join_timeout_ms=100)
+    groups = [start_group(lh, r, 2) for r in ("a", "b")]
+    clients = [[ManagerClient(g.address(), td(5)) for _ in range(2)]
+               for g in groups]
+    yield lh, groups, clients
+    for cs in clients:
+        for c in cs:
+            c.close()
+    for g in groups:
+        g.shutdown()
+    lh.shutdown()
+
+
+def test_quorum_result_defaults_match_torchft():
+    r = QuorumResult()
+    assert (r.quorum_id, r.replica_rank, r.replica_world_size) == (0, 0, 1)
+    assert r.recover_src_manager_address == "" and r.store_address == ""
+    assert r.recover_src_replica_rank is None and r.max_replica_rank is None
+    assert r.recover_dst_replica_ranks == [] and r.replica_ids == []
+    assert (r.max_step, r.max_world_size, r.heal, r.commit_failures) == (0, 1, False, 0)
+    r.heal = True  # fields are settable, as torchft's
+    assert r.heal
+
+
+def test_quorum_fields_heal_handles_metadata_and_votes(two_groups):
+    _, groups, clients = two_groups
+    steps = {"a": 7, "b": 3}
+
+    def q(gi, rank):
+        rid = "ab"[gi]
+        return clients[gi][rank]._quorum(
+            group_rank=rank, step=steps[rid],
+            checkpoint_metadata=f"md-{rid}{rank}", shrink_only=False,
+            init_sync=True, commit_failures=gi, timeout=td(30),
+            reconfigure_handle=f"h-{rid}{rank}")
+
+    res = run_parallel([lambda g=g, r=r: q(g, r) for g in range(2) for r in range(2)])
+    a0, a1, b0, b1 = res
+    assert len({r.quorum_id for r in res}) == 1
+    for r in res:
+        assert r.replica_ids == ["a", "b"]
+        assert r.max_step == 7 and r.max_world_size == 1
+        assert r.replica_world_size == 2
+        assert r.commit_failures == 1  # the maximum over the quorum
+        assert r.up_to_date_manager_addresses == [groups[0].address()]
+    assert [a0.replica_rank, b0.replica_rank] == [0, 1]
+    assert not a0.heal and a0.recover_dst_replica_ranks == [1]
+    assert b0.heal and b1.heal
+    assert b0.recover_src_manager_address == groups[0].address()
+    assert b0.recover_src_replica_rank == 0 and b0.max_replica_rank is None
+    assert a1.max_replica_rank == 0
+    assert a0.reconfigure_handles == ["h-a0", "h-b0"]
+    assert b1.reconfigure_handles == ["h-a1", "h-b1"]
+    # the healer asks its source for the same group rank's metadata
+    assert clients[0][1]._checkpoint_metadata(1, td(5)) == "md-a1"
+    # one no vote makes its group refuse; the other group is unaffected
+    votes = run_parallel([
+        lambda: clients[0][0].should_commit(0, 7, True, td(10)),
+        lambda: clients[0][1].should_commit(1, 7, False, td(10)),
+        lambda: clients[1][0].should_commit(0, 7, True, td(10)),
+        lambda: clients[1][1].should_commit(1, 7, True, td(10)),
+    ])
+    assert votes == [False, False, True, True]
+
+
+def test_positional_order_matches_torchft(two_groups):
+    _, _, clients = two_groups
+    # (group_rank, step, checkpoint_metadata, shrink_only, init_sync,
+    #  commit_failures, timeout): a lone group cannot form a quorum of 2
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        clients[0][0]._quorum(0, 1, "md", False, True, 0, td(0.5))
+    assert time.monotonic() - t0 < 20
+
+
+def test_errors_are_runtime_errors(two_groups):
+    _, _, clients = two_groups
+    with pytest.raises(RuntimeError, match="out of range"):
+        clients[0][0]._quorum(5, 0, "", False, True, 0, td(5))
+    with pytest.raises(RuntimeError, match="rank not found|not found"):
+        clients[1][0]._checkpoint_metadata(1, td(5))
+    with pytest.raises(RuntimeError):
+        ManagerClient("http://127.0.0.1:1", td(0.3))
+    with pytest.raises((TypeError, ValueError)):
+        clients[0][0]._quorum(0, 0, "", False, True, 0, td(-1))
+
+
+def test_unreachable_lighthouse_fails_construction_within_connect_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError):
+        ManagerServer("x", "http://127.0.0.1:1", "127.0.0.1", "127.0.0.1:0",
+                      "s:1", 1, td(0.1), td(0.5))
+    assert time.monotonic() - t0 < 20
+
+
+def test_kill_handler_receives_the_message():
+    lh = LighthouseServer("127.0.0.1:0", 1)
+    got = threading.Event()
+    msgs: list[str] = []
+
+    def handler(msg):
+        msgs.append(msg)
+        got.set()
+
+    m = start_group(lh, "k", 1, kill_handler=handler)
+    c = ManagerClient(m.address(), td(5))
+    c.kill("stop now")
+    assert got.wait(10), "kill handler not called within 10 s"
+    assert msgs == ["stop now"]
+    c.close()
+    m.shutdown()
+    lh.shutdown()
+
+
+KILL_CHILD = """
+import sys, time
+from datetime import timedelta
+from stepguard.coordination import LighthouseServer, ManagerServer
+lh = LighthouseServer("127.0.0.1:0", 1)
+m = ManagerServer("k", lh.address(), "127.0.0.1", "127.0.0.1:0", "s:1", 1,
+                  timedelta(seconds=0.1), timedelta(seconds=5))
+print(m.address(), flush=True)
+time.sleep(600)
+"""
+
+
+def test_default_kill_handler_logs_and_exits_1(procs):
+    p = procs.spawn(KILL_CHILD, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    text=True)
+    addr = p.stdout.readline().strip()
+    assert addr.startswith("http://127.0.0.1:"), addr
+    c = ManagerClient(addr, td(5))
+    c.kill("operator says bye")
+    rc = p.wait(timeout=20)
+    assert rc == 1
+    assert "got kill request: operator says bye" in p.stderr.read()
+
+
+QUORUM_CHILD = """
+import sys
+from datetime import timedelta
+from stepguard.coordination import LighthouseServer, ManagerClient, ManagerServer
+lh = LighthouseServer("127.0.0.1:0", 2)  # never reached by one group
+m = ManagerServer("w", lh.address(), "127.0.0.1", "127.0.0.1:0", "s:1", 1,
+                  timedelta(seconds=0.1), timedelta(seconds=5))
+c = ManagerClient(m.address(), timedelta(seconds=5))
+print("waiting", flush=True)
+try:
+    c._quorum(0, 0, "", False, True, 0, timedelta(seconds=600))
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(3)
+"""
+
+
+def test_ctrl_c_stops_a_waiting_quorum(procs):
+    p = procs.spawn(QUORUM_CHILD, stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL, text=True)
+    assert p.stdout.readline().strip() == "waiting"
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    os.kill(p.pid, signal.SIGINT)
+    assert p.wait(timeout=10) == 3
+    assert time.monotonic() - t0 < 10
+    assert "interrupted" in p.stdout.read()
+
+
+def test_advertise_host_env_overrides_hostname(monkeypatch):
+    lh = LighthouseServer("127.0.0.1:0", 1)
+    monkeypatch.setenv("STEPGUARD_ADVERTISE_HOST", "lo")
+    m = ManagerServer("adv", lh.address(), "some-slow-name.invalid",
+                      "127.0.0.1:0", "s:1", 1, td(0.1), td(5))
+    try:
+        assert m.address() == f"http://127.0.0.1:{m.port()}"
+    finally:
+        m.shutdown()
+        lh.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

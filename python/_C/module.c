@@ -281,6 +281,14 @@ static int module_exec(PyObject *module) {
     return -1;
   if (sg_py_manager_init(module, st) < 0)
     return -1;
+#ifdef SG_PY_HAVE_COMM
+  if (sg_py_comm_init(module, st) < 0)
+    return -1;
+#endif
+#ifdef SG_PY_HAVE_CKPT
+  if (sg_py_ckpt_init(module, st) < 0)
+    return -1;
+#endif
   return add_error_constants(module);
 }
 
@@ -291,6 +299,10 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg) {
   Py_VISIT(st->lh_client_type);
   Py_VISIT(st->mgr_server_type);
   Py_VISIT(st->mgr_client_type);
+  for (size_t i = 0; i < 4; i++) {
+    Py_VISIT(st->comm_types[i]);
+    Py_VISIT(st->ckpt_types[i]);
+  }
   return 0;
 }
 
@@ -301,6 +313,10 @@ static int module_clear(PyObject *module) {
   Py_CLEAR(st->lh_client_type);
   Py_CLEAR(st->mgr_server_type);
   Py_CLEAR(st->mgr_client_type);
+  for (size_t i = 0; i < 4; i++) {
+    Py_CLEAR(st->comm_types[i]);
+    Py_CLEAR(st->ckpt_types[i]);
+  }
   return 0;
 }
 

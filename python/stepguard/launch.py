@@ -1,0 +1,1015 @@
+"""stepguard-launch: run replica groups, restart them, inject failures.
+
+A small torchrun for fault-tolerance experiments on one machine.  It starts
+(or uses) a lighthouse, runs ``N`` replica groups of ``M`` ranks with the
+environment torchrun would give them plus the variables torchft reads, hosts
+a fresh TCPStore for every incarnation of every group, and when a rank of a
+group dies it ends the whole group and starts it again, as torchrun does.
+
+On request it injects failures on a schedule:
+
+``kill``      SIGKILL one rank of a group (the group then restarts);
+``hang``      SIGSTOP every rank of a group, then SIGCONT (``then=cont``,
+              the default) or SIGKILL (``then=kill``) after ``duration``;
+``slow``      limit a group to a fraction of one CPU for ``duration``:
+              cgroup v2 ``cpu.max`` when a writable cgroup v2 hierarchy
+              with the cpu controller exists, else SIGSTOP/SIGCONT duty
+              cycling (the timeline says which);
+``partition`` refused with an error: it needs a network namespace per
+              group with routed links to the lighthouse and the peers.
+
+A spec reads ``KIND:key=value,...``, e.g. ``kill:every=20s``,
+``kill:every=20s,random,seed=3`` (intervals drawn uniformly from
+[0.5, 1.5] x every), ``hang:every=30s,duration=10s,then=kill``,
+``slow:start=10s,duration=30s,cpu=0.25,group=1``.  Other keys: ``start``
+(first injection, default ``every``), ``stop`` (no injection after this
+time), ``count``, ``group``, ``rank``.
+
+Everything that happens goes to a timeline of JSON lines (``--timeline``):
+launches, exits, restarts, injections, and the workers' own events, which
+they send with :func:`report` over a pipe the launcher reads; from those the
+launcher derives quorum changes, commits, discards, and recoveries with
+their durations.  Ctrl-C (or SIGTERM) ends every process it started, by
+process group id.
+
+Worker helpers (dependency-free, usable from any training script):
+:func:`report` sends an event, :func:`stop_step` reads the step at which the
+launcher asked the workers to finish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import queue
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, TextIO
+
+__all__ = [
+    "FailureSpec",
+    "LaunchConfig",
+    "Launcher",
+    "main",
+    "parse_failure_spec",
+    "report",
+    "stop_step",
+]
+
+_log = logging.getLogger("stepguard.launch")
+
+EVENTS_FD_ENV = "STEPGUARD_EVENTS_FD"
+STOP_FILE_ENV = "STEPGUARD_STOP_FILE"
+INCARNATION_ENV = "STEPGUARD_INCARNATION"
+
+_PIPE_BUF = 4096  # writes up to this size are atomic on a pipe
+_LISTEN_RE = re.compile(r"Lighthouse listening on:? (http://\S+)")
+_OURS_LIGHTHOUSE = (
+    "import sys\n"
+    "from stepguard.coordination import lighthouse_main\n"
+    "sys.exit(lighthouse_main())\n"
+)
+
+
+# ---- worker side -----------------------------------------------------------
+
+
+def report(event: str, **fields: Any) -> None:
+    """Sends one event to the launcher (no-op outside the launcher).
+
+    Adds ``t`` (wall clock), ``group``, ``rank`` and ``incarnation`` from
+    the environment.  Never raises; an event too large for one atomic pipe
+    write loses its extra fields.
+
+    Args:
+        event: event name, e.g. ``"step"``.
+        fields: JSON-serialisable values.
+    """
+    fd_text = os.environ.get(EVENTS_FD_ENV)
+    if not fd_text:
+        return
+    rec: dict[str, Any] = {
+        "event": event,
+        "t": time.time(),
+        "group": int(os.environ.get("REPLICA_GROUP_ID", "0")),
+        "rank": int(os.environ.get("RANK", "0")),
+        "incarnation": int(os.environ.get(INCARNATION_ENV, "0")),
+    }
+    rec.update(fields)
+    try:
+        line = (json.dumps(rec, default=str) + "\n").encode()
+        if len(line) > _PIPE_BUF:
+            rec = {k: rec[k] for k in ("event", "t", "group", "rank", "incarnation")}
+            rec["truncated"] = True
+            line = (json.dumps(rec) + "\n").encode()
+        os.write(int(fd_text), line)
+    except (OSError, ValueError, TypeError):
+        pass
+
+
+def stop_step() -> int | None:
+    """The step at which the launcher asked workers to finish, if it has.
+
+    Workers that reach this step should exit with status 0.
+    """
+    path = os.environ.get(STOP_FILE_ENV)
+    if not path:
+        return None
+    try:
+        return int(Path(path).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+# ---- failure specs ---------------------------------------------------------
+
+_KINDS = ("kill", "hang", "slow", "partition")
+_DURATION_RE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)(ms|s|m)?$")
+
+
+def _parse_duration(text: str, key: str) -> float:
+    m = _DURATION_RE.match(text.strip())
+    if not m:
+        raise ValueError(f"{key}={text!r}: expected a duration like 20s, 500ms, 2m")
+    scale = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}[m.group(2)]
+    return float(m.group(1)) * scale
+
+
+@dataclass
+class FailureSpec:
+    """One failure schedule (see the module docstring for the syntax)."""
+
+    kind: str
+    every: float | None = None  # seconds between injections
+    start: float | None = None  # first injection (default: every)
+    stop: float | None = None  # no injection after this many seconds
+    count: int | None = None  # at most this many injections
+    random: bool = False  # intervals uniform in [0.5, 1.5] x every
+    seed: int = 0
+    group: int | None = None  # victim group (default: random)
+    rank: int | None = None  # victim rank for kill (default: random)
+    duration: float = 10.0  # hang and slow
+    then: str = "cont"  # hang: "cont" or "kill" after duration
+    cpu: float = 0.25  # slow: fraction of one CPU
+
+    def first_at(self) -> float:
+        if self.start is not None:
+            return self.start
+        return self.every if self.every is not None else 0.0
+
+
+def parse_failure_spec(text: str) -> FailureSpec:
+    """Parses ``KIND[:key=value,...]``; raises ValueError with the reason."""
+    kind, _, rest = text.partition(":")
+    kind = kind.strip()
+    if kind not in _KINDS:
+        raise ValueError(f"{text!r}: unknown failure kind {kind!r} (one of {', '.join(_KINDS)})")
+    if kind == "partition":
+        raise ValueError(
+            "partition injection is not supported: it needs a network namespace "
+            "per replica group with routed links to the lighthouse and the other "
+            "groups (root, veth, routing); use hang (SIGSTOP) to make a group "
+            "silent instead"
+        )
+    spec = FailureSpec(kind=kind)
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if key == "random" and not eq:
+            spec.random = True
+            continue
+        if not eq:
+            raise ValueError(f"{text!r}: {item!r} is not key=value")
+        if key in ("every", "start", "stop", "duration"):
+            setattr(spec, key, _parse_duration(value, key))
+        elif key in ("count", "seed", "group", "rank"):
+            try:
+                setattr(spec, key, int(value))
+            except ValueError:
+                raise ValueError(f"{text!r}: {key}={value!r} is not an integer") from None
+        elif key == "then":
+            if value not in ("cont", "kill"):
+                raise ValueError(f"{text!r}: then={value!r} (cont or kill)")
+            spec.then = value
+        elif key == "cpu":
+            spec.cpu = float(value)
+            if not 0.0 < spec.cpu < 1.0:
+                raise ValueError(f"{text!r}: cpu={value} must be in (0, 1)")
+        elif key == "random":
+            spec.random = value.lower() in ("1", "true", "yes")
+        else:
+            raise ValueError(f"{text!r}: unknown key {key!r}")
+    if spec.every is not None and spec.every <= 0:
+        raise ValueError(f"{text!r}: every must be positive")
+    if kind in ("kill", "hang") and spec.every is None and spec.start is None:
+        raise ValueError(f"{text!r}: give every= or start=")
+    if kind == "slow" and spec.every is None and spec.count is None:
+        spec.count = 1
+    return spec
+
+
+# ---- launcher --------------------------------------------------------------
+
+
+@dataclass
+class LaunchConfig:
+    """What to run and how (the CLI flags, as fields)."""
+
+    cmd: list[str]  # the worker command line
+    groups: int = 2
+    nproc_per_group: int = 1
+    lighthouse: str | None = None  # use this lighthouse; else start one
+    lighthouse_impl: str = "stepguard"  # or "torchft"
+    min_replicas: int = 1
+    join_timeout_ms: int = 10000
+    quorum_tick_ms: int = 100
+    heartbeat_timeout_ms: int = 5000
+    omp_threads: int | None = None
+    max_restarts: int = 100
+    restart_delay: float = 0.0
+    duration: float | None = None  # stop everything after this long
+    failures: list[FailureSpec] = field(default_factory=list)
+    timeline: str | None = None
+    log_dir: str | None = None
+    stop_file: str | None = None
+    master_addr: str = "127.0.0.1"
+    env: dict[str, str] = field(default_factory=dict)
+    term_grace: float = 2.0  # SIGTERM -> SIGKILL when ending a group
+    quiet: bool = False
+
+
+class _Worker:
+    def __init__(self, rank: int, popen: subprocess.Popen) -> None:
+        self.rank = rank
+        self.popen = popen
+        self.pid = popen.pid
+        self.returncode: int | None = None
+
+
+class _Group:
+    def __init__(self, gid: int) -> None:
+        self.gid = gid
+        self.incarnation = -1
+        self.workers: list[_Worker] = []
+        self.store: Any = None
+        self.state = "idle"  # idle | running | ending | restart_wait | done | failed
+        self.end_deadline = 0.0
+        self.restart_at = 0.0
+        self.restarts = 0
+        self.launched_at = 0.0
+        self.first_commit_seen = False
+        self.last_quorum: tuple[Any, Any] | None = None
+        self.stopped = False  # hang injection in effect
+
+
+class _Injector:
+    """The schedule of one FailureSpec."""
+
+    def __init__(self, spec: FailureSpec, index: int) -> None:
+        self.spec = spec
+        self.rng = random.Random(spec.seed * 1000003 + index)
+        self.next_at: float | None = spec.first_at()
+        self.done = 0
+
+    def advance(self) -> None:
+        self.done += 1
+        s = self.spec
+        if (s.count is not None and self.done >= s.count) or s.every is None:
+            self.next_at = None
+            return
+        gap = s.every * (self.rng.uniform(0.5, 1.5) if s.random else 1.0)
+        assert self.next_at is not None
+        self.next_at += gap
+
+
+class Launcher:
+    """Runs replica groups and injects failures; see the module docstring.
+
+    Args:
+        config: what to run.
+        on_event: called (on the launcher's thread) with every timeline
+            record as it is written.
+        on_tick: called about every 50 ms with the launcher, so a driver
+            can decide to stop injecting or finish.
+    """
+
+    def __init__(
+        self,
+        config: LaunchConfig,
+        on_event: Callable[[dict[str, Any]], None] | None = None,
+        on_tick: Callable[[Launcher], None] | None = None,
+    ) -> None:
+        if config.groups < 1 or config.nproc_per_group < 1:
+            raise ValueError("groups and nproc_per_group must be at least 1")
+        if not config.cmd:
+            raise ValueError("no worker command")
+        self.cfg = config
+        self.on_event = on_event
+        self.on_tick = on_tick
+        self.t0 = time.time()
+        self.groups = [_Group(g) for g in range(config.groups)]
+        self.injectors = [_Injector(s, i) for i, s in enumerate(config.failures)]
+        self.lighthouse_addr = config.lighthouse
+        self._lh_popen: subprocess.Popen | None = None
+        self._lh_log: TextIO | None = None
+        self._timeline: TextIO | None = None
+        self._events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._pipe_r = -1
+        self._pipe_w = -1
+        self._reader: threading.Thread | None = None
+        self._injecting = True
+        self._finishing = False
+        self._stopping = False
+        self._pending_kills: list[dict[str, Any]] = []  # awaiting survivors' commit
+        self._timers: list[tuple[float, Callable[[], None]]] = []
+        self._slow: dict[int, dict[str, Any]] = {}  # group -> duty cycle state
+        self._failure_seq = 0
+        self._omp = config.omp_threads or max(
+            1, (os.cpu_count() or 1) // (config.groups * config.nproc_per_group)
+        )
+        self._cgroup_root: Path | None = None
+
+    # -- public controls (call from on_tick or another thread) --
+
+    def stop_injecting(self) -> None:
+        """No further failure injections (hung groups are still resumed)."""
+        self._injecting = False
+
+    def finish(self, step: int | None = None) -> None:
+        """No more restarts; :meth:`run` returns once every group exits.
+
+        Args:
+            step: if given, written to the stop file so workers end there.
+        """
+        if step is not None and self.cfg.stop_file:
+            tmp = self.cfg.stop_file + ".tmp"
+            Path(tmp).write_text(f"{step}\n")
+            os.replace(tmp, self.cfg.stop_file)
+        self._injecting = False
+        self._finishing = True
+        self._record("finish", stop_step=step)
+
+    def stop(self) -> None:
+        """Ends every process now; :meth:`run` returns."""
+        self._stopping = True
+
+    def elapsed(self) -> float:
+        return time.time() - self.t0
+
+    # -- timeline --
+
+    def _record(self, event: str, t: float | None = None, **fields: Any) -> dict[str, Any]:
+        t = time.time() if t is None else t
+        rec = {"event": event, "t": round(t, 6), "elapsed": round(t - self.t0, 6)}
+        rec.update(fields)
+        if self._timeline is not None:
+            self._timeline.write(json.dumps(rec, default=str) + "\n")
+            self._timeline.flush()
+        if self.on_event is not None:
+            try:
+                self.on_event(rec)
+            except Exception:  # noqa: BLE001 - a display bug must not stop the job
+                _log.exception("on_event callback failed")
+        return rec
+
+    def _say(self, msg: str) -> None:
+        if not self.cfg.quiet:
+            print(f"[launch {self.elapsed():7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    # -- lighthouse --
+
+    def _start_lighthouse(self) -> None:
+        c = self.cfg
+        flags = [
+            "--bind", "127.0.0.1:0",
+            "--min_replicas", str(c.min_replicas),
+            "--join_timeout_ms", str(c.join_timeout_ms),
+            "--quorum_tick_ms", str(c.quorum_tick_ms),
+            "--heartbeat_timeout_ms", str(c.heartbeat_timeout_ms),
+        ]
+        if c.lighthouse_impl == "stepguard":
+            argv = [sys.executable, "-c", _OURS_LIGHTHOUSE, *flags]
+        elif c.lighthouse_impl == "torchft":
+            exe = Path(sys.executable).parent / "torchft_lighthouse"
+            argv = [str(exe) if exe.exists() else "torchft_lighthouse", *flags]
+        else:
+            raise ValueError(f"unknown lighthouse implementation {c.lighthouse_impl!r}")
+        self._lh_popen = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True, close_fds=True,
+        )
+        assert self._lh_popen.stdout is not None
+        found: queue.Queue[str | None] = queue.Queue()
+        log_path = Path(c.log_dir) / "lighthouse.log" if c.log_dir else None
+        self._lh_log = open(log_path, "w") if log_path else None  # noqa: SIM115
+
+        def drain(stream: Any, log: TextIO | None) -> None:
+            sent = False
+            for raw in stream:
+                line = raw.decode("utf-8", "replace")
+                if log is not None:
+                    with contextlib.suppress(ValueError):
+                        log.write(line)
+                        log.flush()
+                if not sent:
+                    m = _LISTEN_RE.search(line)
+                    if m:
+                        found.put(m.group(1))
+                        sent = True
+            if not sent:
+                found.put(None)
+
+        threading.Thread(
+            target=drain, args=(self._lh_popen.stdout, self._lh_log),
+            name="lighthouse-log", daemon=True,
+        ).start()
+        try:
+            advertised = found.get(timeout=60)
+        except queue.Empty:
+            advertised = None
+        if advertised is None:
+            raise RuntimeError(
+                f"the {c.lighthouse_impl} lighthouse did not start "
+                f"(exit status {self._lh_popen.poll()})"
+            )
+        port = int(advertised.rstrip("/").rsplit(":", 1)[1])
+        self.lighthouse_addr = f"http://127.0.0.1:{port}"
+        self._record("lighthouse", impl=c.lighthouse_impl, address=self.lighthouse_addr,
+                     pid=self._lh_popen.pid)
+        self._say(f"{c.lighthouse_impl} lighthouse at {self.lighthouse_addr}")
+
+    # -- groups --
+
+    def _new_store(self) -> Any:
+        from torch.distributed import TCPStore  # deferred: torch is slow to import
+
+        return TCPStore(self.cfg.master_addr, 0, None, True, wait_for_workers=False)
+
+    def _launch(self, g: _Group) -> None:
+        c = self.cfg
+        g.incarnation += 1
+        g.store = None  # the previous incarnation's store goes away
+        g.store = self._new_store()
+        g.workers = []
+        g.first_commit_seen = False
+        g.last_quorum = None
+        g.stopped = False
+        base = dict(os.environ)
+        base.update(c.env)
+        base.update({
+            "WORLD_SIZE": str(c.nproc_per_group),
+            "LOCAL_WORLD_SIZE": str(c.nproc_per_group),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": c.master_addr,
+            "MASTER_PORT": str(g.store.port),
+            "REPLICA_GROUP_ID": str(g.gid),
+            "NUM_REPLICA_GROUPS": str(c.groups),
+            "TORCHFT_LIGHTHOUSE": str(self.lighthouse_addr),
+            "OMP_NUM_THREADS": str(self._omp),
+            "TORCHELASTIC_RESTART_COUNT": str(g.incarnation),
+            "TORCHELASTIC_RUN_ID": f"stepguard-{os.getpid()}",
+            INCARNATION_ENV: str(g.incarnation),
+            EVENTS_FD_ENV: str(self._pipe_w),
+            "PYTHONUNBUFFERED": "1",
+        })
+        if c.stop_file:
+            base[STOP_FILE_ENV] = c.stop_file
+        for r in range(c.nproc_per_group):
+            env = dict(base)
+            env.update({"RANK": str(r), "LOCAL_RANK": str(r)})
+            out: Any = None
+            if c.log_dir:
+                out = open(  # noqa: SIM115 - the child holds it; closed below
+                    Path(c.log_dir) / f"group{g.gid}.rank{r}.inc{g.incarnation}.log", "w"
+                )
+            try:
+                p = subprocess.Popen(
+                    c.cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                    stdin=subprocess.DEVNULL, start_new_session=True,
+                    pass_fds=(self._pipe_w,),
+                )
+            finally:
+                if out is not None:
+                    out.close()
+            g.workers.append(_Worker(r, p))
+        g.state = "running"
+        g.launched_at = time.time()
+        kind = "launch" if g.incarnation == 0 else "restart"
+        self._record(kind, t=g.launched_at, group=g.gid, incarnation=g.incarnation,
+                     pids=[w.pid for w in g.workers], master_port=g.store.port)
+        self._say(f"group {g.gid} {kind}ed (incarnation {g.incarnation}, "
+                  f"pids {[w.pid for w in g.workers]})")
+        if g.gid in self._slow and self._slow[g.gid].get("cgroup"):
+            self._cgroup_add(self._slow[g.gid]["cgroup"], g)
+
+    def _signal_group(self, g: _Group, sig: int) -> None:
+        for w in g.workers:
+            # Each worker leads its own process group (start_new_session), so
+            # this reaches its children too; the pgid stays reserved while any
+            # member lives, and ESRCH means nothing is left.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(w.pid, sig)
+
+    def _end_group(self, g: _Group, reason: str) -> None:
+        if g.state != "running":
+            return
+        self._record("group_end", group=g.gid, incarnation=g.incarnation, reason=reason)
+        self._signal_group(g, signal.SIGCONT)
+        self._signal_group(g, signal.SIGTERM)
+        g.state = "ending"
+        g.end_deadline = time.monotonic() + self.cfg.term_grace
+
+    def _poll_group(self, g: _Group) -> None:
+        now = time.monotonic()
+        for w in g.workers:
+            if w.returncode is None:
+                rc = w.popen.poll()
+                if rc is not None:
+                    w.returncode = rc
+                    fields: dict[str, Any] = {"group": g.gid, "rank": w.rank,
+                                              "incarnation": g.incarnation, "pid": w.pid,
+                                              "returncode": rc}
+                    if rc < 0:
+                        fields["signal"] = signal.Signals(-rc).name
+                    self._record("exit", **fields)
+        if g.state == "running":
+            codes = [w.returncode for w in g.workers]
+            if any(rc not in (None, 0) for rc in codes):
+                bad = next(w for w in g.workers if w.returncode not in (None, 0))
+                self._say(f"group {g.gid} rank {bad.rank} exited with {bad.returncode}; "
+                          "ending the group")
+                self._end_group(g, f"rank {bad.rank} exited with {bad.returncode}")
+            elif all(rc == 0 for rc in codes):
+                # Leftover children of the workers go with them.
+                self._signal_group(g, signal.SIGKILL)
+                g.state = "done"
+                self._record("group_done", group=g.gid, incarnation=g.incarnation)
+                self._say(f"group {g.gid} finished")
+        if g.state == "ending":
+            alive = [w for w in g.workers if w.returncode is None]
+            if alive and now >= g.end_deadline:
+                self._signal_group(g, signal.SIGKILL)
+                g.end_deadline = now + 3600  # SIGKILL cannot be ignored
+            if not alive:
+                self._signal_group(g, signal.SIGKILL)  # stray descendants
+                if self._finishing or self._stopping:
+                    g.state = "done"
+                elif g.restarts >= self.cfg.max_restarts:
+                    g.state = "failed"
+                    self._record("give_up", group=g.gid, restarts=g.restarts)
+                    self._say(f"group {g.gid}: {g.restarts} restarts, giving up")
+                else:
+                    g.restarts += 1
+                    g.state = "restart_wait"
+                    g.restart_at = now + self.cfg.restart_delay
+        if g.state == "restart_wait" and self._finishing:
+            g.state = "done"
+        if g.state == "restart_wait" and now >= g.restart_at:
+            self._launch(g)
+
+    # -- worker events --
+
+    def _read_events(self) -> None:
+        buf = b""
+        while True:
+            try:
+                chunk = os.read(self._pipe_r, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and isinstance(rec.get("event"), str):
+                    self._events.put(rec)
+
+    def _handle_worker_event(self, rec: dict[str, Any]) -> None:
+        ev = rec.pop("event")
+        t = float(rec.pop("t", time.time()))
+        gid = rec.get("group")
+        g = self.groups[gid] if isinstance(gid, int) and 0 <= gid < len(self.groups) else None
+        current = g is not None and rec.get("incarnation") == g.incarnation
+        if ev != "step":
+            self._record(ev, t=t, source="worker", **rec)
+            return
+        committed = bool(rec.get("committed"))
+        self._record("commit" if committed else "discard", t=t, **rec)
+        if g is None or not current or rec.get("rank", 0) != 0:
+            return
+        q = (rec.get("quorum_id"), rec.get("participants"))
+        if q != g.last_quorum and q != (None, None):
+            g.last_quorum = q
+            self._record("quorum_change", t=t, group=gid, quorum_id=q[0], participants=q[1],
+                         step=rec.get("step"))
+        if not committed:
+            return
+        if not g.first_commit_seen:
+            g.first_commit_seen = True
+            if g.incarnation > 0:
+                self._record("recovery", t=t, kind="rejoin", group=gid,
+                             incarnation=g.incarnation, step=rec.get("step"),
+                             duration_s=round(t - g.launched_at, 6))
+        still: list[dict[str, Any]] = []
+        for k in self._pending_kills:
+            if gid != k["group"] and t > k["t"]:
+                self._record("recovery", t=t, kind="survivors", failure=k["failure"],
+                             victim=k["group"], group=gid, step=rec.get("step"),
+                             duration_s=round(t - k["t"], 6))
+            else:
+                still.append(k)
+        self._pending_kills = still
+
+    # -- failure injection --
+
+    def _pick_group(self, inj: _Injector) -> _Group | None:
+        s = inj.spec
+        running = [g for g in self.groups if g.state == "running" and not g.stopped
+                   and not (s.kind == "slow" and g.gid in self._slow)]
+        if s.group is not None:
+            cands = [g for g in running if g.gid == s.group]
+        else:
+            # Prefer groups that have committed since their last start, so a
+            # failure hits a working replica rather than one still starting.
+            cands = [g for g in running if g.first_commit_seen] or running
+        return inj.rng.choice(cands) if cands else None
+
+    def _inject(self, inj: _Injector) -> None:
+        s = inj.spec
+        g = self._pick_group(inj)
+        if g is None:
+            self._record("inject_skipped", kind=s.kind, reason="no running group to hit")
+            return
+        self._failure_seq += 1
+        fid = self._failure_seq
+        now = time.time()
+        if s.kind == "kill":
+            alive = [w for w in g.workers if w.returncode is None]
+            if s.rank is not None:
+                alive = [w for w in alive if w.rank == s.rank]
+            if not alive:
+                return
+            w = inj.rng.choice(alive)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w.pid, signal.SIGKILL)
+            self._record("inject", t=now, failure=fid, kind="kill", group=g.gid, rank=w.rank,
+                         pid=w.pid, incarnation=g.incarnation)
+            self._say(f"injected kill #{fid}: group {g.gid} rank {w.rank} (pid {w.pid})")
+            self._pending_kills.append({"t": now, "group": g.gid, "failure": fid})
+        elif s.kind == "hang":
+            self._signal_group(g, signal.SIGSTOP)
+            g.stopped = True
+            self._record("inject", t=now, failure=fid, kind="hang", group=g.gid,
+                         incarnation=g.incarnation, duration_s=s.duration, then=s.then)
+            self._say(f"injected hang #{fid}: group {g.gid} stopped for {s.duration}s")
+            self._pending_kills.append({"t": now, "group": g.gid, "failure": fid})
+            inc = g.incarnation
+
+            def resume() -> None:
+                if g.incarnation != inc or g.state != "running":
+                    return
+                g.stopped = False
+                if s.then == "kill":
+                    self._signal_group(g, signal.SIGKILL)
+                    self._record("hang_end", failure=fid, group=g.gid, action="kill")
+                else:
+                    self._signal_group(g, signal.SIGCONT)
+                    self._record("hang_end", failure=fid, group=g.gid, action="cont")
+
+            self._timers.append((time.monotonic() + s.duration, resume))
+        elif s.kind == "slow":
+            self._start_slow(g, s, fid)
+
+    # slow: cgroup v2 cpu.max when possible, else duty cycling
+
+    def _cgroup_v2(self) -> Path | None:
+        root = Path("/sys/fs/cgroup")
+        try:
+            if "cpu" not in (root / "cgroup.controllers").read_text().split():
+                return None
+            if "cpu" not in (root / "cgroup.subtree_control").read_text().split():
+                (root / "cgroup.subtree_control").write_text("+cpu")
+            d = root / f"stepguard-launch-{os.getpid()}"
+            d.mkdir(exist_ok=True)
+            if "cpu" not in (d / "cgroup.controllers").read_text().split():
+                return None
+            (d / "cgroup.subtree_control").write_text("+cpu")
+            return d
+        except OSError:
+            return None
+
+    def _cgroup_add(self, cg: Path, g: _Group) -> None:
+        for w in g.workers:
+            with contextlib.suppress(OSError):
+                (cg / "cgroup.procs").write_text(str(w.pid))
+
+    def _start_slow(self, g: _Group, s: FailureSpec, fid: int) -> None:
+        now = time.time()
+        if self._cgroup_root is None:
+            self._cgroup_root = self._cgroup_v2()
+        st: dict[str, Any] = {"failure": fid, "cpu": s.cpu, "cgroup": None}
+        mechanism = "duty-cycle SIGSTOP/SIGCONT (100 ms period)"
+        if self._cgroup_root is not None:
+            cg = self._cgroup_root / f"group{g.gid}"
+            try:
+                cg.mkdir(exist_ok=True)
+                period = 100000
+                (cg / "cpu.max").write_text(f"{int(period * s.cpu)} {period}")
+                st["cgroup"] = cg
+                self._cgroup_add(cg, g)
+                mechanism = "cgroup v2 cpu.max"
+            except OSError:
+                st["cgroup"] = None
+        if st["cgroup"] is None:
+            st["phase_until"] = time.monotonic()
+            st["running"] = True
+        self._slow[g.gid] = st
+        self._record("inject", t=now, failure=fid, kind="slow", group=g.gid, cpu=s.cpu,
+                     duration_s=s.duration, mechanism=mechanism)
+        self._say(f"injected slow #{fid}: group {g.gid} at {s.cpu:.0%} CPU via {mechanism}")
+
+        def end() -> None:
+            st2 = self._slow.pop(g.gid, None)
+            if st2 is None:
+                return
+            if st2.get("cgroup") is not None:
+                with contextlib.suppress(OSError):
+                    (st2["cgroup"] / "cpu.max").write_text("max 100000")
+            else:
+                self._signal_group(g, signal.SIGCONT)
+            self._record("slow_end", failure=fid, group=g.gid)
+
+        self._timers.append((time.monotonic() + s.duration, end))
+
+    def _duty_cycle(self) -> None:
+        now = time.monotonic()
+        period = 0.1
+        for gid, st in self._slow.items():
+            if st.get("cgroup") is not None or now < st["phase_until"]:
+                continue
+            g = self.groups[gid]
+            if g.state != "running" or g.stopped:
+                continue
+            if st["running"]:
+                self._signal_group(g, signal.SIGSTOP)
+                st["running"] = False
+                st["phase_until"] = now + period * (1.0 - st["cpu"])
+            else:
+                self._signal_group(g, signal.SIGCONT)
+                st["running"] = True
+                st["phase_until"] = now + period * st["cpu"]
+
+    # -- main loop --
+
+    def run(self) -> int:
+        """Runs until every group is done, the duration ends, or Ctrl-C.
+
+        Returns:
+            0 when all groups finished or the duration ended, 1 when a group
+            ran out of restarts, 130 on SIGINT, 143 on SIGTERM.
+        """
+        c = self.cfg
+        rc = 0
+        old_term = signal.getsignal(signal.SIGTERM)
+        in_main = threading.current_thread() is threading.main_thread()
+
+        def on_term(signum: int, frame: object) -> None:
+            raise _Terminated()
+
+        if c.log_dir:
+            Path(c.log_dir).mkdir(parents=True, exist_ok=True)
+        if c.timeline:
+            Path(c.timeline).parent.mkdir(parents=True, exist_ok=True)
+            self._timeline = open(c.timeline, "w")  # noqa: SIM115 - closed in finally
+        if c.stop_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(c.stop_file)
+        try:
+            if in_main:
+                signal.signal(signal.SIGTERM, on_term)
+            self._pipe_r, self._pipe_w = os.pipe2(os.O_CLOEXEC)
+            self._reader = threading.Thread(target=self._read_events, name="events",
+                                            daemon=True)
+            self._reader.start()
+            self._record("start", groups=c.groups, nproc_per_group=c.nproc_per_group,
+                         cmd=c.cmd, omp_threads=self._omp,
+                         failures=[vars(s) for s in c.failures])
+            if self.lighthouse_addr is None:
+                self._start_lighthouse()
+            for g in self.groups:
+                self._launch(g)
+            deadline = None if c.duration is None else time.monotonic() + c.duration
+            while not self._stopping:
+                self._step_loop()
+                if all(g.state in ("done", "failed") for g in self.groups):
+                    rc = 1 if any(g.state == "failed" for g in self.groups) else 0
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    self._record("duration_reached")
+                    break
+                time.sleep(0.05)
+        except KeyboardInterrupt:
+            rc = 130
+            self._record("interrupted", signal="SIGINT")
+            self._say("interrupted: stopping everything")
+        except _Terminated:
+            rc = 143
+            self._record("interrupted", signal="SIGTERM")
+            self._say("terminated: stopping everything")
+        finally:
+            self._shutdown()
+            if in_main:
+                signal.signal(signal.SIGTERM, old_term)
+        return rc
+
+    def _step_loop(self) -> None:
+        while True:
+            try:
+                rec = self._events.get_nowait()
+            except queue.Empty:
+                break
+            self._handle_worker_event(rec)
+        for g in self.groups:
+            self._poll_group(g)
+        now = time.monotonic()
+        due = [cb for at, cb in self._timers if at <= now]
+        self._timers = [(at, cb) for at, cb in self._timers if at > now]
+        for cb in due:
+            cb()
+        self._duty_cycle()
+        el = self.elapsed()
+        for inj in self.injectors:
+            if inj.next_at is None or el < inj.next_at:
+                continue
+            if inj.spec.stop is not None and el > inj.spec.stop:
+                inj.next_at = None
+                continue
+            if self._injecting:
+                self._inject(inj)
+            inj.advance()
+        if self.on_tick is not None:
+            self.on_tick(self)
+
+    def _shutdown(self) -> None:
+        """Ends everything this launcher started, by pid and process group."""
+        # Ignore a second Ctrl-C while cleaning up, so nothing is left behind.
+        in_main = threading.current_thread() is threading.main_thread()
+        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
+        try:
+            live = [g for g in self.groups if any(w.returncode is None for w in g.workers)]
+            for g in live:
+                self._signal_group(g, signal.SIGCONT)
+                self._signal_group(g, signal.SIGTERM)
+            end = time.monotonic() + self.cfg.term_grace
+            for g in live:
+                for w in g.workers:
+                    if w.returncode is None:
+                        try:
+                            w.returncode = w.popen.wait(timeout=max(0.0, end - time.monotonic()))
+                        except subprocess.TimeoutExpired:
+                            pass
+            for g in self.groups:
+                self._signal_group(g, signal.SIGKILL)
+                for w in g.workers:
+                    if w.returncode is None:
+                        w.returncode = w.popen.wait()
+            if self._lh_popen is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self._lh_popen.pid, signal.SIGKILL)
+                self._lh_popen.wait()
+            if self._cgroup_root is not None:
+                for d in sorted(self._cgroup_root.glob("group*")):
+                    with contextlib.suppress(OSError):
+                        d.rmdir()
+                with contextlib.suppress(OSError):
+                    self._cgroup_root.rmdir()
+        finally:
+            # Every writer is gone now, so closing our write end lets the
+            # reader see end-of-file after the last event.
+            if self._pipe_w >= 0:
+                os.close(self._pipe_w)
+                self._pipe_w = -1
+            if self._reader is not None:
+                self._reader.join(timeout=5)
+            if self._pipe_r >= 0:
+                os.close(self._pipe_r)
+                self._pipe_r = -1
+            while True:
+                try:
+                    self._handle_worker_event(self._events.get_nowait())
+                except queue.Empty:
+                    break
+            self._record("end", restarts=sum(g.restarts for g in self.groups))
+            for g in self.groups:
+                g.store = None
+            if self._timeline is not None:
+                self._timeline.close()
+                self._timeline = None
+            if self._lh_log is not None:
+                self._lh_log.close()
+                self._lh_log = None
+            if in_main and old_int is not None:
+                signal.signal(signal.SIGINT, old_int)
+
+
+class _Terminated(Exception):
+    pass
+
+
+# ---- CLI -------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="stepguard-launch",
+        description="Run replica groups of a training script with a lighthouse, "
+        "restart groups that lose a rank, and inject failures.",
+    )
+    p.add_argument("--groups", "--replica-groups", type=int, default=2,
+                   help="number of replica groups (default 2)")
+    p.add_argument("--nproc-per-group", "--nproc_per_node", type=int, default=1,
+                   help="ranks per replica group (default 1)")
+    p.add_argument("--lighthouse", default=None,
+                   help="address of a running lighthouse (default: start one)")
+    p.add_argument("--lighthouse-impl", choices=("stepguard", "torchft"),
+                   default="stepguard", help="which lighthouse to start")
+    p.add_argument("--min-replicas", "--min_replicas", type=int, default=1)
+    p.add_argument("--join-timeout-ms", "--join_timeout_ms", type=int, default=10000)
+    p.add_argument("--quorum-tick-ms", "--quorum_tick_ms", type=int, default=100)
+    p.add_argument("--heartbeat-timeout-ms", "--heartbeat_timeout_ms", type=int,
+                   default=5000)
+    p.add_argument("--omp-threads", type=int, default=None,
+                   help="OMP_NUM_THREADS for every rank (default: CPUs / ranks)")
+    p.add_argument("--max-restarts", type=int, default=100,
+                   help="restarts per group before giving up (default 100)")
+    p.add_argument("--restart-delay", type=float, default=0.0, metavar="SECONDS")
+    p.add_argument("--duration", type=float, default=None, metavar="SECONDS",
+                   help="stop everything after this long")
+    p.add_argument("--inject", action="append", default=[], metavar="SPEC",
+                   help="failure schedule, e.g. kill:every=20s (repeatable)")
+    p.add_argument("--timeline", default=None, help="JSON lines output file")
+    p.add_argument("--log-dir", default=None,
+                   help="write each rank's output to LOG_DIR/groupG.rankR.incK.log")
+    p.add_argument("--stop-file", default=None,
+                   help="file through which finish(step) tells workers where to stop")
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--no-python", action="store_true",
+                   help="run SCRIPT as an executable, not with this Python")
+    p.add_argument("-m", "--module", action="store_true",
+                   help="run SCRIPT as a module (python -m)")
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``stepguard-launch`` and ``python -m stepguard.launch``."""
+    args = _parser().parse_args(argv)
+    try:
+        failures = [parse_failure_spec(s) for s in args.inject]
+    except ValueError as e:
+        print(f"stepguard-launch: {e}", file=sys.stderr)
+        return 2
+    if args.no_python:
+        cmd = [args.script, *args.script_args]
+    elif args.module:
+        cmd = [sys.executable, "-m", args.script, *args.script_args]
+    else:
+        cmd = [sys.executable, args.script, *args.script_args]
+    cfg = LaunchConfig(
+        cmd=cmd, groups=args.groups, nproc_per_group=args.nproc_per_group,
+        lighthouse=args.lighthouse, lighthouse_impl=args.lighthouse_impl,
+        min_replicas=args.min_replicas, join_timeout_ms=args.join_timeout_ms,
+        quorum_tick_ms=args.quorum_tick_ms, heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+        omp_threads=args.omp_threads, max_restarts=args.max_restarts,
+        restart_delay=args.restart_delay, duration=args.duration, failures=failures,
+        timeline=args.timeline, log_dir=args.log_dir, stop_file=args.stop_file,
+        master_addr=args.master_addr, quiet=args.quiet,
+    )
+    try:
+        return Launcher(cfg).run()
+    except (RuntimeError, ValueError, OSError) as e:
+        print(f"stepguard-launch: {e}", file=sys.stderr)
+        return 1
+
+
+def _console_main() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

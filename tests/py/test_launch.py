@@ -1,0 +1,303 @@
+"""stepguard-launch against a fake worker: environment, restarts, injection,
+timeline, and Ctrl-C cleanup.
+
+The fake worker imports nothing heavy: it reports its environment and a
+"step" every 50 ms through stepguard.launch.report, and behaves as its
+FAKE_* environment asks (die, finish, spawn a child).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stepguard.launch import LaunchConfig, Launcher, main, parse_failure_spec
+
+FAKE_WORKER = r'''
+import os, subprocess, sys, time
+from stepguard.launch import report, stop_step
+
+env = {k: os.environ.get(k) for k in (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+    "MASTER_PORT", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS",
+    "TORCHFT_LIGHTHOUSE", "OMP_NUM_THREADS", "TORCHELASTIC_RESTART_COUNT")}
+inc = int(os.environ["STEPGUARD_INCARNATION"])
+rank = int(os.environ["RANK"])
+child = None
+if os.environ.get("FAKE_CHILD"):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+report("hello", env=env, pid=os.getpid(), child=child.pid if child else None)
+die = os.environ.get("FAKE_DIE", "")  # "rank:incarnation:seconds"
+die_at = None
+if die:
+    r, i, s = die.split(":")
+    if int(r) == rank and int(i) == inc:
+        die_at = time.monotonic() + float(s)
+steps = int(os.environ.get("FAKE_STEPS", "0"))
+step = 0
+while True:
+    if die_at is not None and time.monotonic() >= die_at:
+        os._exit(3)
+    stop = stop_step()
+    if (steps and step >= steps) or (stop is not None and step >= stop):
+        sys.exit(0)
+    time.sleep(0.05)
+    report("step", step=step, committed=True, quorum_id=1, participants=1)
+    step += 1
+'''
+
+NO_LIGHTHOUSE = "http://127.0.0.1:9"  # never contacted by the fake worker
+
+
+def _worker(tmp_path: Path) -> list[str]:
+    p = tmp_path / "fake_worker.py"
+    p.write_text(FAKE_WORKER)
+    return [sys.executable, str(p)]
+
+
+def _timeline(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def _of(tl: list[dict], event: str, **match) -> list[dict]:
+    return [r for r in tl if r["event"] == event
+            and all(r.get(k) == v for k, v in match.items())]
+
+
+def _gone(pid: int) -> bool:
+    """True if pid no longer runs (absent, or a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
+def _wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in pids if not _gone(p)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def _config(tmp_path: Path, **kw) -> LaunchConfig:
+    kw.setdefault("lighthouse", NO_LIGHTHOUSE)
+    kw.setdefault("duration", 40.0)  # a hard bound; every test ends sooner
+    return LaunchConfig(cmd=_worker(tmp_path), timeline=str(tmp_path / "tl.jsonl"),
+                        log_dir=str(tmp_path / "logs"), quiet=True, **kw)
+
+
+def test_environment_store_and_lighthouse(tmp_path: Path) -> None:
+    """Two groups of two ranks get torchrun's and torchft's variables, one
+    store per group, the same OMP_NUM_THREADS, and the started lighthouse."""
+    cfg = _config(tmp_path, groups=2, nproc_per_group=2, lighthouse=None,
+                  omp_threads=3, env={"FAKE_STEPS": "3"})
+    seen_ports: list[int] = []
+
+    def on_event(rec: dict) -> None:
+        # While the group runs, its store must accept connections.
+        if rec["event"] == "hello":
+            port = int(rec["env"]["MASTER_PORT"])
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
+                seen_ports.append(port)
+
+    launcher = Launcher(cfg, on_event=on_event)
+    assert launcher.run() == 0
+    tl = _timeline(tmp_path / "tl.jsonl")
+    lh = _of(tl, "lighthouse")
+    assert len(lh) == 1 and lh[0]["impl"] == "stepguard"
+    assert _wait_gone([lh[0]["pid"]], 10) == []
+    hellos = _of(tl, "hello")
+    assert len(hellos) == 4, hellos
+    ports = {}
+    for h in hellos:
+        e = h["env"]
+        g, r = h["group"], h["rank"]
+        assert e["RANK"] == e["LOCAL_RANK"] == str(r)
+        assert e["WORLD_SIZE"] == e["LOCAL_WORLD_SIZE"] == "2"
+        assert e["REPLICA_GROUP_ID"] == str(g)
+        assert e["NUM_REPLICA_GROUPS"] == "2"
+        assert e["TORCHFT_LIGHTHOUSE"] == lh[0]["address"]
+        assert e["OMP_NUM_THREADS"] == "3"
+        assert e["MASTER_ADDR"] == "127.0.0.1"
+        assert e["TORCHELASTIC_RESTART_COUNT"] == "0"
+        ports.setdefault(g, set()).add(e["MASTER_PORT"])
+    assert all(len(v) == 1 for v in ports.values())  # one store per group
+    assert ports[0] != ports[1]
+    assert len(seen_ports) == 4
+    assert len(_of(tl, "launch")) == 2
+    assert len(_of(tl, "group_done")) == 2
+    assert len(_of(tl, "commit")) == 2 * 2 * 3
+    assert _of(tl, "restart") == []
+
+
+def test_group_restarts_when_one_rank_dies(tmp_path: Path) -> None:
+    """Rank 1 exits with status 3: rank 0 (and its child) are ended, the
+    group restarts with a fresh store, and the new incarnation finishes."""
+    cfg = _config(tmp_path, groups=1, nproc_per_group=2,
+                  env={"FAKE_DIE": "1:0:0.5", "FAKE_CHILD": "1", "FAKE_STEPS": "30"})
+    assert Launcher(cfg).run() == 0
+    tl = _timeline(tmp_path / "tl.jsonl")
+    exits = _of(tl, "exit", incarnation=0)
+    by_rank = {e["rank"]: e for e in exits}
+    assert by_rank[1]["returncode"] == 3
+    assert by_rank[0]["returncode"] == -signal.SIGTERM  # ended by the launcher
+    ends = _of(tl, "group_end")
+    assert len(ends) == 1 and "rank 1 exited with 3" in ends[0]["reason"]
+    restarts = _of(tl, "restart")
+    assert len(restarts) == 1 and restarts[0]["incarnation"] == 1
+    assert restarts[0]["master_port"] != _of(tl, "launch")[0]["master_port"]
+    hellos = _of(tl, "hello")
+    assert {h["incarnation"] for h in hellos} == {0, 1}
+    assert {h["env"]["TORCHELASTIC_RESTART_COUNT"] for h in hellos} == {"0", "1"}
+    children = [h["child"] for h in hellos]
+    assert _wait_gone(children, 10) == []
+    rejoin = _of(tl, "recovery", kind="rejoin")
+    assert len(rejoin) == 1 and rejoin[0]["duration_s"] > 0
+    assert _of(tl, "group_done", incarnation=1)
+
+
+def test_kill_injection_on_schedule(tmp_path: Path) -> None:
+    """kill:every=1s,count=2 SIGKILLs two ranks about 1 s apart; each
+    victim group restarts and the survivor's next commit is a recovery."""
+    spec = parse_failure_spec("kill:every=1s,count=2,seed=4")
+    rejoins: list[dict] = []
+
+    def on_event(rec: dict) -> None:
+        if rec["event"] == "recovery" and rec["kind"] == "rejoin":
+            rejoins.append(rec)
+            if len(rejoins) == 2:
+                launcher.finish(step=0)
+
+    cfg = _config(tmp_path, groups=2, failures=[spec], stop_file=str(tmp_path / "stop"))
+    launcher = Launcher(cfg, on_event=on_event)
+    assert launcher.run() == 0
+    tl = _timeline(tmp_path / "tl.jsonl")
+    injected = _of(tl, "inject", kind="kill")
+    assert len(injected) == 2
+    assert injected[0]["elapsed"] >= 1.0
+    assert injected[1]["t"] - injected[0]["t"] >= 0.9
+    for inj in injected:
+        ex = _of(tl, "exit", pid=inj["pid"])
+        assert len(ex) == 1 and ex[0]["signal"] == "SIGKILL"
+        assert _of(tl, "restart", group=inj["group"], incarnation=inj["incarnation"] + 1)
+    surv = _of(tl, "recovery", kind="survivors")
+    assert {s["failure"] for s in surv} == {1, 2}
+    for s in surv:
+        assert s["group"] != s["victim"] and s["duration_s"] > 0
+    assert len(_of(tl, "recovery", kind="rejoin")) == 2
+    assert _of(tl, "quorum_change")
+
+
+def test_hang_then_kill(tmp_path: Path) -> None:
+    """hang stops a group (state T in /proc), then kills it; it restarts."""
+    spec = parse_failure_spec("hang:start=0.5s,duration=3s,then=kill,count=1,group=0")
+    states: list[str] = []
+
+    def on_event(rec: dict) -> None:
+        if rec["event"] == "inject":
+            pid = _of(_timeline(tmp_path / "tl.jsonl"), "launch", group=0)[0]["pids"][0]
+            deadline = time.monotonic() + 2  # SIGSTOP lands asynchronously
+            while True:
+                with open(f"/proc/{pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+                if state == "T" or time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+            states.append(state)
+        if rec["event"] == "restart":
+            launcher.finish(step=0)
+
+    cfg = _config(tmp_path, groups=1, failures=[spec], stop_file=str(tmp_path / "stop"))
+    launcher = Launcher(cfg, on_event=on_event)
+    assert launcher.run() == 0
+    tl = _timeline(tmp_path / "tl.jsonl")
+    assert states == ["T"]
+    assert len(_of(tl, "hang_end", action="kill")) == 1
+    assert _of(tl, "exit", incarnation=0)[0]["signal"] == "SIGKILL"
+    assert len(_of(tl, "restart")) == 1
+
+
+def test_slow_duty_cycle_or_cgroup(tmp_path: Path) -> None:
+    """slow names its mechanism, and the group runs on afterwards."""
+    spec = parse_failure_spec("slow:start=0.2s,duration=1s,cpu=0.5,group=0")
+    cfg = _config(tmp_path, groups=1, failures=[spec], env={"FAKE_STEPS": "60"})
+    assert Launcher(cfg).run() == 0
+    tl = _timeline(tmp_path / "tl.jsonl")
+    inj = _of(tl, "inject", kind="slow")
+    assert len(inj) == 1
+    assert inj[0]["mechanism"] in ("cgroup v2 cpu.max",
+                                   "duty-cycle SIGSTOP/SIGCONT (100 ms period)")
+    assert len(_of(tl, "slow_end")) == 1
+    assert _of(tl, "group_done")
+    assert len(_of(tl, "commit")) == 60
+
+
+def test_sigint_stops_everything(tmp_path: Path) -> None:
+    """SIGINT to `python -m stepguard.launch` ends every process it started:
+    workers, their children, and the lighthouse."""
+    tl_path = tmp_path / "tl.jsonl"
+    worker = _worker(tmp_path)[1]
+    env = dict(os.environ, FAKE_CHILD="1")
+    p = subprocess.Popen(
+        [sys.executable, "-m", "stepguard.launch", "--groups", "2",
+         "--nproc-per-group", "2", "--timeline", str(tl_path),
+         "--log-dir", str(tmp_path / "logs"), "--quiet", "--duration", "60", worker],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            tl = _timeline(tl_path) if tl_path.exists() else []
+            if len(_of(tl, "hello")) == 4:
+                break
+            assert p.poll() is None, p.stderr.read()
+            assert time.monotonic() < deadline, "workers did not start"
+            time.sleep(0.1)
+        pids = [h["pid"] for h in _of(tl, "hello")] + [h["child"] for h in _of(tl, "hello")]
+        pids.append(_of(tl, "lighthouse")[0]["pid"])
+        assert _wait_gone(pids, 0) == pids  # all running before the signal
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=20) == 130
+        assert _wait_gone(pids, 10) == []
+        tl = _timeline(tl_path)
+        assert _of(tl, "interrupted", signal="SIGINT")
+        assert tl[-1]["event"] == "end"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=10)
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ("partition:every=10s", "not supported"),
+    ("explode:every=1s", "unknown failure kind"),
+    ("kill:every=soon", "expected a duration"),
+    ("kill", "give every= or start="),
+    ("hang:every=1s,then=maybe", "then="),
+    ("slow:cpu=2", "must be in (0, 1)"),
+    ("kill:every=1s,colour=red", "unknown key"),
+])
+def test_bad_failure_specs(spec: str, needle: str, capsys) -> None:
+    with pytest.raises(ValueError, match=None) as ei:
+        parse_failure_spec(spec)
+    assert needle in str(ei.value)
+    assert main(["--inject", spec, "true"]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_schedule_parsing() -> None:
+    s = parse_failure_spec("kill:every=20s,random,seed=7,start=5s,stop=2m,group=1,rank=0")
+    assert (s.every, s.start, s.stop, s.random, s.seed, s.group, s.rank) == (
+        20.0, 5.0, 120.0, True, 7, 1, 0)
+    assert parse_failure_spec("hang:every=500ms").every == 0.5

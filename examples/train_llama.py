@@ -1,0 +1,185 @@
+"""Train a small Llama-style model with per-step fault tolerance.
+
+Written against torchft's API.  ``--impl stepguard`` (the default) runs it on
+``import stepguard as torchft``; ``--impl torchft`` on the installed torchft,
+for side-by-side numbers; ``--plain`` on plain ``torch.distributed`` DDP (no
+fault tolerance) as the step-time baseline.
+
+Run it under the launcher, one replica group per process group of ranks::
+
+    python -m stepguard.launch --groups 3 --inject kill:every=20s \\
+        examples/train_llama.py --steps 500
+
+Each rank reports every step (committed or discarded, loss, quorum,
+participants, time) to the launcher's timeline, stops at ``--steps`` or at
+the step the launcher asks for, and with ``--save-dir`` writes its final
+parameters there for a bit-for-bit comparison across replicas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llama_model import Llama, LlamaConfig, batch_at, num_parameters, stdlib_corpus  # noqa: E402
+
+from stepguard.launch import report, stop_step  # noqa: E402
+
+log = logging.getLogger("train_llama")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--impl", choices=("stepguard", "torchft"), default="stepguard")
+    p.add_argument("--plain", action="store_true",
+                   help="plain torch DDP over all ranks (no fault tolerance)")
+    p.add_argument("--steps", type=int, default=0, help="stop at this step (0: never)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--dim", type=int, default=192)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="manager timeout in seconds (commit, recovery, collectives)")
+    p.add_argument("--quorum-timeout", type=float, default=60.0)
+    p.add_argument("--pg-timeout", type=float, default=10.0)
+    p.add_argument("--save-dir", default=None,
+                   help="write the final parameters to SAVE_DIR/params_g{group}_r{rank}.pt")
+    return p.parse_args(argv)
+
+
+def load_impl(name: str):
+    """The torchft-API module: stepguard (as torchft) or torchft itself."""
+    ft = importlib.import_module(name)
+    missing = [n for n in ("Manager", "DistributedDataParallel", "Optimizer",
+                           "ProcessGroupGloo") if not hasattr(ft, n)]
+    if missing:
+        raise SystemExit(f"{name} does not provide {', '.join(missing)} yet; "
+                         "run with --impl torchft")
+    return ft
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda \
+        else torch.device("cpu")
+
+    corpus = stdlib_corpus()
+    cfg = LlamaConfig(dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+                      hidden_dim=args.hidden, max_seq_len=max(args.seq_len, 16))
+    torch.manual_seed(args.seed)  # every replica starts from the same weights
+    model = Llama(cfg).to(device)
+    inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    if rank == 0:
+        log.info("group %d: %.2f M parameters, %d corpus bytes, device %s",
+                 group, num_parameters(model) / 1e6, corpus.numel(), device)
+
+    manager = None
+    if args.plain:
+        import torch.distributed as dist
+
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              world, False, timedelta(seconds=60))
+        dist.init_process_group("nccl" if use_cuda else "gloo", store=store,
+                                rank=rank, world_size=world)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        optim = inner
+        stream = rank
+    else:
+        ft = load_impl(args.impl)
+
+        def load_state(sd: dict) -> None:
+            model.load_state_dict(sd["model"])
+            inner.load_state_dict(sd["optim"])
+
+        def save_state() -> dict:
+            return {"model": model.state_dict(), "optim": inner.state_dict()}
+
+        if use_cuda:
+            pg = ft.ProcessGroupNCCL(timeout=timedelta(seconds=args.pg_timeout))
+        else:
+            pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=args.pg_timeout))
+        manager = ft.Manager(
+            pg=pg,
+            min_replica_size=args.min_replicas,
+            load_state_dict=load_state,
+            state_dict=save_state,
+            replica_id=f"train_llama_{group}",
+            timeout=timedelta(seconds=args.timeout),
+            quorum_timeout=timedelta(seconds=args.quorum_timeout),
+            connect_timeout=timedelta(seconds=30),
+        )
+        ddp = ft.DistributedDataParallel(manager, model)
+        optim = ft.Optimizer(manager, inner)
+        stream = group * world + rank
+
+    step = 0
+    while True:
+        current = manager.current_step() if manager is not None else step
+        stop = stop_step()
+        if (args.steps and current >= args.steps) or (stop is not None and current >= stop):
+            break
+        t0 = time.time()
+        optim.zero_grad()  # starts the quorum under fault tolerance
+        if manager is not None:
+            # The batch depends on the step the quorum settles on, so a
+            # healed replica continues the same data stream as the others.
+            current = manager.current_step()
+        inputs, targets = batch_at(corpus, current, stream, args.batch_size, args.seq_len,
+                                   args.seed)
+        inputs, targets = inputs.to(device), targets.to(device)
+        logits = ddp(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss.backward()
+        if manager is None:
+            optim.step()
+            committed, healed, quorum_id, participants = True, False, None, world
+            step += 1
+        else:
+            before = manager.current_step()
+            healed = before != current
+            optim.step()  # commits only if every replica agreed
+            committed = manager.current_step() == before + 1
+            quorum_id = getattr(manager, "_quorum_id", None)
+            participants = manager.num_participants()
+        report("step", step=before if manager is not None else step - 1,
+               committed=committed, loss=round(loss.item(), 5), healed=healed,
+               quorum_id=quorum_id, participants=participants,
+               step_time=round(time.time() - t0, 6))
+
+    final = manager.current_step() if manager is not None else step
+    if args.save_dir:
+        out = Path(args.save_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / f".params_g{group}_r{rank}.pt.tmp"
+        torch.save({"step": final, "params": {k: v.detach().cpu() for k, v in
+                                              model.state_dict().items()}}, tmp)
+        os.replace(tmp, out / f"params_g{group}_r{rank}.pt")
+    report("finished", step=final)
+    if manager is not None:
+        manager.shutdown(wait=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

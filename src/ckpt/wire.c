@@ -1,0 +1,243 @@
+/*
+ * wire.c: the checkpoint protocol's frame codecs, the layout id, address
+ * splitting and the chunk plan.  Pure functions over byte spans: no I/O,
+ * no allocation, so the fuzzer calls them directly.
+ *
+ * Every integer is little-endian.  A request is 48 fixed bytes and a token;
+ * a response is 48 fixed bytes and a payload (see docs/internals/ckpt.md).
+ */
+#include <string.h>
+
+#include "ckpt_internal.h"
+
+static void put16(uint8_t *p, uint16_t v) {
+  p[0] = (uint8_t)v;
+  p[1] = (uint8_t)(v >> 8);
+}
+
+static void put32(uint8_t *p, uint32_t v) {
+  for (int i = 0; i < 4; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static void put64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint16_t get16(const uint8_t *p) {
+  return (uint16_t)(p[0] | (uint16_t)p[1] << 8);
+}
+
+static uint32_t get32(const uint8_t *p) {
+  uint32_t v = 0;
+  for (int i = 3; i >= 0; i--)
+    v = v << 8 | p[i];
+  return v;
+}
+
+uint64_t sg__ckpt_get64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; i--)
+    v = v << 8 | p[i];
+  return v;
+}
+
+void sg__ckpt_put64(uint8_t *p, uint64_t v) { put64(p, v); }
+
+int sg_ckpt_req_encode(const sg_ckpt_req_t *r, uint8_t *out) {
+  if ((r->kind != SG_CKPT_KIND_INFO && r->kind != SG_CKPT_KIND_DATA) ||
+      r->step < 0 || r->token_len > SG_CKPT_MAX_TOKEN)
+    return SG_EINVAL;
+  memset(out, 0, SG_CKPT_REQ_FIXED);
+  put32(out, SG_CKPT_REQ_MAGIC);
+  put16(out + 4, SG_CKPT_VERSION);
+  put16(out + 6, (uint16_t)r->kind);
+  put64(out + 8, (uint64_t)r->step);
+  put64(out + 16, r->layout);
+  put64(out + 24, r->offset);
+  put64(out + 32, r->length);
+  put16(out + 40, (uint16_t)r->token_len);
+  if (r->token_len)
+    memcpy(out + SG_CKPT_REQ_FIXED, r->token, r->token_len);
+  return (int)(SG_CKPT_REQ_FIXED + r->token_len);
+}
+
+int sg_ckpt_req_parse(const uint8_t *p, size_t len, sg_ckpt_req_t *r) {
+  /* Reject a wrong magic as soon as four bytes are in, so a client that
+   * speaks another protocol (HTTP, TLS) is told at once. */
+  if (len >= 4 && get32(p) != SG_CKPT_REQ_MAGIC)
+    return SG_EPROTO;
+  if (len < SG_CKPT_REQ_FIXED)
+    return 0;
+  memset(r, 0, sizeof(*r));
+  if (get16(p + 4) != SG_CKPT_VERSION)
+    return SG_EPROTO;
+  r->kind = get16(p + 6);
+  int64_t step = (int64_t)sg__ckpt_get64(p + 8);
+  r->step = step;
+  r->layout = sg__ckpt_get64(p + 16);
+  r->offset = sg__ckpt_get64(p + 24);
+  r->length = sg__ckpt_get64(p + 32);
+  r->token_len = get16(p + 40);
+  if (get16(p + 42) != 0 || get32(p + 44) != 0 || step < 0 ||
+      r->token_len > SG_CKPT_MAX_TOKEN)
+    return SG_EPROTO;
+  if (r->kind == SG_CKPT_KIND_INFO) {
+    if (r->layout || r->offset || r->length)
+      return SG_EPROTO;
+  } else if (r->kind == SG_CKPT_KIND_DATA) {
+    if (r->offset > SG_CKPT_MAX_TOTAL || r->length > SG_CKPT_MAX_TOTAL ||
+        r->offset + r->length > SG_CKPT_MAX_TOTAL)
+      return SG_EPROTO;
+  } else {
+    return SG_EPROTO;
+  }
+  if (len - SG_CKPT_REQ_FIXED < r->token_len)
+    return 0;
+  memcpy(r->token, p + SG_CKPT_REQ_FIXED, r->token_len);
+  return (int)(SG_CKPT_REQ_FIXED + r->token_len);
+}
+
+void sg_ckpt_resp_encode(const sg_ckpt_resp_t *r, uint8_t *out) {
+  memset(out, 0, SG_CKPT_RESP_FIXED);
+  put32(out, SG_CKPT_RESP_MAGIC);
+  put16(out + 4, SG_CKPT_VERSION);
+  put16(out + 6, (uint16_t)r->kind);
+  put32(out + 8, (uint32_t)r->status);
+  put32(out + 12, r->nregions);
+  put64(out + 16, (uint64_t)r->step);
+  put64(out + 24, r->layout);
+  put64(out + 32, r->payload);
+  put64(out + 40, r->aux);
+}
+
+int sg_ckpt_resp_parse(const uint8_t *p, size_t len, sg_ckpt_resp_t *r) {
+  if (len < SG_CKPT_RESP_FIXED)
+    return SG_EAGAIN;
+  memset(r, 0, sizeof(*r));
+  if (get32(p) != SG_CKPT_RESP_MAGIC || get16(p + 4) != SG_CKPT_VERSION)
+    return SG_EPROTO;
+  r->kind = get16(p + 6);
+  r->status = (int32_t)get32(p + 8);
+  r->nregions = get32(p + 12);
+  r->step = (int64_t)sg__ckpt_get64(p + 16);
+  r->layout = sg__ckpt_get64(p + 24);
+  r->payload = sg__ckpt_get64(p + 32);
+  r->aux = sg__ckpt_get64(p + 40);
+  if (r->kind != SG_CKPT_KIND_INFO && r->kind != SG_CKPT_KIND_DATA)
+    return SG_EPROTO;
+  if (r->step < -1 || r->status > 0 || r->status < SG__EFATAL - 1000)
+    return SG_EPROTO;
+  if (r->status) {
+    if (r->payload > SG_CKPT_MAX_ERRMSG)
+      return SG_EPROTO;
+    return 0;
+  }
+  if (r->kind == SG_CKPT_KIND_INFO) {
+    if (r->nregions > SG_CKPT_MAX_REGIONS || r->aux > SG_CKPT_MAX_HEADER ||
+        r->payload != (uint64_t)r->nregions * 8 + r->aux)
+      return SG_EPROTO;
+  } else {
+    if (r->nregions || r->payload > SG_CKPT_MAX_TOTAL ||
+        r->aux > SG_CKPT_MAX_TOTAL || r->aux + r->payload > SG_CKPT_MAX_TOTAL)
+      return SG_EPROTO;
+  }
+  return 0;
+}
+
+int sg_ckpt_lengths_parse(const uint8_t *p, size_t n, uint64_t *out,
+                          uint64_t *total) {
+  uint64_t sum = 0;
+  if (n > SG_CKPT_MAX_REGIONS)
+    return SG_EPROTO;
+  for (size_t i = 0; i < n; i++) {
+    uint64_t v = sg__ckpt_get64(p + 8 * i);
+    if (v > SG_CKPT_MAX_TOTAL - sum)
+      return SG_EPROTO;
+    sum += v;
+    out[i] = v;
+  }
+  *total = sum;
+  return 0;
+}
+
+uint64_t sg_ckpt_layout_id(const uint64_t *lens, size_t n) {
+  uint64_t h = 0xcbf29ce484222325ull; /* FNV-1a offset basis */
+  uint8_t b[8];
+  put64(b, (uint64_t)n);
+  for (int k = 0; k < 8; k++)
+    h = (h ^ b[k]) * 0x100000001b3ull;
+  for (size_t i = 0; i < n; i++) {
+    put64(b, lens[i]);
+    for (int k = 0; k < 8; k++)
+      h = (h ^ b[k]) * 0x100000001b3ull;
+  }
+  return h;
+}
+
+int sg_ckpt_parse_addr(const char *addr, char *host, size_t hostcap,
+                       int *port) {
+  size_t len = addr ? strnlen(addr, SG_CKPT_MAX_ADDR + 1) : 0;
+  if (len == 0 || len > SG_CKPT_MAX_ADDR)
+    return SG_EINVAL;
+  const char *colon = memrchr(addr, ':', len);
+  if (!colon || colon == addr)
+    return SG_EINVAL;
+  const char *h = addr;
+  size_t hl = (size_t)(colon - addr);
+  if (h[0] == '[') {
+    if (hl < 3 || h[hl - 1] != ']')
+      return SG_EINVAL;
+    h++;
+    hl -= 2;
+  }
+  if (hl + 1 > hostcap)
+    return SG_EINVAL;
+  const char *ps = colon + 1;
+  size_t pl = len - (size_t)(ps - addr);
+  if (pl == 0 || pl > 5)
+    return SG_EINVAL;
+  int v = 0;
+  for (size_t i = 0; i < pl; i++) {
+    if (ps[i] < '0' || ps[i] > '9')
+      return SG_EINVAL;
+    v = v * 10 + (ps[i] - '0');
+  }
+  if (v > 65535)
+    return SG_EINVAL;
+  memcpy(host, h, hl);
+  host[hl] = '\0';
+  *port = v;
+  return 0;
+}
+
+uint64_t sg_ckpt_plan_chunk(uint64_t total, size_t nstreams,
+                            uint64_t min_chunk) {
+  const uint64_t max_chunk = 64ull << 20;
+  if (nstreams == 0)
+    nstreams = 1;
+  if (min_chunk == 0)
+    min_chunk = 1;
+  uint64_t c = total / ((uint64_t)nstreams * 4);
+  if (c < min_chunk)
+    c = min_chunk;
+  if (c > max_chunk)
+    c = max_chunk;
+  return c ? c : 1;
+}
+
+size_t sg__ckpt_find(const uint64_t *prefix, size_t n, uint64_t off) {
+  /* the last i with prefix[i] <= off, then past empty regions */
+  size_t lo = 0, hi = n;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo + 1) / 2;
+    if (prefix[mid] <= off)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  while (lo < n && prefix[lo + 1] == prefix[lo])
+    lo++;
+  return lo;
+}

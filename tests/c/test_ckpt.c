@@ -1,0 +1,834 @@
+/*
+ * test_ckpt.c: the checkpoint server and fetch in one process: the frame
+ * codecs and chunk plan; round trips over one and two sources (bytes per
+ * source); step, layout and token refusals; disallow waiting for and then
+ * cutting a response in flight; a source that dies mid-stream (another
+ * source takes over, alone it is a clean error); abort and deadline against
+ * a source that never answers; and a bad peer (garbage, HTTP, truncated and
+ * slow requests, a reader that vanishes) that the server survives.
+ */
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "stepguard/base.h"
+#include "stepguard/ckpt.h"
+
+/* ---- fixtures ------------------------------------------------------------ */
+
+typedef struct {
+  uint8_t *mem;
+  sg_ckpt_region_t regs[8];
+  size_t n;
+  uint64_t total;
+} state_t;
+
+/* make_state: regions of assorted sizes (one empty) with seeded bytes. */
+static void make_state(state_t *s, unsigned seed, uint64_t scale) {
+  static const uint64_t sizes[] = {1000, 0, 3, 4096, 65537, 7, 200000, 12};
+  s->n = 8;
+  s->total = 0;
+  for (size_t i = 0; i < s->n; i++)
+    s->total += sizes[i] * scale;
+  s->mem = malloc(s->total ? s->total : 1);
+  assert_non_null(s->mem);
+  uint32_t x = seed * 2654435761u + 1;
+  for (uint64_t i = 0; i < s->total; i++) {
+    x = x * 1103515245u + 12345u;
+    s->mem[i] = (uint8_t)(x >> 16);
+  }
+  uint64_t off = 0;
+  for (size_t i = 0; i < s->n; i++) {
+    s->regs[i].ptr = s->mem + off;
+    s->regs[i].len = sizes[i] * scale;
+    off += sizes[i] * scale;
+  }
+}
+
+static void dst_like(const state_t *src, state_t *d) {
+  d->n = src->n;
+  d->total = src->total;
+  d->mem = calloc(1, src->total ? src->total : 1);
+  assert_non_null(d->mem);
+  uint64_t off = 0;
+  for (size_t i = 0; i < d->n; i++) {
+    d->regs[i].ptr = d->mem + off;
+    d->regs[i].len = src->regs[i].len;
+    off += src->regs[i].len;
+  }
+}
+
+static sg_ckpt_server_t *start_server(const char *token, int64_t req_ms) {
+  sg_ckpt_server_opts_t o;
+  sg_ckpt_server_opts_init(&o);
+  o.bind = "127.0.0.1:0";
+  o.auth_token = token;
+  o.request_timeout_ms = req_ms;
+  o.stall_timeout_ms = 5000;
+  sg_ckpt_server_t *s = NULL;
+  sg_err_t err;
+  sg_err_clear(&err);
+  assert_int_equal(sg_ckpt_server_start(&o, &s, &err), 0);
+  return s;
+}
+
+static void addr_of(sg_ckpt_server_t *s, char *buf) {
+  sprintf(buf, "127.0.0.1:%d", sg_ckpt_server_port(s));
+}
+
+static const char header[] = "tree spec and leaf metadata";
+
+static void serve(sg_ckpt_server_t *s, int64_t step, const state_t *st) {
+  sg_err_t err;
+  assert_int_equal(sg_ckpt_server_serve(s, step, header, sizeof(header),
+                                        st->regs, st->n, &err),
+                   0);
+}
+
+/* raw_connect: a blocking socket to port with a 10 s receive timeout. */
+static int raw_connect(int port) {
+  int fd = -1;
+  sg_err_t err;
+  assert_int_equal(
+      sg_sock_connect("127.0.0.1", port, sg_deadline_in_ms(5000), &fd, &err),
+      0);
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  struct timeval tv = {.tv_sec = 10};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  return fd;
+}
+
+/* read_resp: read a response's fixed part; returns the parse result. */
+static int read_resp(int fd, sg_ckpt_resp_t *r) {
+  uint8_t b[SG_CKPT_RESP_FIXED];
+  size_t got = 0;
+  while (got < sizeof(b)) {
+    ssize_t n = recv(fd, b + got, sizeof(b) - got, 0);
+    if (n <= 0)
+      return SG_EPEER;
+    got += (size_t)n;
+  }
+  return sg_ckpt_resp_parse(b, sizeof(b), r);
+}
+
+/* eof_after: drain until EOF; returns bytes drained, -1 on a timeout. */
+static long eof_after(int fd) {
+  char b[65536];
+  long total = 0;
+  for (;;) {
+    ssize_t n = recv(fd, b, sizeof(b), 0);
+    if (n == 0)
+      return total;
+    if (n < 0)
+      return errno == ECONNRESET ? total : -1;
+    total += n;
+  }
+}
+
+/* ---- pure parts ------------------------------------------------------------
+ */
+
+static void test_request_codec(void **unused) {
+  sg_ckpt_req_t q = {.kind = SG_CKPT_KIND_DATA,
+                     .step = 7,
+                     .layout = 99,
+                     .offset = 5,
+                     .length = 10,
+                     .token_len = 3};
+  memcpy(q.token, "abc", 3);
+  uint8_t b[SG_CKPT_REQ_FIXED + SG_CKPT_MAX_TOKEN];
+  int n = sg_ckpt_req_encode(&q, b);
+  assert_int_equal(n, SG_CKPT_REQ_FIXED + 3);
+  sg_ckpt_req_t r;
+  for (int i = 4; i < n; i++) /* every prefix asks for more */
+    assert_int_equal(sg_ckpt_req_parse(b, (size_t)i, &r), 0);
+  assert_int_equal(sg_ckpt_req_parse(b, (size_t)n, &r), n);
+  assert_int_equal(r.kind, SG_CKPT_KIND_DATA);
+  assert_int_equal(r.step, 7);
+  assert_int_equal(r.layout, 99);
+  assert_int_equal(r.offset, 5);
+  assert_int_equal(r.length, 10);
+  assert_memory_equal(r.token, "abc", 3);
+
+  uint8_t bad[sizeof(b)];
+  memcpy(bad, b, sizeof(b));
+  bad[0] ^= 1; /* magic */
+  assert_int_equal(sg_ckpt_req_parse(bad, 4, &r), SG_EPROTO);
+  memcpy(bad, b, sizeof(b));
+  bad[4] = 9; /* version */
+  assert_int_equal(sg_ckpt_req_parse(bad, (size_t)n, &r), SG_EPROTO);
+  memcpy(bad, b, sizeof(b));
+  bad[6] = 3; /* kind */
+  assert_int_equal(sg_ckpt_req_parse(bad, (size_t)n, &r), SG_EPROTO);
+  memcpy(bad, b, sizeof(b));
+  bad[40] = 0xff; /* token length 0x03ff */
+  bad[41] = 0x03;
+  assert_int_equal(sg_ckpt_req_parse(bad, (size_t)n, &r), SG_EPROTO);
+  memcpy(bad, b, sizeof(b));
+  bad[15] = 0x80; /* negative step */
+  assert_int_equal(sg_ckpt_req_parse(bad, (size_t)n, &r), SG_EPROTO);
+  memcpy(bad, b, sizeof(b));
+  memset(bad + 24, 0xff, 16); /* offset + length overflow */
+  assert_int_equal(sg_ckpt_req_parse(bad, (size_t)n, &r), SG_EPROTO);
+  memcpy(bad, b, sizeof(b));
+  bad[44] = 1; /* reserved */
+  assert_int_equal(sg_ckpt_req_parse(bad, (size_t)n, &r), SG_EPROTO);
+  q.kind = SG_CKPT_KIND_INFO; /* INFO with a range */
+  n = sg_ckpt_req_encode(&q, b);
+  assert_int_equal(sg_ckpt_req_parse(b, (size_t)n, &r), SG_EPROTO);
+  assert_int_equal(sg_ckpt_req_parse((const uint8_t *)"GET / HTTP/1.1", 14, &r),
+                   SG_EPROTO);
+  q.token_len = SG_CKPT_MAX_TOKEN + 1;
+  assert_int_equal(sg_ckpt_req_encode(&q, b), SG_EINVAL);
+}
+
+static void test_response_codec(void **unused) {
+  sg_ckpt_resp_t r = {.kind = SG_CKPT_KIND_INFO,
+                      .nregions = 2,
+                      .step = 3,
+                      .layout = 1,
+                      .payload = 16 + 5,
+                      .aux = 5};
+  uint8_t b[SG_CKPT_RESP_FIXED];
+  sg_ckpt_resp_encode(&r, b);
+  sg_ckpt_resp_t p;
+  assert_int_equal(sg_ckpt_resp_parse(b, sizeof(b) - 1, &p), SG_EAGAIN);
+  assert_int_equal(sg_ckpt_resp_parse(b, sizeof(b), &p), 0);
+  assert_int_equal(p.nregions, 2);
+  assert_int_equal(p.aux, 5);
+  r.payload = 16 + 6; /* inconsistent INFO payload */
+  sg_ckpt_resp_encode(&r, b);
+  assert_int_equal(sg_ckpt_resp_parse(b, sizeof(b), &p), SG_EPROTO);
+  r = (sg_ckpt_resp_t){.kind = SG_CKPT_KIND_DATA,
+                       .status = SG_ESTATE,
+                       .step = -1,
+                       .payload = SG_CKPT_MAX_ERRMSG + 1};
+  sg_ckpt_resp_encode(&r, b);
+  assert_int_equal(sg_ckpt_resp_parse(b, sizeof(b), &p), SG_EPROTO);
+  r.status = 5; /* positive status */
+  r.payload = 0;
+  sg_ckpt_resp_encode(&r, b);
+  assert_int_equal(sg_ckpt_resp_parse(b, sizeof(b), &p), SG_EPROTO);
+  r = (sg_ckpt_resp_t){.kind = SG_CKPT_KIND_INFO,
+                       .nregions = SG_CKPT_MAX_REGIONS + 1,
+                       .step = 0};
+  r.payload = (uint64_t)r.nregions * 8;
+  sg_ckpt_resp_encode(&r, b);
+  assert_int_equal(sg_ckpt_resp_parse(b, sizeof(b), &p), SG_EPROTO);
+}
+
+static void test_lengths_layout_addr_plan(void **unused) {
+  uint8_t b[24];
+  uint64_t v[3], total = 0;
+  for (int i = 0; i < 3; i++)
+    for (int k = 0; k < 8; k++)
+      b[8 * i + k] = (uint8_t)(k == 0 ? i + 1 : 0);
+  assert_int_equal(sg_ckpt_lengths_parse(b, 3, v, &total), 0);
+  assert_int_equal(total, 6);
+  memset(b + 8, 0xff, 8); /* sum over the limit */
+  assert_int_equal(sg_ckpt_lengths_parse(b, 3, v, &total), SG_EPROTO);
+  uint64_t l1[] = {1, 2, 3}, l2[] = {1, 2, 4}, l3[] = {1, 2};
+  assert_true(sg_ckpt_layout_id(l1, 3) != sg_ckpt_layout_id(l2, 3));
+  assert_true(sg_ckpt_layout_id(l1, 3) != sg_ckpt_layout_id(l3, 2));
+  assert_true(sg_ckpt_layout_id(l1, 3) == sg_ckpt_layout_id(l1, 3));
+
+  char host[64];
+  int port = -1;
+  assert_int_equal(sg_ckpt_parse_addr("h.example:80", host, 64, &port), 0);
+  assert_string_equal(host, "h.example");
+  assert_int_equal(port, 80);
+  assert_int_equal(sg_ckpt_parse_addr("[::1]:65535", host, 64, &port), 0);
+  assert_string_equal(host, "::1");
+  assert_int_equal(port, 65535);
+  assert_int_equal(sg_ckpt_parse_addr("h:65536", host, 64, &port), SG_EINVAL);
+  assert_int_equal(sg_ckpt_parse_addr("h:", host, 64, &port), SG_EINVAL);
+  assert_int_equal(sg_ckpt_parse_addr(":1", host, 64, &port), SG_EINVAL);
+  assert_int_equal(sg_ckpt_parse_addr("h:1x", host, 64, &port), SG_EINVAL);
+  assert_int_equal(sg_ckpt_parse_addr("[]:1", host, 64, &port), SG_EINVAL);
+  assert_int_equal(sg_ckpt_parse_addr("long-host-name:1", host, 4, &port),
+                   SG_EINVAL);
+
+  assert_int_equal(sg_ckpt_plan_chunk(0, 4, 1 << 20), 1 << 20);
+  assert_int_equal(sg_ckpt_plan_chunk(1ull << 30, 4, 1 << 20), 64ull << 20);
+  assert_int_equal(sg_ckpt_plan_chunk(1ull << 40, 4, 1 << 20), 64ull << 20);
+  assert_int_equal(sg_ckpt_plan_chunk(64ull << 20, 4, 1 << 20), 4ull << 20);
+  assert_int_equal(sg_ckpt_plan_chunk(10, 0, 0), 2);
+}
+
+/* ---- round trips --------------------------------------------------------
+ */
+
+static void check_fetch(const char *const *addrs, size_t naddr,
+                        const char *token, int64_t step, const state_t *src,
+                        int streams, uint64_t *bytes) {
+  sg_ckpt_fetch_t *f = NULL;
+  assert_int_equal(sg_ckpt_fetch_new(&f), 0);
+  sg_ckpt_info_t info;
+  sg_err_t err;
+  sg_err_clear(&err);
+  int rc = sg_ckpt_fetch_info(f, addrs[0], token, step,
+                              sg_deadline_in_ms(20000), &info, &err);
+  if (rc)
+    fail_msg("info: %s", err.msg);
+  assert_int_equal(info.step, step);
+  assert_int_equal(info.hlen, sizeof(header));
+  assert_memory_equal(info.header, header, sizeof(header));
+  assert_int_equal(info.nregions, src->n);
+  assert_int_equal(info.total, src->total);
+  state_t d;
+  dst_like(src, &d);
+  sg_ckpt_fetch_opts_t o = {.streams_per_source = streams,
+                            .min_chunk = 64 << 10};
+  rc = sg_ckpt_fetch_data(f, addrs, naddr, token, step, info.layout, d.regs,
+                          d.n, &o, sg_deadline_in_ms(60000), bytes, &err);
+  if (rc)
+    fail_msg("data: %s", err.msg);
+  assert_memory_equal(d.mem, src->mem, src->total);
+  uint64_t sum = 0;
+  for (size_t i = 0; i < naddr; i++)
+    sum += bytes[i];
+  assert_int_equal(sum, src->total);
+  sg_ckpt_info_free(&info);
+  free(d.mem);
+  sg_ckpt_fetch_free(f);
+}
+
+static void test_round_trip_one_source(void **unused) {
+  state_t st;
+  make_state(&st, 1, 3);
+  sg_ckpt_server_t *s = start_server("secret", 0);
+  serve(s, 5, &st);
+  char a[64];
+  addr_of(s, a);
+  const char *addrs[] = {a};
+  uint64_t bytes[1];
+  for (int streams = 1; streams <= 3; streams++)
+    check_fetch(addrs, 1, "secret", 5, &st, streams, bytes);
+  sg_ckpt_server_stats_t ss;
+  sg_ckpt_server_stats(s, &ss);
+  assert_int_equal(ss.bytes_sent, 3 * st.total);
+  assert_int_equal(ss.bad_input, 0);
+  assert_int_equal(sg_ckpt_server_disallow(s, sg_deadline_in_ms(1000)), 0);
+  sg_ckpt_server_stop(s);
+  free(st.mem);
+}
+
+static void test_striped_two_sources(void **unused) {
+  state_t st;
+  make_state(&st, 2, 40); /* about 11 MiB */
+  sg_ckpt_server_t *s1 = start_server(NULL, 0), *s2 = start_server(NULL, 0);
+  serve(s1, 9, &st);
+  serve(s2, 9, &st);
+  char a1[64], a2[64];
+  addr_of(s1, a1);
+  addr_of(s2, a2);
+  const char *addrs[] = {a1, a2};
+  uint64_t bytes[2];
+  check_fetch(addrs, 2, NULL, 9, &st, 2, bytes);
+  sg_ckpt_server_stats_t t1, t2;
+  sg_ckpt_server_stats(s1, &t1);
+  sg_ckpt_server_stats(s2, &t2);
+  /* each source served what the fetch counted from it, and both served */
+  assert_int_equal(t1.bytes_sent, bytes[0]);
+  assert_int_equal(t2.bytes_sent, bytes[1]);
+  assert_true(bytes[0] > 0);
+  assert_true(bytes[1] > 0);
+  sg_ckpt_server_stop(s1);
+  sg_ckpt_server_stop(s2);
+  free(st.mem);
+}
+
+static void test_empty_state(void **unused) {
+  sg_ckpt_server_t *s = start_server(NULL, 0);
+  sg_err_t err;
+  assert_int_equal(
+      sg_ckpt_server_serve(s, 0, header, sizeof(header), NULL, 0, &err), 0);
+  char a[64];
+  addr_of(s, a);
+  const char *addrs[] = {a};
+  sg_ckpt_fetch_t *f = NULL;
+  assert_int_equal(sg_ckpt_fetch_new(&f), 0);
+  sg_ckpt_info_t info;
+  assert_int_equal(
+      sg_ckpt_fetch_info(f, a, NULL, 0, sg_deadline_in_ms(5000), &info, &err),
+      0);
+  assert_int_equal(info.nregions, 0);
+  uint64_t bytes[1];
+  assert_int_equal(sg_ckpt_fetch_data(f, addrs, 1, NULL, 0, info.layout, NULL,
+                                      0, NULL, sg_deadline_in_ms(5000), bytes,
+                                      &err),
+                   0);
+  sg_ckpt_info_free(&info);
+  sg_ckpt_fetch_free(f);
+  sg_ckpt_server_stop(s);
+}
+
+/* ---- refusals ---------------------------------------------------------------
+ */
+
+static void test_refusals(void **unused) {
+  state_t st;
+  make_state(&st, 3, 1);
+  sg_ckpt_server_t *s = start_server("tok", 0);
+  char a[64];
+  addr_of(s, a);
+  const char *addrs[] = {a};
+  sg_ckpt_fetch_t *f = NULL;
+  assert_int_equal(sg_ckpt_fetch_new(&f), 0);
+  sg_ckpt_info_t info;
+  sg_err_t err;
+  /* nothing served yet */
+  assert_int_equal(
+      sg_ckpt_fetch_info(f, a, "tok", 1, sg_deadline_in_ms(5000), &info, &err),
+      SG_ESTATE);
+  serve(s, 4, &st);
+  sg_err_clear(&err);
+  assert_int_equal(
+      sg_ckpt_fetch_info(f, a, "tok", 3, sg_deadline_in_ms(5000), &info, &err),
+      SG_ESTATE);
+  assert_non_null(strstr(err.msg, "serving 4 but got step=3"));
+  assert_int_equal(sg_ckpt_fetch_info(f, a, "wrong", 4, sg_deadline_in_ms(5000),
+                                      &info, &err),
+                   SG_EAUTH);
+  assert_int_equal(
+      sg_ckpt_fetch_info(f, a, NULL, 4, sg_deadline_in_ms(5000), &info, &err),
+      SG_EAUTH);
+  assert_int_equal(
+      sg_ckpt_fetch_info(f, a, "tok", 4, sg_deadline_in_ms(5000), &info, &err),
+      0);
+  state_t d;
+  dst_like(&st, &d);
+  uint64_t bytes[1];
+  /* wrong step on DATA */
+  assert_int_equal(sg_ckpt_fetch_data(f, addrs, 1, "tok", 5, info.layout,
+                                      d.regs, d.n, NULL,
+                                      sg_deadline_in_ms(5000), bytes, &err),
+                   SG_ESTATE);
+  /* a destination that does not match the layout */
+  d.regs[0].len--;
+  assert_int_equal(sg_ckpt_fetch_data(f, addrs, 1, "tok", 4, info.layout,
+                                      d.regs, d.n, NULL,
+                                      sg_deadline_in_ms(5000), bytes, &err),
+                   SG_EINVAL);
+  d.regs[0].len++;
+  /* a served layout that changed under the same step */
+  assert_int_equal(sg_ckpt_server_disallow(s, sg_deadline_in_ms(1000)), 0);
+  st.regs[3].len--;
+  serve(s, 4, &st);
+  assert_int_equal(sg_ckpt_fetch_data(f, addrs, 1, "tok", 4, info.layout,
+                                      d.regs, d.n, NULL,
+                                      sg_deadline_in_ms(5000), bytes, &err),
+                   SG_ESTATE);
+  /* serving twice without disallow */
+  assert_int_equal(sg_ckpt_server_serve(s, 6, NULL, 0, NULL, 0, &err),
+                   SG_ESTATE);
+  /* an allocation failure leaves the server as it was */
+  assert_int_equal(sg_ckpt_server_disallow(s, sg_deadline_in_ms(1000)), 0);
+  sg_test_fail_alloc(1, 1);
+  int rc =
+      sg_ckpt_server_serve(s, 6, header, sizeof(header), st.regs, st.n, &err);
+  sg_test_fail_alloc(0, 0);
+  assert_int_equal(rc, SG_ENOMEM);
+  assert_int_equal(
+      sg_ckpt_fetch_info(f, a, "tok", 6, sg_deadline_in_ms(5000), &info, &err),
+      SG_ESTATE);
+  sg_ckpt_info_free(&info);
+  free(d.mem);
+  free(st.mem);
+  sg_ckpt_fetch_free(f);
+  sg_ckpt_server_stop(s);
+}
+
+/* ---- disallow ---------------------------------------------------------------
+ */
+
+static void send_data_req(int fd, int64_t step, uint64_t layout, uint64_t off,
+                          uint64_t len) {
+  sg_ckpt_req_t q = {.kind = SG_CKPT_KIND_DATA,
+                     .step = step,
+                     .layout = layout,
+                     .offset = off,
+                     .length = len};
+  uint8_t b[SG_CKPT_REQ_FIXED + SG_CKPT_MAX_TOKEN];
+  int n = sg_ckpt_req_encode(&q, b);
+  assert_int_equal(send(fd, b, (size_t)n, MSG_NOSIGNAL), n);
+}
+
+static void test_disallow_cuts_a_stalled_reader(void **unused) {
+  state_t st;
+  make_state(&st, 4, 100); /* ~27 MB: more than the socket buffers */
+  sg_ckpt_server_t *s = start_server(NULL, 0);
+  serve(s, 2, &st);
+  uint64_t lens[8];
+  for (size_t i = 0; i < st.n; i++)
+    lens[i] = st.regs[i].len;
+  int fd = raw_connect(sg_ckpt_server_port(s));
+  send_data_req(fd, 2, sg_ckpt_layout_id(lens, st.n), 0, st.total);
+  sg_ckpt_resp_t r;
+  assert_int_equal(read_resp(fd, &r), 0); /* then stop reading */
+  assert_int_equal(r.payload, st.total);
+  int64_t t0 = sg_now_ns();
+  assert_int_equal(sg_ckpt_server_disallow(s, sg_deadline_in_ms(300)),
+                   SG_ETIMEDOUT);
+  assert_true(sg_now_ns() - t0 >= 250 * 1000000LL); /* it did wait */
+  sg_ckpt_server_stats_t ss;
+  sg_ckpt_server_stats(s, &ss);
+  assert_int_equal(ss.cut, 1);
+  long got = eof_after(fd);
+  assert_true(got >= 0 && (uint64_t)got < st.total); /* truncated */
+  sg_sock_close(fd);
+  /* a finished response does not hold disallow up */
+  serve(s, 3, &st);
+  char a[64];
+  addr_of(s, a);
+  const char *addrs[] = {a};
+  uint64_t bytes[1];
+  check_fetch(addrs, 1, NULL, 3, &st, 2, bytes);
+  t0 = sg_now_ns();
+  assert_int_equal(sg_ckpt_server_disallow(s, sg_deadline_in_ms(30000)), 0);
+  assert_true(sg_now_ns() - t0 < 20000 * 1000000LL);
+  sg_ckpt_server_stop(s);
+  free(st.mem);
+}
+
+/* ---- a bad source -----------------------------------------------------------
+ */
+
+typedef enum { BAD_TRUNCATE, BAD_SILENT, BAD_GARBAGE } bad_mode_t;
+
+typedef struct {
+  int listen_fd, port;
+  bad_mode_t mode;
+  atomic_int stop;
+  pthread_t th;
+} bad_source_t;
+
+/* bad_main: accepts; answers each request per mode; until stop. */
+static void *bad_main(void *arg) {
+  bad_source_t *b = arg;
+  int fds[64];
+  int nfd = 0;
+  while (!atomic_load(&b->stop)) {
+    struct pollfd p = {.fd = b->listen_fd, .events = POLLIN};
+    if (poll(&p, 1, 20) <= 0)
+      continue;
+    int fd;
+    if (sg_sock_accept(b->listen_fd, &fd))
+      continue;
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+    uint8_t req[SG_CKPT_REQ_FIXED + SG_CKPT_MAX_TOKEN];
+    ssize_t n = recv(fd, req, sizeof(req), 0);
+    sg_ckpt_req_t q;
+    if (n > 0 && sg_ckpt_req_parse(req, (size_t)n, &q) > 0) {
+      if (b->mode == BAD_TRUNCATE) {
+        sg_ckpt_resp_t r = {.kind = q.kind,
+                            .step = q.step,
+                            .layout = q.layout,
+                            .payload = q.length,
+                            .aux = q.offset};
+        uint8_t h[SG_CKPT_RESP_FIXED + 100];
+        sg_ckpt_resp_encode(&r, h);
+        memset(h + SG_CKPT_RESP_FIXED, 0xee, 100);
+        send(fd, h, sizeof(h), MSG_NOSIGNAL); /* then vanish */
+        sg_sock_close(fd);
+        continue;
+      }
+      if (b->mode == BAD_GARBAGE) {
+        uint8_t g[SG_CKPT_RESP_FIXED];
+        memset(g, 0x5a, sizeof(g));
+        send(fd, g, sizeof(g), MSG_NOSIGNAL);
+      }
+    }
+    if (nfd < 64)
+      fds[nfd++] = fd; /* silent: hold it open */
+    else
+      sg_sock_close(fd);
+  }
+  for (int i = 0; i < nfd; i++)
+    sg_sock_close(fds[i]);
+  return NULL;
+}
+
+static void bad_start(bad_source_t *b, bad_mode_t mode) {
+  memset(b, 0, sizeof(*b));
+  b->mode = mode;
+  sg_err_t err;
+  assert_int_equal(
+      sg_sock_listen("127.0.0.1", 0, 16, &b->listen_fd, &b->port, &err), 0);
+  assert_int_equal(pthread_create(&b->th, NULL, bad_main, b), 0);
+}
+
+static void bad_stop(bad_source_t *b) {
+  atomic_store(&b->stop, 1);
+  pthread_join(b->th, NULL);
+  sg_sock_close(b->listen_fd);
+}
+
+static void test_source_dies_mid_stream(void **unused) {
+  state_t st;
+  make_state(&st, 5, 20);
+  uint64_t lens[8];
+  for (size_t i = 0; i < st.n; i++)
+    lens[i] = st.regs[i].len;
+  uint64_t layout = sg_ckpt_layout_id(lens, st.n);
+  bad_source_t bad;
+  bad_start(&bad, BAD_TRUNCATE);
+  sg_ckpt_server_t *s = start_server(NULL, 0);
+  serve(s, 8, &st);
+  char ab[64], ag[64];
+  sprintf(ab, "127.0.0.1:%d", bad.port);
+  addr_of(s, ag);
+  sg_ckpt_fetch_t *f = NULL;
+  assert_int_equal(sg_ckpt_fetch_new(&f), 0);
+  state_t d;
+  dst_like(&st, &d);
+  sg_err_t err;
+  uint64_t bytes[2];
+  sg_ckpt_fetch_opts_t o = {.streams_per_source = 2, .min_chunk = 64 << 10};
+  /* alone, the truncating source is a clean error */
+  const char *only_bad[] = {ab};
+  assert_int_equal(sg_ckpt_fetch_data(f, only_bad, 1, NULL, 8, layout, d.regs,
+                                      d.n, &o, sg_deadline_in_ms(10000), bytes,
+                                      &err),
+                   SG_EPEER);
+  assert_non_null(strstr(err.msg, "truncated"));
+  /* with a good source beside it, the good one delivers every byte */
+  const char *both[] = {ab, ag};
+  memset(d.mem, 0, d.total);
+  int rc = sg_ckpt_fetch_data(f, both, 2, NULL, 8, layout, d.regs, d.n, &o,
+                              sg_deadline_in_ms(30000), bytes, &err);
+  if (rc)
+    fail_msg("%s", err.msg);
+  assert_int_equal(bytes[0], 0);
+  assert_int_equal(bytes[1], st.total);
+  assert_memory_equal(d.mem, st.mem, st.total);
+  bad_stop(&bad);
+
+  /* garbage answers are a protocol error */
+  bad_start(&bad, BAD_GARBAGE);
+  sprintf(ab, "127.0.0.1:%d", bad.port);
+  assert_int_equal(sg_ckpt_fetch_data(f, only_bad, 1, NULL, 8, layout, d.regs,
+                                      d.n, &o, sg_deadline_in_ms(10000), bytes,
+                                      &err),
+                   SG_EPROTO);
+  bad_stop(&bad);
+  /* nobody listening: refused */
+  assert_int_equal(sg_ckpt_fetch_data(f, only_bad, 1, NULL, 8, layout, d.regs,
+                                      d.n, &o, sg_deadline_in_ms(10000), bytes,
+                                      &err),
+                   SG_ECONNREFUSED);
+  free(d.mem);
+  free(st.mem);
+  sg_ckpt_fetch_free(f);
+  sg_ckpt_server_stop(s);
+}
+
+typedef struct {
+  sg_ckpt_fetch_t *f;
+  int delay_ms;
+} aborter_t;
+
+static void *aborter_main(void *arg) {
+  aborter_t *a = arg;
+  usleep((useconds_t)a->delay_ms * 1000);
+  sg_ckpt_fetch_abort(a->f);
+  return NULL;
+}
+
+static void test_abort_and_deadline(void **unused) {
+  bad_source_t bad;
+  bad_start(&bad, BAD_SILENT);
+  char ab[64];
+  sprintf(ab, "127.0.0.1:%d", bad.port);
+  const char *addrs[] = {ab};
+  uint8_t mem[1000];
+  sg_ckpt_region_t r = {.ptr = mem, .len = sizeof(mem)};
+  uint64_t len = sizeof(mem);
+  uint64_t layout = sg_ckpt_layout_id(&len, 1);
+  sg_ckpt_fetch_t *f = NULL;
+  assert_int_equal(sg_ckpt_fetch_new(&f), 0);
+  sg_err_t err;
+  sg_ckpt_info_t info;
+  /* deadline: info and data both give up in time */
+  int64_t t0 = sg_now_ns();
+  assert_int_equal(
+      sg_ckpt_fetch_info(f, ab, NULL, 1, sg_deadline_in_ms(300), &info, &err),
+      SG_ETIMEDOUT);
+  assert_int_equal(sg_ckpt_fetch_data(f, addrs, 1, NULL, 1, layout, &r, 1, NULL,
+                                      sg_deadline_in_ms(300), NULL, &err),
+                   SG_ETIMEDOUT);
+  assert_true(sg_now_ns() - t0 < 20000 * 1000000LL);
+  /* abort from another thread, with a deadline that is far away */
+  aborter_t a = {.f = f, .delay_ms = 200};
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, aborter_main, &a), 0);
+  t0 = sg_now_ns();
+  assert_int_equal(sg_ckpt_fetch_data(f, addrs, 1, NULL, 1, layout, &r, 1, NULL,
+                                      sg_deadline_in_ms(600000), NULL, &err),
+                   SG_EABORTED);
+  assert_true(sg_now_ns() - t0 < 60000 * 1000000LL);
+  pthread_join(th, NULL);
+  /* and every later call fails at once */
+  assert_int_equal(sg_ckpt_fetch_info(f, ab, NULL, 1, sg_deadline_in_ms(600000),
+                                      &info, &err),
+                   SG_EABORTED);
+  sg_ckpt_fetch_free(f);
+  bad_stop(&bad);
+}
+
+/* ---- a bad client -----------------------------------------------------------
+ */
+
+static void test_server_survives_bad_clients(void **unused) {
+  state_t st;
+  make_state(&st, 6, 30);
+  sg_ckpt_server_t *s = start_server(NULL, 300);
+  serve(s, 1, &st);
+  int port = sg_ckpt_server_port(s);
+  sg_ckpt_resp_t r;
+
+  /* garbage: an error response, then the connection closes */
+  int fd = raw_connect(port);
+  char junk[100];
+  memset(junk, 0xab, sizeof(junk));
+  send(fd, junk, sizeof(junk), MSG_NOSIGNAL);
+  assert_int_equal(read_resp(fd, &r), 0);
+  assert_int_equal(r.status, SG_EPROTO);
+  assert_true(eof_after(fd) >= 0);
+  sg_sock_close(fd);
+
+  /* HTTP */
+  fd = raw_connect(port);
+  const char *http = "GET /checkpoint/1/full HTTP/1.1\r\n\r\n";
+  send(fd, http, strlen(http), MSG_NOSIGNAL);
+  assert_int_equal(read_resp(fd, &r), 0);
+  assert_int_equal(r.status, SG_EPROTO);
+  sg_sock_close(fd);
+
+  /* a valid magic with an oversized token length */
+  fd = raw_connect(port);
+  uint8_t b[SG_CKPT_REQ_FIXED];
+  sg_ckpt_req_t q = {.kind = SG_CKPT_KIND_INFO, .step = 1};
+  sg_ckpt_req_encode(&q, b);
+  b[40] = 0xff;
+  b[41] = 0xff;
+  send(fd, b, sizeof(b), MSG_NOSIGNAL);
+  assert_int_equal(read_resp(fd, &r), 0);
+  assert_int_equal(r.status, SG_EPROTO);
+  sg_sock_close(fd);
+
+  /* a range past the end */
+  fd = raw_connect(port);
+  uint64_t lens[8];
+  for (size_t i = 0; i < st.n; i++)
+    lens[i] = st.regs[i].len;
+  uint64_t layout = sg_ckpt_layout_id(lens, st.n);
+  send_data_req(fd, 1, layout, st.total - 1, 2);
+  assert_int_equal(read_resp(fd, &r), 0);
+  assert_int_equal(r.status, SG_EINVAL);
+  sg_sock_close(fd);
+
+  /* truncated: half a request, then close */
+  fd = raw_connect(port);
+  send(fd, b, 20, MSG_NOSIGNAL);
+  sg_sock_close(fd);
+
+  /* slow: half a request, then nothing: dropped after request_timeout */
+  fd = raw_connect(port);
+  send(fd, b, 20, MSG_NOSIGNAL);
+  int64_t t0 = sg_now_ns();
+  assert_true(eof_after(fd) >= 0);
+  assert_true(sg_now_ns() - t0 >= 250 * 1000000LL);
+  sg_sock_close(fd);
+
+  /* a reader that asks for everything and vanishes */
+  for (int i = 0; i < 5; i++) {
+    fd = raw_connect(port);
+    send_data_req(fd, 1, layout, 0, st.total);
+    sg_sock_close(fd);
+  }
+
+  /* the server still serves a real fetch, bit for bit */
+  char a[64];
+  addr_of(s, a);
+  const char *addrs[] = {a};
+  uint64_t bytes[1];
+  check_fetch(addrs, 1, NULL, 1, &st, 2, bytes);
+  sg_ckpt_server_stats_t ss;
+  sg_ckpt_server_stats(s, &ss);
+  assert_true(ss.bad_input >= 5);
+  assert_true(ss.timeouts >= 1);
+  /* nothing holds the served memory any more */
+  assert_int_equal(sg_ckpt_server_disallow(s, sg_deadline_in_ms(10000)), 0);
+  sg_ckpt_server_stop(s);
+  free(st.mem);
+}
+
+static void test_max_conns(void **unused) {
+  sg_ckpt_server_opts_t o;
+  sg_ckpt_server_opts_init(&o);
+  o.bind = "127.0.0.1:0";
+  o.max_conns = 2;
+  o.request_timeout_ms = 10000;
+  sg_ckpt_server_t *s = NULL;
+  sg_err_t err;
+  assert_int_equal(sg_ckpt_server_start(&o, &s, &err), 0);
+  int port = sg_ckpt_server_port(s);
+  int idle1 = raw_connect(port), idle2 = raw_connect(port);
+  usleep(100 * 1000);
+  /* a third client waits in the backlog until a slot frees */
+  char a[64];
+  addr_of(s, a);
+  sg_ckpt_fetch_t *f = NULL;
+  assert_int_equal(sg_ckpt_fetch_new(&f), 0);
+  sg_ckpt_info_t info;
+  assert_int_equal(
+      sg_ckpt_fetch_info(f, a, NULL, 1, sg_deadline_in_ms(300), &info, &err),
+      SG_ETIMEDOUT);
+  sg_sock_close(idle1);
+  assert_int_equal(
+      sg_ckpt_fetch_info(f, a, NULL, 1, sg_deadline_in_ms(10000), &info, &err),
+      SG_ESTATE); /* served: answered (nothing is served) */
+  sg_sock_close(idle2);
+  sg_ckpt_fetch_free(f);
+  sg_ckpt_server_stop(s);
+  assert_int_equal(sg_ckpt_server_start(
+                       &(sg_ckpt_server_opts_t){.bind = "nonsense"}, &s, &err),
+                   SG_EINVAL);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_request_codec),
+      cmocka_unit_test(test_response_codec),
+      cmocka_unit_test(test_lengths_layout_addr_plan),
+      cmocka_unit_test(test_round_trip_one_source),
+      cmocka_unit_test(test_striped_two_sources),
+      cmocka_unit_test(test_empty_state),
+      cmocka_unit_test(test_refusals),
+      cmocka_unit_test(test_disallow_cuts_a_stalled_reader),
+      cmocka_unit_test(test_source_dies_mid_stream),
+      cmocka_unit_test(test_abort_and_deadline),
+      cmocka_unit_test(test_server_survives_bad_clients),
+      cmocka_unit_test(test_max_conns),
+  };
+  int rc = cmocka_run_group_tests(tests, NULL, NULL);
+  if (sg_sock_registered_count() != 0) {
+    fprintf(stderr, "leaked %zu sockets\n", sg_sock_registered_count());
+    return 1;
+  }
+  return rc;
+}

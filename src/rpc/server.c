@@ -450,10 +450,13 @@ static void write_cb(uv_write_t *req, int status) {
 }
 
 /*
- * conn_flush: move the engine's output to the socket: uv_try_write first
- * (up to FLUSH_BUDGET bytes), the rest queued (up to OUT_HIGH, after which
- * we stop pulling from the engine and stop reading the peer).  Closes the
- * connection on error, on a pending close, or when the session is over.
+ * conn_flush: move the engine's output to the socket.  Frames are gathered
+ * into one buffer (up to OUT_HIGH, after which we stop pulling from the
+ * engine and stop reading the peer) and handed to the kernel with a single
+ * uv_try_write, so a burst of small frames costs one system call, not one
+ * each.  While the socket takes everything we go round again, up to
+ * FLUSH_BUDGET bytes per call; what is left is queued with uv_write.  Closes
+ * the connection on error, on a pending close, or when the session is over.
  */
 static void conn_flush(conn_t *c) {
   if (c->state != CONN_H2)
@@ -462,32 +465,39 @@ static void conn_flush(conn_t *c) {
   c->busy++;
   size_t budget = FLUSH_BUDGET;
   int err = 0;
-  while (c->pending.len < OUT_HIGH) {
-    const uint8_t *p;
-    ssize_t n = sg__h2s_send(&c->h2, &p);
-    if (n <= 0) {
-      err = (int)n;
-      break;
-    }
-    size_t off = 0;
-    if (!c->writing && c->pending.len == 0 && budget > 0) {
-      uv_buf_t b = uv_buf_init((char *)p, (unsigned)n);
-      int w = uv_try_write((uv_stream_t *)&c->tcp, &b, 1);
-      if (w > 0) {
-        off = (size_t)w;
-        budget = off >= budget ? 0 : budget - off;
-        c->last_write_ns = sg_now_ns();
-      } else if (w != UV_EAGAIN) {
-        err = w;
+  for (;;) {
+    int more = 1;
+    while (c->pending.len < OUT_HIGH) {
+      const uint8_t *p;
+      ssize_t n = sg__h2s_send(&c->h2, &p);
+      if (n <= 0) {
+        err = (int)n;
+        more = 0;
         break;
       }
-    }
-    if (off < (size_t)n) {
-      err = sg_buf_append(&c->pending, p + off, (size_t)n - off);
+      err = sg_buf_append(&c->pending, p, (size_t)n);
       if (err)
         break;
     }
+    if (err || c->writing || c->pending.len == 0 || budget == 0)
+      break;
+    uv_buf_t b =
+        uv_buf_init((char *)sg_buf_head(&c->pending), (unsigned)c->pending.len);
+    int w = uv_try_write((uv_stream_t *)&c->tcp, &b, 1);
+    if (w == UV_EAGAIN)
+      break;
+    if (w < 0) {
+      err = w;
+      break;
+    }
+    sg_buf_consume(&c->pending, (size_t)w);
+    c->last_write_ns = sg_now_ns();
+    budget = (size_t)w >= budget ? 0 : budget - (size_t)w;
+    if (c->pending.len > 0 || !more)
+      break; /* the socket is full, or the engine has nothing more */
   }
+  if (c->pending.len == 0 && c->pending.cap > OUT_KEEP)
+    sg_buf_free(&c->pending);
   if (!err)
     err = conn_write_start(c);
   c->busy--;

@@ -1,0 +1,203 @@
+/*
+ * proto.c: the collectives' wire format, as pure functions over byte spans
+ * (so the fuzzer can call them): HELLO / REPLY for the handshake, OP and BYE
+ * frames, the handshake admission check and address parsing.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "comm/comm_int.h"
+
+static void put16(uint8_t *p, uint16_t v) {
+  p[0] = (uint8_t)v;
+  p[1] = (uint8_t)(v >> 8);
+}
+
+static void put32(uint8_t *p, uint32_t v) {
+  for (int i = 0; i < 4; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static void put64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint16_t get16(const uint8_t *p) {
+  return (uint16_t)(p[0] | (p[1] << 8));
+}
+
+static uint32_t get32(const uint8_t *p) {
+  uint32_t v = 0;
+  for (int i = 3; i >= 0; i--)
+    v = (v << 8) | p[i];
+  return v;
+}
+
+static uint64_t get64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; i--)
+    v = (v << 8) | p[i];
+  return v;
+}
+
+enum { KIND_HELLO = 1, KIND_REPLY = 2 };
+
+int sg__comm_hello_encode(uint8_t *buf, uint64_t generation, uint32_t rank,
+                          uint32_t world, const char *job, const char *token) {
+  size_t jl = job ? strlen(job) : 0, tl = token ? strlen(token) : 0;
+  if (jl > SG_COMM_MAX_JOB || tl > SG_COMM_MAX_TOKEN)
+    return SG_ETOOBIG;
+  memcpy(buf, "SGC1", 4);
+  put16(buf + 4, SG__COMM_VERSION);
+  put16(buf + 6, KIND_HELLO);
+  put64(buf + 8, generation);
+  put32(buf + 16, rank);
+  put32(buf + 20, world);
+  put16(buf + 24, (uint16_t)jl);
+  put16(buf + 26, (uint16_t)tl);
+  if (jl)
+    memcpy(buf + SG__COMM_HELLO_FIXED, job, jl);
+  if (tl)
+    memcpy(buf + SG__COMM_HELLO_FIXED + jl, token, tl);
+  return (int)(SG__COMM_HELLO_FIXED + jl + tl);
+}
+
+/* check_head: magic, version and kind of the first 8 bytes. */
+static int check_head(const uint8_t *p, uint16_t kind) {
+  if (memcmp(p, "SGC1", 4) != 0 || get16(p + 4) != SG__COMM_VERSION ||
+      get16(p + 6) != kind)
+    return SG_EPROTO;
+  return 0;
+}
+
+int sg__comm_hello_parse(const uint8_t *p, size_t n, sg__comm_hello_t *h) {
+  /* reject garbage as soon as its first bytes show it */
+  size_t pre = n < 4 ? n : 4;
+  if (memcmp(p, "SGC1", pre) != 0)
+    return SG_EPROTO;
+  if (n < SG__COMM_HELLO_FIXED)
+    return 0;
+  if (check_head(p, KIND_HELLO))
+    return SG_EPROTO;
+  h->generation = get64(p + 8);
+  h->rank = get32(p + 16);
+  h->world = get32(p + 20);
+  h->job_len = get16(p + 24);
+  h->token_len = get16(p + 26);
+  if (h->job_len > SG_COMM_MAX_JOB || h->token_len > SG_COMM_MAX_TOKEN)
+    return SG_EPROTO;
+  size_t total = SG__COMM_HELLO_FIXED + (size_t)h->job_len + h->token_len;
+  if (n < total)
+    return 0;
+  h->job = p + SG__COMM_HELLO_FIXED;
+  h->token = h->job + h->job_len;
+  return (int)total;
+}
+
+void sg__comm_reply_encode(uint8_t *buf, uint64_t generation, uint32_t rank,
+                           int32_t status) {
+  memcpy(buf, "SGC1", 4);
+  put16(buf + 4, SG__COMM_VERSION);
+  put16(buf + 6, KIND_REPLY);
+  put64(buf + 8, generation);
+  put32(buf + 16, rank);
+  put32(buf + 20, (uint32_t)status);
+}
+
+int sg__comm_reply_parse(const uint8_t *p, size_t n, sg__comm_reply_t *r) {
+  size_t pre = n < 4 ? n : 4;
+  if (memcmp(p, "SGC1", pre) != 0)
+    return SG_EPROTO;
+  if (n < SG__COMM_REPLY_LEN)
+    return 0;
+  if (check_head(p, KIND_REPLY))
+    return SG_EPROTO;
+  r->generation = get64(p + 8);
+  r->rank = get32(p + 16);
+  r->status = (int32_t)get32(p + 20);
+  if (r->status != 0 && r->status != SG_EAUTH && r->status != SG_EPROTO)
+    return SG_EPROTO; /* only the statuses an acceptor sends */
+  return SG__COMM_REPLY_LEN;
+}
+
+void sg__comm_frame_encode(uint8_t *buf, const sg__comm_frame_t *f) {
+  memcpy(buf, f->type == SG__COMM_FRAME_BYE ? "SGBY" : "SGOP", 4);
+  put16(buf + 4, f->type == SG__COMM_FRAME_BYE ? 0 : f->kind);
+  put16(buf + 6, 0);
+  put64(buf + 8, f->seq);
+  put64(buf + 16, f->type == SG__COMM_FRAME_BYE ? 0 : f->bytes);
+}
+
+int sg__comm_frame_parse(const uint8_t *p, size_t n, sg__comm_frame_t *f) {
+  if (n != SG__COMM_FRAME_LEN || get16(p + 6) != 0)
+    return SG_EPROTO;
+  if (memcmp(p, "SGOP", 4) == 0)
+    f->type = SG__COMM_FRAME_OP;
+  else if (memcmp(p, "SGBY", 4) == 0)
+    f->type = SG__COMM_FRAME_BYE;
+  else
+    return SG_EPROTO;
+  f->kind = get16(p + 4);
+  f->seq = get64(p + 8);
+  f->bytes = get64(p + 16);
+  if (f->type == SG__COMM_FRAME_BYE && (f->kind != 0 || f->bytes != 0))
+    return SG_EPROTO;
+  return 0;
+}
+
+/* same_bytes: constant-time (for a given length) equality of a and b. */
+static int same_bytes(const uint8_t *a, size_t al, const char *b) {
+  size_t bl = b ? strlen(b) : 0;
+  unsigned diff = al != bl;
+  for (size_t i = 0; i < al; i++)
+    diff |= (unsigned)(a[i] ^ (uint8_t)(i < bl ? b[i] : 0));
+  return diff == 0;
+}
+
+int sg__comm_hello_check(const sg__comm_hello_t *h, uint64_t generation,
+                         int rank, int world, const char *job,
+                         const char *token, sg_err_t *err) {
+  if (h->generation != generation)
+    return sg_err_set(
+        err, SG_EPROTO, "generation %llu, expected %llu (another quorum)",
+        (unsigned long long)h->generation, (unsigned long long)generation);
+  if (!same_bytes(h->job, h->job_len, job))
+    return sg_err_set(err, SG_EPROTO, "another job");
+  if (h->world != (uint32_t)world)
+    return sg_err_set(err, SG_EPROTO, "world size %u, expected %d", h->world,
+                      world);
+  if (h->rank <= (uint32_t)rank || h->rank >= (uint32_t)world)
+    return sg_err_set(err, SG_EPROTO, "rank %u may not connect to rank %d",
+                      h->rank, rank);
+  if (!same_bytes(h->token, h->token_len, token))
+    return sg_err_set(err, SG_EAUTH, "wrong authentication token");
+  return 0;
+}
+
+int sg__comm_parse_addr(const char *addr, char *host, size_t cap, int *port) {
+  if (!addr)
+    return SG_EINVAL;
+  const char *colon = strrchr(addr, ':');
+  if (!colon || colon == addr)
+    return SG_EINVAL;
+  const char *h = addr;
+  size_t hl = (size_t)(colon - addr);
+  if (h[0] == '[') {
+    if (hl < 2 || h[hl - 1] != ']')
+      return SG_EINVAL;
+    h++;
+    hl -= 2;
+  }
+  if (hl == 0 || hl >= cap)
+    return SG_EINVAL;
+  char *end = NULL;
+  long p = strtol(colon + 1, &end, 10);
+  if (!colon[1] || *end || p <= 0 || p > 65535)
+    return SG_EINVAL;
+  memcpy(host, h, hl);
+  host[hl] = '\0';
+  *port = (int)p;
+  return 0;
+}

@@ -1,0 +1,1315 @@
+/*
+ * test_comm.c: the collectives.  Pure parts first (half conversions,
+ * kernels, chunk plans, ring and recursive-doubling schedules, the wire
+ * format), then communicators of 1-4 ranks on threads in this process
+ * (every collective, every dtype and operator, identical bits on every
+ * rank, both algorithms), then failures: abort from another thread,
+ * deadlines, mismatched operations, refused handshakes (generation, token,
+ * garbage, slow and oversized peers), closing with work queued, and real
+ * processes where one rank is SIGKILLed in the middle of an allreduce.
+ */
+#include <math.h>
+#include <poll.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "comm/comm_int.h"
+#include "stepguard/base.h"
+#include "stepguard/comm.h"
+
+#define MAXW 4
+
+/* ---- completion waiter --------------------------------------------------- */
+
+struct done {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int fired, rc, calls;
+  char msg[256];
+};
+
+static void done_init(struct done *d) {
+  memset(d, 0, sizeof(*d));
+  pthread_mutex_init(&d->mu, NULL);
+  pthread_cond_init(&d->cv, NULL);
+}
+
+static void done_cb(void *ud, int rc, const char *msg) {
+  struct done *d = ud;
+  pthread_mutex_lock(&d->mu);
+  d->fired = 1;
+  d->calls++;
+  d->rc = rc;
+  snprintf(d->msg, sizeof(d->msg), "%s", msg);
+  pthread_cond_broadcast(&d->cv);
+  pthread_mutex_unlock(&d->mu);
+}
+
+/* done_wait: the op's rc, or 1 if it did not complete within ms. */
+static int done_wait(struct done *d, int64_t ms) {
+  sg_deadline_t dl = sg_deadline_in_ms(ms);
+  pthread_mutex_lock(&d->mu);
+  while (!d->fired && !sg_deadline_passed(dl)) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_nsec += 10 * 1000 * 1000;
+    if (ts.tv_nsec >= 1000000000) {
+      ts.tv_sec++;
+      ts.tv_nsec -= 1000000000;
+    }
+    pthread_cond_timedwait(&d->cv, &d->mu, &ts);
+  }
+  int rc = d->fired ? d->rc : 1;
+  pthread_mutex_unlock(&d->mu);
+  return rc;
+}
+
+static void done_destroy(struct done *d) {
+  pthread_mutex_destroy(&d->mu);
+  pthread_cond_destroy(&d->cv);
+}
+
+/* ---- a group of communicators on threads ----------------------------------
+ */
+
+struct group {
+  int n;
+  sg_comm_t *c[MAXW];
+  char addr[MAXW][64];
+  const char *addrs[MAXW];
+  int rc[MAXW];
+  sg_err_t err[MAXW];
+};
+
+struct conn_arg {
+  struct group *g;
+  int r;
+};
+
+static void *connect_thread(void *p) {
+  struct conn_arg *a = p;
+  struct group *g = a->g;
+  g->rc[a->r] = sg_comm_connect(g->c[a->r], g->addrs, sg_deadline_in_ms(10000),
+                                &g->err[a->r]);
+  return NULL;
+}
+
+static void group_start_opts(struct group *g, int n, size_t small_max) {
+  memset(g, 0, sizeof(*g));
+  g->n = n;
+  for (int r = 0; r < n; r++) {
+    sg_comm_opts_t o = {.rank = r,
+                        .world_size = n,
+                        .generation = 7,
+                        .job = "job",
+                        .auth_token = "secret",
+                        .bind_host = "127.0.0.1",
+                        .small_max = small_max};
+    sg_err_t err;
+    assert_int_equal(sg_comm_new(&o, &g->c[r], &err), 0);
+    snprintf(g->addr[r], sizeof(g->addr[r]), "127.0.0.1:%d",
+             sg_comm_port(g->c[r]));
+    g->addrs[r] = g->addr[r];
+  }
+  pthread_t th[MAXW];
+  struct conn_arg a[MAXW];
+  for (int r = 0; r < n; r++) {
+    a[r] = (struct conn_arg){g, r};
+    pthread_create(&th[r], NULL, connect_thread, &a[r]);
+  }
+  for (int r = 0; r < n; r++)
+    pthread_join(th[r], NULL);
+  for (int r = 0; r < n; r++) {
+    if (g->rc[r])
+      fprintf(stderr, "rank %d connect: %s\n", r, g->err[r].msg);
+    assert_int_equal(g->rc[r], 0);
+  }
+}
+
+static void group_start(struct group *g, int n) { group_start_opts(g, n, 0); }
+
+static void group_stop(struct group *g) {
+  for (int r = 0; r < g->n; r++)
+    sg_comm_free(g->c[r]);
+  assert_int_equal(sg_sock_registered_count(), 0);
+}
+
+/* ---- deterministic data ---------------------------------------------------
+ */
+
+static uint64_t rng_state = 88172645463325252ull;
+static uint64_t rnd(void) {
+  rng_state ^= rng_state << 13;
+  rng_state ^= rng_state >> 7;
+  rng_state ^= rng_state << 17;
+  return rng_state;
+}
+
+/* fill: small integer values (exact in every dtype and every sum of 4). */
+static void fill_ints(sg_comm_dtype_t dt, void *buf, size_t count, int rank) {
+  for (size_t i = 0; i < count; i++) {
+    int v = (int)((rnd() % 7) + 1) * (rank % 2 ? 1 : -1) + (int)(i % 3);
+    if (dt == SG_COMM_U8)
+      v = v < 0 ? -v : v;
+    switch (dt) {
+    case SG_COMM_F32:
+      ((float *)buf)[i] = (float)v;
+      break;
+    case SG_COMM_F64:
+      ((double *)buf)[i] = v;
+      break;
+    case SG_COMM_F16:
+      ((uint16_t *)buf)[i] = sg__comm_f32_to_f16((float)v);
+      break;
+    case SG_COMM_BF16:
+      ((uint16_t *)buf)[i] = sg__comm_f32_to_bf16((float)v);
+      break;
+    case SG_COMM_I8:
+      ((int8_t *)buf)[i] = (int8_t)v;
+      break;
+    case SG_COMM_U8:
+      ((uint8_t *)buf)[i] = (uint8_t)v;
+      break;
+    case SG_COMM_I32:
+      ((int32_t *)buf)[i] = v;
+      break;
+    case SG_COMM_I64:
+      ((int64_t *)buf)[i] = v;
+      break;
+    default:
+      break;
+    }
+  }
+}
+
+static double get_d(sg_comm_dtype_t dt, const void *buf, size_t i) {
+  switch (dt) {
+  case SG_COMM_F32:
+    return ((const float *)buf)[i];
+  case SG_COMM_F64:
+    return ((const double *)buf)[i];
+  case SG_COMM_F16:
+    return sg__comm_f16_to_f32(((const uint16_t *)buf)[i]);
+  case SG_COMM_BF16:
+    return sg__comm_bf16_to_f32(((const uint16_t *)buf)[i]);
+  case SG_COMM_I8:
+    return ((const int8_t *)buf)[i];
+  case SG_COMM_U8:
+    return ((const uint8_t *)buf)[i];
+  case SG_COMM_I32:
+    return ((const int32_t *)buf)[i];
+  case SG_COMM_I64:
+    return (double)((const int64_t *)buf)[i];
+  default:
+    return 0;
+  }
+}
+
+static int is_int(sg_comm_dtype_t dt) { return dt >= SG_COMM_I8; }
+
+/* expected: op over ranks of small integer inputs, computed in doubles. */
+static double expected(sg_comm_dtype_t dt, sg_comm_redop_t op, double *v,
+                       int n) {
+  double acc = v[0];
+  for (int r = 1; r < n; r++) {
+    if (op == SG_COMM_SUM || op == SG_COMM_AVG)
+      acc += v[r];
+    else if (op == SG_COMM_PRODUCT)
+      acc *= v[r];
+    else if (op == SG_COMM_MIN)
+      acc = v[r] < acc ? v[r] : acc;
+    else
+      acc = v[r] > acc ? v[r] : acc;
+  }
+  if (op == SG_COMM_AVG)
+    acc = is_int(dt) ? trunc(acc / n) : acc / n;
+  return acc;
+}
+
+/* ---- pure: conversions and kernels ----------------------------------------
+ */
+
+static void test_f16_roundtrip(void **state) {
+  for (uint32_t h = 0; h < 0x10000; h++) {
+    float f = sg__comm_f16_to_f32((uint16_t)h);
+    uint16_t back = sg__comm_f32_to_f16(f);
+    if ((h & 0x7c00) == 0x7c00 && (h & 0x3ff)) {
+      assert_true(isnan(f));
+      assert_int_equal(back & 0x7e00, 0x7e00); /* NaN, quiet */
+    } else {
+      assert_int_equal(back, h);
+    }
+  }
+  /* ties to even: 1 + 2^-11 is halfway between 1 and 1 + 2^-10 */
+  assert_int_equal(sg__comm_f32_to_f16(1.0f + 0x1p-11f), 0x3c00);
+  assert_int_equal(sg__comm_f32_to_f16(1.0f + 3 * 0x1p-11f), 0x3c02);
+  assert_int_equal(sg__comm_f32_to_f16(1.0f + 0x1p-11f + 0x1p-20f), 0x3c01);
+  assert_int_equal(sg__comm_f32_to_f16(65504.0f), 0x7bff);
+  assert_int_equal(sg__comm_f32_to_f16(65519.0f), 0x7bff);
+  assert_int_equal(sg__comm_f32_to_f16(65520.0f), 0x7c00);
+  assert_int_equal(sg__comm_f32_to_f16(-1e9f), 0xfc00);
+  /* subnormals: 2^-24 is the smallest; half of it ties to 0 */
+  assert_int_equal(sg__comm_f32_to_f16(0x1p-24f), 0x0001);
+  assert_int_equal(sg__comm_f32_to_f16(0x1p-25f), 0x0000);
+  assert_int_equal(sg__comm_f32_to_f16(0x1.8p-24f), 0x0002);
+  assert_int_equal(sg__comm_f32_to_f16(-0.0f), 0x8000);
+}
+
+static void test_bf16_rounding(void **state) {
+  for (uint32_t h = 0; h < 0x10000; h += 7) {
+    float f = sg__comm_bf16_to_f32((uint16_t)h);
+    if (!isnan(f))
+      assert_int_equal(sg__comm_f32_to_bf16(f), h);
+  }
+  assert_int_equal(sg__comm_f32_to_bf16(1.0f + 0x1p-8f), 0x3f80); /* tie */
+  assert_int_equal(sg__comm_f32_to_bf16(1.0f + 3 * 0x1p-8f), 0x3f82);
+  assert_true(isnan(sg__comm_bf16_to_f32(sg__comm_f32_to_bf16(NAN))));
+  assert_int_equal(sg__comm_f32_to_bf16(3.4e38f), 0x7f80); /* to infinity */
+}
+
+static void test_kernels(void **state) {
+  for (int dt = 0; dt < SG_COMM_NDTYPES; dt++) {
+    for (int op = 0; op < SG_COMM_NREDOPS; op++) {
+      uint8_t a[64 * 8], b[64 * 8], d[64 * 8];
+      fill_ints((sg_comm_dtype_t)dt, a, 64, 0);
+      fill_ints((sg_comm_dtype_t)dt, b, 64, 1);
+      sg__comm_reduce((sg_comm_dtype_t)dt, (sg_comm_redop_t)op, d, a, b, 64);
+      for (size_t i = 0; i < 64; i++) {
+        double v[2] = {get_d((sg_comm_dtype_t)dt, a, i),
+                       get_d((sg_comm_dtype_t)dt, b, i)};
+        double want = expected(
+            (sg_comm_dtype_t)dt,
+            op == SG_COMM_AVG ? SG_COMM_SUM : (sg_comm_redop_t)op, v, 2);
+        if (dt == SG_COMM_U8)
+          want = (double)(uint8_t)(int)want;
+        assert_true(get_d((sg_comm_dtype_t)dt, d, i) == want);
+      }
+      /* in place (dst aliases b) gives the same */
+      sg__comm_reduce((sg_comm_dtype_t)dt, (sg_comm_redop_t)op, b, a, b, 64);
+      assert_memory_equal(b, d, 64 * sg_comm_dtype_size((sg_comm_dtype_t)dt));
+    }
+  }
+  /* integer sums wrap instead of overflowing */
+  int32_t x = INT32_MAX, y = 1, z;
+  sg__comm_reduce(SG_COMM_I32, SG_COMM_SUM, &z, &x, &y, 1);
+  assert_int_equal(z, INT32_MIN);
+  /* half: one rounding per combine: 2048 + 1 in float16 is 2048 */
+  uint16_t h1 = sg__comm_f32_to_f16(2048.0f), h2 = sg__comm_f32_to_f16(1.0f),
+           h3;
+  sg__comm_reduce(SG_COMM_F16, SG_COMM_SUM, &h3, &h1, &h2, 1);
+  assert_true(sg__comm_f16_to_f32(h3) == 2048.0f);
+  /* NaN propagates through MIN and MAX, in either operand */
+  float n = NAN, one = 1.0f, r;
+  sg__comm_reduce(SG_COMM_F32, SG_COMM_MAX, &r, &one, &n, 1);
+  assert_true(isnan(r));
+  sg__comm_reduce(SG_COMM_F32, SG_COMM_MIN, &r, &n, &one, 1);
+  assert_true(isnan(r));
+  /* AVG's final division, integers truncate toward zero */
+  int32_t iv[2] = {-7, 7};
+  sg__comm_scale_avg(SG_COMM_I32, iv, 2, 2);
+  assert_int_equal(iv[0], -3);
+  assert_int_equal(iv[1], 3);
+}
+
+/* ---- pure: plans and schedules ----------------------------------------------
+ */
+
+static void test_chunks(void **state) {
+  for (size_t count = 0; count < 40; count++) {
+    for (int n = 1; n <= 7; n++) {
+      size_t next = 0;
+      for (int i = 0; i < n; i++) {
+        size_t off, len;
+        sg__comm_chunk(count, n, i, &off, &len);
+        assert_int_equal(off, next);
+        assert_true(len == count / (size_t)n || len == count / (size_t)n + 1);
+        next = off + len;
+      }
+      assert_int_equal(next, count);
+    }
+  }
+}
+
+/* Simulate the ring schedule symbolically: each chunk's value is a bitmask
+ * of the ranks reduced into it.  After allreduce every rank must hold the
+ * full mask in every chunk, and every chunk was reduced in one order. */
+static void test_ring_schedule(void **state) {
+  for (int n = 2; n <= 9; n++) {
+    for (int shift = 0; shift <= 1; shift++) {
+      unsigned have[9][9];
+      for (int r = 0; r < n; r++)
+        for (int ch = 0; ch < n; ch++)
+          have[r][ch] = 1u << r;
+      int steps = shift ? n - 1 : 2 * (n - 1);
+      for (int k = 0; k < steps; k++) {
+        unsigned sent[9];
+        for (int r = 0; r < n; r++)
+          sent[r] = have[r][sg__comm_ring_send_chunk(r, n, k, shift)];
+        for (int r = 0; r < n; r++) {
+          int left = (r + n - 1) % n;
+          int ch = sg__comm_ring_recv_chunk(r, n, k, shift);
+          /* what the left neighbour sent is the chunk we receive */
+          assert_int_equal(sg__comm_ring_send_chunk(left, n, k, shift), ch);
+          if (k < n - 1) {
+            assert_int_equal(sent[left] & have[r][ch], 0); /* once each */
+            have[r][ch] |= sent[left];
+          } else {
+            have[r][ch] = sent[left];
+          }
+        }
+      }
+      unsigned full = (1u << n) - 1;
+      for (int r = 0; r < n; r++) {
+        if (shift)
+          assert_int_equal(have[r][r], full); /* reduce-scatter: own chunk */
+        else
+          for (int ch = 0; ch < n; ch++)
+            assert_int_equal(have[r][ch], full);
+      }
+      /* send of step k + 1 is the chunk received at step k (pipelining) */
+      for (int r = 0; r < n; r++)
+        for (int k = 0; k + 1 < steps; k++)
+          assert_int_equal(sg__comm_ring_send_chunk(r, n, k + 1, shift),
+                           sg__comm_ring_recv_chunk(r, n, k, shift));
+    }
+  }
+}
+
+static void test_rd_schedule(void **state) {
+  assert_int_equal(sg__comm_pow2_floor(1), 1);
+  assert_int_equal(sg__comm_pow2_floor(3), 2);
+  assert_int_equal(sg__comm_pow2_floor(8), 8);
+  assert_int_equal(sg__comm_pow2_floor(13), 8);
+  for (int n = 1; n <= 13; n++) {
+    int p2 = sg__comm_pow2_floor(n);
+    for (int r = 0; r < n; r++)
+      for (int round = 0; (1 << round) < p2; round++) {
+        int q = sg__comm_rd_partner(r, n, round);
+        if (r >= p2) {
+          assert_int_equal(q, -1);
+          continue;
+        }
+        assert_true(q >= 0 && q < p2 && q != r);
+        assert_int_equal(sg__comm_rd_partner(q, n, round), r); /* symmetric */
+      }
+  }
+}
+
+/* ---- pure: wire format
+ * ------------------------------------------------------- */
+
+static void test_hello(void **state) {
+  uint8_t buf[SG__COMM_HELLO_MAX];
+  int n = sg__comm_hello_encode(buf, 42, 3, 4, "job", "tok");
+  assert_int_equal(n, SG__COMM_HELLO_FIXED + 6);
+  sg__comm_hello_t h;
+  for (int i = 0; i < n; i++) /* every prefix asks for more */
+    assert_int_equal(sg__comm_hello_parse(buf, (size_t)i, &h), 0);
+  assert_int_equal(sg__comm_hello_parse(buf, (size_t)n, &h), n);
+  assert_int_equal(h.generation, 42);
+  assert_int_equal(h.rank, 3);
+  assert_int_equal(h.world, 4);
+  assert_memory_equal(h.job, "job", 3);
+  sg_err_t err;
+  assert_int_equal(sg__comm_hello_check(&h, 42, 1, 4, "job", "tok", &err), 0);
+  assert_int_equal(sg__comm_hello_check(&h, 43, 1, 4, "job", "tok", &err),
+                   SG_EPROTO);
+  assert_non_null(strstr(err.msg, "generation"));
+  assert_int_equal(sg__comm_hello_check(&h, 42, 1, 4, "job2", "tok", &err),
+                   SG_EPROTO);
+  assert_int_equal(sg__comm_hello_check(&h, 42, 1, 4, "job", "tok2", &err),
+                   SG_EAUTH);
+  assert_int_equal(sg__comm_hello_check(&h, 42, 1, 4, "job", "", &err),
+                   SG_EAUTH);
+  assert_int_equal(sg__comm_hello_check(&h, 42, 3, 4, "job", "tok", &err),
+                   SG_EPROTO); /* only higher ranks connect */
+  assert_int_equal(sg__comm_hello_check(&h, 42, 1, 5, "job", "tok", &err),
+                   SG_EPROTO);
+  /* garbage fails at the first byte; a bad version or kind at 8 */
+  assert_int_equal(sg__comm_hello_parse((const uint8_t *)"GET /", 5, &h),
+                   SG_EPROTO);
+  uint8_t bad[SG__COMM_HELLO_MAX];
+  memcpy(bad, buf, (size_t)n);
+  bad[4] = 9;
+  assert_int_equal(sg__comm_hello_parse(bad, (size_t)n, &h), SG_EPROTO);
+  /* a length over its limit is refused before waiting for the bytes */
+  memcpy(bad, buf, (size_t)n);
+  bad[24] = 0xff;
+  bad[25] = 0xff;
+  assert_int_equal(sg__comm_hello_parse(bad, SG__COMM_HELLO_FIXED, &h),
+                   SG_EPROTO);
+  char big[SG_COMM_MAX_TOKEN + 2];
+  memset(big, 'x', sizeof(big) - 1);
+  big[sizeof(big) - 1] = '\0';
+  assert_int_equal(sg__comm_hello_encode(buf, 1, 1, 2, "", big), SG_ETOOBIG);
+}
+
+static void test_reply_frame(void **state) {
+  uint8_t b[SG__COMM_REPLY_LEN];
+  sg__comm_reply_t r;
+  sg__comm_reply_encode(b, 9, 2, SG_EAUTH);
+  assert_int_equal(sg__comm_reply_parse(b, 3, &r), 0);
+  assert_int_equal(sg__comm_reply_parse(b, sizeof(b), &r), SG__COMM_REPLY_LEN);
+  assert_int_equal(r.status, SG_EAUTH);
+  sg__comm_reply_encode(b, 9, 2, -12345); /* not a status acceptors send */
+  assert_int_equal(sg__comm_reply_parse(b, sizeof(b), &r), SG_EPROTO);
+
+  uint8_t f[SG__COMM_FRAME_LEN];
+  sg__comm_frame_t in = {.type = SG__COMM_FRAME_OP,
+                         .kind = 3,
+                         .seq = 77,
+                         .bytes = 1ull << 40},
+                   out;
+  sg__comm_frame_encode(f, &in);
+  assert_int_equal(sg__comm_frame_parse(f, sizeof(f), &out), 0);
+  assert_int_equal(out.kind, 3);
+  assert_int_equal(out.seq, 77);
+  assert_true(out.bytes == 1ull << 40);
+  assert_int_equal(sg__comm_frame_parse(f, sizeof(f) - 1, &out), SG_EPROTO);
+  f[0] = 'X';
+  assert_int_equal(sg__comm_frame_parse(f, sizeof(f), &out), SG_EPROTO);
+  in.type = SG__COMM_FRAME_BYE;
+  sg__comm_frame_encode(f, &in);
+  assert_int_equal(sg__comm_frame_parse(f, sizeof(f), &out), 0);
+  assert_int_equal(out.type, SG__COMM_FRAME_BYE);
+
+  char host[64];
+  int port;
+  assert_int_equal(sg__comm_parse_addr("127.0.0.1:80", host, 64, &port), 0);
+  assert_string_equal(host, "127.0.0.1");
+  assert_int_equal(port, 80);
+  assert_int_equal(sg__comm_parse_addr("[::1]:9", host, 64, &port), 0);
+  assert_string_equal(host, "::1");
+  assert_int_equal(sg__comm_parse_addr("host", host, 64, &port), SG_EINVAL);
+  assert_int_equal(sg__comm_parse_addr("h:0", host, 64, &port), SG_EINVAL);
+  assert_int_equal(sg__comm_parse_addr("h:99999", host, 64, &port), SG_EINVAL);
+  assert_int_equal(sg__comm_parse_addr(":80", host, 64, &port), SG_EINVAL);
+}
+
+/* ---- collectives on threads ------------------------------------------------
+ */
+
+/* wrap: the expected integer value as the dtype stores it. */
+static double wrap(sg_comm_dtype_t dt, double v) {
+  int64_t i = (int64_t)v;
+  switch (dt) {
+  case SG_COMM_I8:
+    return (int8_t)(uint8_t)(uint64_t)i;
+  case SG_COMM_U8:
+    return (uint8_t)(uint64_t)i;
+  case SG_COMM_I32:
+    return (int32_t)(uint32_t)(uint64_t)i;
+  default:
+    return v;
+  }
+}
+
+/* run_allreduce: every rank reduces its own data; the results must be
+ * bitwise identical on every rank and equal the expected values. */
+static void run_allreduce(struct group *g, sg_comm_dtype_t dt,
+                          sg_comm_redop_t op, size_t count) {
+  size_t es = sg_comm_dtype_size(dt);
+  uint8_t *in[MAXW], *buf[MAXW];
+  struct done d[MAXW];
+  for (int r = 0; r < g->n; r++) {
+    in[r] = malloc(count * es + 1);
+    buf[r] = malloc(count * es + 1);
+    fill_ints(dt, in[r], count, r);
+    memcpy(buf[r], in[r], count * es);
+    done_init(&d[r]);
+  }
+  for (int r = 0; r < g->n; r++) {
+    sg_err_t err;
+    assert_int_equal(sg_comm_allreduce(g->c[r], buf[r], count, dt, op,
+                                       sg_deadline_in_ms(20000), done_cb, &d[r],
+                                       &err),
+                     0);
+  }
+  for (int r = 0; r < g->n; r++) {
+    int rc = done_wait(&d[r], 30000);
+    if (rc)
+      fprintf(stderr, "rank %d: %d %s\n", r, rc, d[r].msg);
+    assert_int_equal(rc, 0);
+    assert_int_equal(d[r].calls, 1);
+  }
+  for (int r = 1; r < g->n; r++)
+    assert_memory_equal(buf[0], buf[r], count * es);
+  for (size_t i = 0; i < count; i++) {
+    double v[MAXW];
+    for (int r = 0; r < g->n; r++)
+      v[r] = get_d(dt, in[r], i);
+    double want = expected(dt, op, v, g->n);
+    double got = get_d(dt, buf[0], i);
+    if (is_int(dt)) {
+      if (op != SG_COMM_AVG)
+        want = wrap(dt, want);
+      if (got != want)
+        fprintf(stderr, "dt %d op %d i %zu: got %g want %g\n", dt, op, i, got,
+                want);
+      assert_true(got == want);
+    } else if (dt == SG_COMM_F16 || dt == SG_COMM_BF16) {
+      assert_true(fabs(got - want) <= fabs(want) * 1e-2 + 1e-2);
+    } else {
+      assert_true(fabs(got - want) <= fabs(want) * 1e-6);
+    }
+  }
+  for (int r = 0; r < g->n; r++) {
+    free(in[r]);
+    free(buf[r]);
+    done_destroy(&d[r]);
+  }
+}
+
+static void allreduce_matrix(int n, size_t small_max) {
+  struct group g;
+  group_start_opts(&g, n, small_max);
+  size_t counts[] = {0, 1, 7, 3001};
+  for (int dt = 0; dt < SG_COMM_NDTYPES; dt++)
+    for (int op = 0; op < SG_COMM_NREDOPS; op++)
+      for (size_t k = 0; k < sizeof(counts) / sizeof(counts[0]); k++)
+        run_allreduce(&g, (sg_comm_dtype_t)dt, (sg_comm_redop_t)op, counts[k]);
+  group_stop(&g);
+}
+
+static void test_allreduce_1(void **state) { allreduce_matrix(1, 0); }
+static void test_allreduce_2_small(void **state) { allreduce_matrix(2, 0); }
+static void test_allreduce_3_small(void **state) { allreduce_matrix(3, 0); }
+static void test_allreduce_3_ring(void **state) { allreduce_matrix(3, 1); }
+static void test_allreduce_4_ring(void **state) { allreduce_matrix(4, 1); }
+static void test_allreduce_2_ring(void **state) { allreduce_matrix(2, 1); }
+
+/* Random float32 data over 3 ranks, both algorithms, a size that spans
+ * several staging buffers: identical bits everywhere, close to the exact
+ * sum. */
+static void test_allreduce_bits(void **state) {
+  for (int alg = 0; alg < 2; alg++) {
+    struct group g;
+    group_start_opts(&g, 3, alg ? 1 : (size_t)64 << 20);
+    size_t count = (3u << 20) / 4 + 13; /* ~3 MiB, uneven chunks */
+    float *in[3], *buf[3];
+    struct done d[3];
+    for (int r = 0; r < 3; r++) {
+      in[r] = malloc(count * 4);
+      buf[r] = malloc(count * 4);
+      for (size_t i = 0; i < count; i++)
+        in[r][i] = (float)((double)(rnd() % 2000001) / 1000000.0 - 1.0);
+      memcpy(buf[r], in[r], count * 4);
+      done_init(&d[r]);
+    }
+    for (int r = 0; r < 3; r++)
+      assert_int_equal(sg_comm_allreduce(g.c[r], buf[r], count, SG_COMM_F32,
+                                         SG_COMM_SUM, sg_deadline_in_ms(30000),
+                                         done_cb, &d[r], NULL),
+                       0);
+    for (int r = 0; r < 3; r++)
+      assert_int_equal(done_wait(&d[r], 60000), 0);
+    assert_memory_equal(buf[0], buf[1], count * 4);
+    assert_memory_equal(buf[0], buf[2], count * 4);
+    for (size_t i = 0; i < count; i += 997)
+      assert_true(fabs(buf[0][i] - ((double)in[0][i] + in[1][i] + in[2][i])) <
+                  1e-5);
+    for (int r = 0; r < 3; r++) {
+      free(in[r]);
+      free(buf[r]);
+      done_destroy(&d[r]);
+    }
+    group_stop(&g);
+  }
+}
+
+static void wait_all(struct group *g, struct done *d) {
+  for (int r = 0; r < g->n; r++) {
+    int rc = done_wait(&d[r], 30000);
+    if (rc)
+      fprintf(stderr, "rank %d: %d %s\n", r, rc, d[r].msg);
+    assert_int_equal(rc, 0);
+    done_destroy(&d[r]);
+  }
+}
+
+static void test_broadcast(void **state) {
+  for (int n = 1; n <= 4; n++) {
+    struct group g;
+    group_start(&g, n);
+    size_t sizes[] = {0, 100, (size_t)1 << 20};
+    for (size_t k = 0; k < 3; k++) {
+      for (int root = 0; root < n; root++) {
+        size_t len = sizes[k];
+        uint8_t *buf[MAXW];
+        struct done d[MAXW];
+        for (int r = 0; r < n; r++) {
+          buf[r] = malloc(len + 1);
+          memset(buf[r], r == root ? 0 : 0xee, len);
+          if (r == root)
+            for (size_t i = 0; i < len; i++)
+              buf[r][i] = (uint8_t)(i * 31 + (size_t)root);
+          done_init(&d[r]);
+          assert_int_equal(sg_comm_broadcast(g.c[r], buf[r], len, root,
+                                             sg_deadline_in_ms(20000), done_cb,
+                                             &d[r], NULL),
+                           0);
+        }
+        wait_all(&g, d);
+        for (int r = 0; r < n; r++)
+          assert_memory_equal(buf[r], buf[root], len);
+        for (int r = 0; r < n; r++)
+          free(buf[r]);
+      }
+    }
+    group_stop(&g);
+  }
+}
+
+static void test_allgather_reduce_scatter(void **state) {
+  for (int n = 1; n <= 4; n++) {
+    struct group g;
+    group_start(&g, n);
+    size_t count = n == 3 ? 100003 : 5; /* one large, others small */
+    /* allgather */
+    int32_t *in[MAXW], *out[MAXW][MAXW];
+    struct done d[MAXW];
+    for (int r = 0; r < n; r++) {
+      in[r] = malloc(count * 4);
+      for (size_t i = 0; i < count; i++)
+        in[r][i] = (int32_t)(r * 1000000 + (int)i);
+      for (int q = 0; q < n; q++)
+        out[r][q] = calloc(count, 4);
+    }
+    for (int r = 0; r < n; r++) {
+      done_init(&d[r]);
+      assert_int_equal(
+          sg_comm_allgather(g.c[r], in[r], count * 4, (void *const *)out[r],
+                            sg_deadline_in_ms(20000), done_cb, &d[r], NULL),
+          0);
+    }
+    wait_all(&g, d);
+    for (int r = 0; r < n; r++)
+      for (int q = 0; q < n; q++)
+        assert_memory_equal(out[r][q], in[q], count * 4);
+    /* reduce_scatter: rank r gets sum over q of q's block r */
+    int32_t *res[MAXW];
+    for (int r = 0; r < n; r++) {
+      res[r] = calloc(count, 4);
+      for (int q = 0; q < n; q++)
+        for (size_t i = 0; i < count; i++)
+          out[r][q][i] = (int32_t)(r + 10 * q + (int)i);
+    }
+    for (int r = 0; r < n; r++) {
+      done_init(&d[r]);
+      assert_int_equal(sg_comm_reduce_scatter(
+                           g.c[r], (const void *const *)out[r], res[r], count,
+                           SG_COMM_I32, SG_COMM_SUM, sg_deadline_in_ms(20000),
+                           done_cb, &d[r], NULL),
+                       0);
+    }
+    wait_all(&g, d);
+    for (int r = 0; r < n; r++) {
+      for (size_t i = 0; i < count; i++) {
+        int32_t want = 0;
+        for (int q = 0; q < n; q++)
+          want += q + 10 * r + (int32_t)i;
+        assert_int_equal(res[r][i], want);
+      }
+      /* inputs are left alone */
+      assert_int_equal(out[r][n - 1][1], r + 10 * (n - 1) + 1);
+      free(res[r]);
+      free(in[r]);
+      for (int q = 0; q < n; q++)
+        free(out[r][q]);
+    }
+    group_stop(&g);
+  }
+}
+
+static void test_alltoall_sendrecv_barrier(void **state) {
+  for (int n = 1; n <= 4; n++) {
+    struct group g;
+    group_start(&g, n);
+    /* alltoall with uneven splits: block from q to r has q + r + 1 bytes */
+    uint8_t *ins[MAXW][MAXW], *outs[MAXW][MAXW];
+    size_t ib[MAXW][MAXW], ob[MAXW][MAXW];
+    struct done d[MAXW];
+    for (int r = 0; r < n; r++)
+      for (int q = 0; q < n; q++) {
+        ib[r][q] = ob[r][q] = (size_t)(q + r + 1) * 1000;
+        ins[r][q] = malloc(ib[r][q]);
+        memset(ins[r][q], r * 16 + q, ib[r][q]);
+        outs[r][q] = calloc(1, ob[r][q]);
+      }
+    for (int r = 0; r < n; r++) {
+      done_init(&d[r]);
+      assert_int_equal(sg_comm_alltoall(g.c[r], (const void *const *)ins[r],
+                                        ib[r], (void *const *)outs[r], ob[r],
+                                        sg_deadline_in_ms(20000), done_cb,
+                                        &d[r], NULL),
+                       0);
+    }
+    wait_all(&g, d);
+    for (int r = 0; r < n; r++)
+      for (int q = 0; q < n; q++) {
+        assert_memory_equal(outs[r][q], ins[q][r], ob[r][q]);
+      }
+    for (int r = 0; r < n; r++)
+      for (int q = 0; q < n; q++) {
+        free(ins[r][q]);
+        free(outs[r][q]);
+      }
+    if (n >= 2) {
+      /* send/recv between 0 and n-1 only; then a barrier for everyone */
+      char msg[] = "hello over tcp", got[sizeof(msg)] = {0};
+      struct done ds, dr;
+      done_init(&ds);
+      done_init(&dr);
+      assert_int_equal(sg_comm_recv(g.c[n - 1], got, sizeof(got), 0,
+                                    sg_deadline_in_ms(20000), done_cb, &dr,
+                                    NULL),
+                       0);
+      assert_int_equal(sg_comm_send(g.c[0], msg, sizeof(msg), n - 1,
+                                    sg_deadline_in_ms(20000), done_cb, &ds,
+                                    NULL),
+                       0);
+      assert_int_equal(done_wait(&ds, 20000), 0);
+      assert_int_equal(done_wait(&dr, 20000), 0);
+      assert_string_equal(got, msg);
+      done_destroy(&ds);
+      done_destroy(&dr);
+      sg_err_t err;
+      assert_int_equal(sg_comm_send(g.c[0], msg, 1, 0, sg_deadline_in_ms(10),
+                                    done_cb, &ds, &err),
+                       SG_EINVAL); /* not to oneself */
+    }
+    for (int r = 0; r < n; r++) {
+      done_init(&d[r]);
+      assert_int_equal(sg_comm_barrier(g.c[r], sg_deadline_in_ms(20000),
+                                       done_cb, &d[r], NULL),
+                       0);
+    }
+    wait_all(&g, d);
+    group_stop(&g);
+  }
+}
+
+/* A barrier does not complete before the last rank enters it. */
+static void test_barrier_waits(void **state) {
+  struct group g;
+  group_start(&g, 3);
+  struct done d[3];
+  for (int r = 0; r < 2; r++) {
+    done_init(&d[r]);
+    assert_int_equal(
+        sg_comm_barrier(g.c[r], sg_deadline_in_ms(20000), done_cb, &d[r], NULL),
+        0);
+  }
+  assert_int_equal(done_wait(&d[0], 200), 1); /* still waiting */
+  assert_int_equal(done_wait(&d[1], 10), 1);
+  done_init(&d[2]);
+  assert_int_equal(
+      sg_comm_barrier(g.c[2], sg_deadline_in_ms(20000), done_cb, &d[2], NULL),
+      0);
+  wait_all(&g, d);
+  group_stop(&g);
+}
+
+/* ---- failures --------------------------------------------------------------
+ */
+
+struct abort_arg {
+  sg_comm_t *c;
+  int ms;
+};
+
+static void *abort_later(void *p) {
+  struct abort_arg *a = p;
+  usleep((useconds_t)a->ms * 1000);
+  sg_comm_abort(a->c);
+  return NULL;
+}
+
+/* Rank 1 never joins: abort from another thread ends rank 0's allreduce and
+ * the one queued behind it with SG_EABORTED, long before their deadline. */
+static void test_abort_from_thread(void **state) {
+  struct group g;
+  group_start(&g, 2);
+  float buf[1000] = {0}, buf2[10] = {0};
+  struct done d, d2;
+  done_init(&d);
+  done_init(&d2);
+  assert_int_equal(sg_comm_allreduce(g.c[0], buf, 1000, SG_COMM_F32,
+                                     SG_COMM_SUM, sg_deadline_in_ms(60000),
+                                     done_cb, &d, NULL),
+                   0);
+  assert_int_equal(sg_comm_allreduce(g.c[0], buf2, 10, SG_COMM_F32, SG_COMM_SUM,
+                                     sg_deadline_in_ms(60000), done_cb, &d2,
+                                     NULL),
+                   0);
+  pthread_t th;
+  struct abort_arg a = {g.c[0], 100};
+  int64_t t0 = sg_now_ns();
+  pthread_create(&th, NULL, abort_later, &a);
+  assert_int_equal(done_wait(&d, 20000), SG_EABORTED);
+  assert_int_equal(done_wait(&d2, 20000), SG_EABORTED);
+  assert_true(sg_now_ns() - t0 < 20000ll * 1000 * 1000); /* not the 60 s */
+  pthread_join(th, NULL);
+  assert_int_equal(d.calls, 1);
+  assert_int_equal(d2.calls, 1);
+  /* later submissions are refused and never call back */
+  sg_err_t err;
+  struct done d3;
+  done_init(&d3);
+  assert_int_equal(
+      sg_comm_barrier(g.c[0], sg_deadline_in_ms(1000), done_cb, &d3, &err),
+      SG_EABORTED);
+  assert_int_equal(sg_comm_error(g.c[0], &err), SG_EABORTED);
+  assert_int_equal(d3.fired, 0);
+  /* rank 1 sees rank 0 go away when it finally joins: the first
+   * allreduce may still find rank 0's data in flight, the second cannot */
+  struct done d4, d5;
+  done_init(&d4);
+  done_init(&d5);
+  assert_int_equal(sg_comm_allreduce(g.c[1], buf, 1000, SG_COMM_F32,
+                                     SG_COMM_SUM, sg_deadline_in_ms(20000),
+                                     done_cb, &d5, NULL),
+                   0);
+  int rc5 = done_wait(&d5, 20000);
+  assert_true(rc5 == 0 || rc5 == SG_EPEER);
+  if (rc5 == 0)
+    assert_int_equal(sg_comm_allreduce(g.c[1], buf2, 10, SG_COMM_F32,
+                                       SG_COMM_SUM, sg_deadline_in_ms(20000),
+                                       done_cb, &d4, NULL),
+                     0);
+  else
+    d4 = d5;
+  assert_int_equal(done_wait(&d4, 20000), SG_EPEER);
+  assert_non_null(strstr(d4.msg, "rank 0"));
+  done_destroy(&d);
+  done_destroy(&d2);
+  done_destroy(&d3);
+  done_destroy(&d4);
+  done_destroy(&d5);
+  group_stop(&g);
+}
+
+/* Rank 2 never joins: the others time out at their deadline, naming who
+ * they waited for, and the communicator is poisoned. */
+static void test_deadline(void **state) {
+  struct group g;
+  group_start(&g, 3);
+  int32_t buf[2][100000];
+  struct done d[2];
+  for (int r = 0; r < 2; r++) {
+    done_init(&d[r]);
+    assert_int_equal(sg_comm_allreduce(g.c[r], buf[r], 100000, SG_COMM_I32,
+                                       SG_COMM_SUM, sg_deadline_in_ms(300),
+                                       done_cb, &d[r], NULL),
+                     0);
+  }
+  int waited_for_2 = 0;
+  for (int r = 0; r < 2; r++) {
+    int rc = done_wait(&d[r], 20000);
+    assert_true(rc == SG_ETIMEDOUT || rc == SG_EPEER);
+    waited_for_2 += strstr(d[r].msg, "rank 2") != NULL;
+    assert_int_not_equal(sg_comm_error(g.c[r], NULL), 0);
+    done_destroy(&d[r]);
+  }
+  assert_true(waited_for_2 >= 1);
+  group_stop(&g);
+}
+
+/* Ranks that submit different operations fail with a protocol error. */
+static void test_mismatch(void **state) {
+  struct group g;
+  group_start(&g, 2);
+  int32_t a[10] = {0}, b[20] = {0};
+  struct done d[2];
+  done_init(&d[0]);
+  done_init(&d[1]);
+  assert_int_equal(sg_comm_allreduce(g.c[0], a, 10, SG_COMM_I32, SG_COMM_SUM,
+                                     sg_deadline_in_ms(10000), done_cb, &d[0],
+                                     NULL),
+                   0);
+  assert_int_equal(sg_comm_allreduce(g.c[1], b, 20, SG_COMM_I32, SG_COMM_SUM,
+                                     sg_deadline_in_ms(10000), done_cb, &d[1],
+                                     NULL),
+                   0);
+  int rc0 = done_wait(&d[0], 20000), rc1 = done_wait(&d[1], 20000);
+  assert_true(rc0 == SG_EPROTO || rc1 == SG_EPROTO);
+  assert_true(rc0 != 0 && rc1 != 0);
+  assert_non_null(
+      strstr(rc0 == SG_EPROTO ? d[0].msg : d[1].msg, "another operation"));
+  done_destroy(&d[0]);
+  done_destroy(&d[1]);
+  group_stop(&g);
+}
+
+/* Closing with work queued completes it with SG_ECANCELED. */
+static void test_free_cancels(void **state) {
+  struct group g;
+  group_start(&g, 2);
+  float buf[3][100] = {{0}};
+  struct done d[3];
+  for (int i = 0; i < 3; i++) {
+    done_init(&d[i]);
+    assert_int_equal(sg_comm_allreduce(g.c[0], buf[i], 100, SG_COMM_F32,
+                                       SG_COMM_SUM, sg_deadline_in_ms(60000),
+                                       done_cb, &d[i], NULL),
+                     0);
+  }
+  sg_comm_free(g.c[0]);
+  g.c[0] = NULL;
+  for (int i = 0; i < 3; i++) {
+    assert_int_equal(d[i].fired, 1);
+    assert_int_equal(d[i].calls, 1);
+    assert_int_equal(d[i].rc, SG_ECANCELED);
+    done_destroy(&d[i]);
+  }
+  group_stop(&g);
+}
+
+/* A clean close says BYE: the peer's next operation fails at once, naming
+ * the rank that left. */
+static void test_bye(void **state) {
+  struct group g;
+  group_start(&g, 2);
+  sg_comm_free(g.c[1]);
+  g.c[1] = NULL;
+  int32_t a[4] = {0};
+  struct done d;
+  done_init(&d);
+  assert_int_equal(sg_comm_allreduce(g.c[0], a, 4, SG_COMM_I32, SG_COMM_SUM,
+                                     sg_deadline_in_ms(20000), done_cb, &d,
+                                     NULL),
+                   0);
+  assert_int_equal(done_wait(&d, 20000), SG_EPEER);
+  assert_non_null(strstr(d.msg, "rank 1"));
+  done_destroy(&d);
+  group_stop(&g);
+}
+
+/* ---- handshakes -------------------------------------------------------------
+ */
+
+struct one_conn {
+  sg_comm_t *c;
+  const char *const *addrs;
+  int ms, rc;
+  sg_err_t err;
+};
+
+static void *one_connect(void *p) {
+  struct one_conn *a = p;
+  a->rc = sg_comm_connect(a->c, a->addrs, sg_deadline_in_ms(a->ms), &a->err);
+  return NULL;
+}
+
+static sg_comm_t *mk(int rank, int world, uint64_t gen, const char *token) {
+  sg_comm_opts_t o = {.rank = rank,
+                      .world_size = world,
+                      .generation = gen,
+                      .job = "job",
+                      .auth_token = token,
+                      .bind_host = "127.0.0.1"};
+  sg_comm_t *c = NULL;
+  assert_int_equal(sg_comm_new(&o, &c, NULL), 0);
+  return c;
+}
+
+/* raw_client: connect a plain socket to c's port and send `n` bytes. */
+static int raw_client(sg_comm_t *c, const void *bytes, size_t n) {
+  int fd;
+  sg_err_t err;
+  assert_int_equal(sg_sock_connect("127.0.0.1", sg_comm_port(c),
+                                   sg_deadline_in_ms(5000), &fd, &err),
+                   0);
+  if (n)
+    assert_int_equal(send(fd, bytes, n, MSG_NOSIGNAL), (ssize_t)n);
+  return fd;
+}
+
+/* raw_closed: whether the server closed fd (reading past any reply). */
+static int raw_closed(int fd, int ms) {
+  uint8_t b[256];
+  sg_deadline_t d = sg_deadline_in_ms(ms);
+  while (!sg_deadline_passed(d)) {
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    if (poll(&p, 1, 50) == 1) {
+      ssize_t m = recv(fd, b, sizeof(b), 0);
+      if (m <= 0)
+        return 1;
+    }
+  }
+  return 0;
+}
+
+static void test_handshake_rejects(void **state) {
+  sg_comm_t *c0 = mk(0, 2, 5, "tok");
+  char addr0[64];
+  snprintf(addr0, sizeof(addr0), "127.0.0.1:%d", sg_comm_port(c0));
+  const char *addrs[2] = {addr0, "127.0.0.1:1"};
+  struct one_conn a0 = {.c = c0, .addrs = addrs, .ms = 20000};
+  pthread_t th0;
+  pthread_create(&th0, NULL, one_connect, &a0);
+
+  /* garbage, an oversized hello, a silent peer: each is dropped */
+  int g1 = raw_client(c0, "GET / HTTP/1.1\r\n\r\n", 18);
+  assert_true(raw_closed(g1, 5000));
+  sg_sock_close(g1);
+  uint8_t big[SG__COMM_HELLO_MAX + 64];
+  int hl = sg__comm_hello_encode(big, 5, 1, 2, "job", "tok");
+  big[24] = 0xff; /* job length over the limit */
+  big[25] = 0x7f;
+  int g2 = raw_client(c0, big, (size_t)hl);
+  assert_true(raw_closed(g2, 5000));
+  sg_sock_close(g2);
+  int slow = raw_client(c0, "SG", 2); /* slowloris: holds a slot */
+  /* truncated hello then EOF */
+  int g3 = raw_client(c0, big, 10);
+  shutdown(g3, SHUT_WR);
+  assert_true(raw_closed(g3, 5000));
+  sg_sock_close(g3);
+
+  /* wrong generation: refused, with the reason on the dialling side */
+  sg_comm_t *bad = mk(1, 2, 4, "tok");
+  sg_err_t err;
+  assert_int_equal(sg_comm_connect(bad, addrs, sg_deadline_in_ms(5000), &err),
+                   SG_EPROTO);
+  assert_non_null(strstr(err.msg, "rank 0"));
+  assert_int_not_equal(sg_comm_error(bad, NULL), 0);
+  sg_comm_free(bad);
+  /* wrong token */
+  bad = mk(1, 2, 5, "nope");
+  assert_int_equal(sg_comm_connect(bad, addrs, sg_deadline_in_ms(5000), &err),
+                   SG_EAUTH);
+  sg_comm_free(bad);
+  /* the real rank 1 still gets in */
+  sg_comm_t *c1 = mk(1, 2, 5, "tok");
+  assert_int_equal(sg_comm_connect(c1, addrs, sg_deadline_in_ms(5000), &err),
+                   0);
+  pthread_join(th0, NULL);
+  assert_int_equal(a0.rc, 0);
+  /* a duplicate rank 1 after the mesh is complete finds nobody accepting */
+  int32_t v0 = 1, v1 = 2;
+  struct done d0, d1;
+  done_init(&d0);
+  done_init(&d1);
+  sg_comm_allreduce(c0, &v0, 1, SG_COMM_I32, SG_COMM_SUM,
+                    sg_deadline_in_ms(5000), done_cb, &d0, NULL);
+  sg_comm_allreduce(c1, &v1, 1, SG_COMM_I32, SG_COMM_SUM,
+                    sg_deadline_in_ms(5000), done_cb, &d1, NULL);
+  assert_int_equal(done_wait(&d0, 10000), 0);
+  assert_int_equal(done_wait(&d1, 10000), 0);
+  assert_int_equal(v0, 3);
+  assert_int_equal(v1, 3);
+  done_destroy(&d0);
+  done_destroy(&d1);
+  sg_sock_close(slow);
+  sg_comm_free(c0);
+  sg_comm_free(c1);
+  assert_int_equal(sg_sock_registered_count(), 0);
+}
+
+/* Connect waits are bounded and abortable; bad arguments are refused. */
+static void test_connect_abort_and_args(void **state) {
+  sg_comm_t *c0 = mk(0, 2, 1, NULL);
+  const char *addrs[2] = {"127.0.0.1:1", "127.0.0.1:1"};
+  struct one_conn a0 = {.c = c0, .addrs = addrs, .ms = 60000};
+  pthread_t th0, ab;
+  struct abort_arg aa = {c0, 100};
+  pthread_create(&th0, NULL, one_connect, &a0);
+  pthread_create(&ab, NULL, abort_later, &aa);
+  pthread_join(th0, NULL);
+  pthread_join(ab, NULL);
+  assert_int_equal(a0.rc, SG_EABORTED);
+  sg_comm_free(c0);
+
+  sg_comm_t *c1 = mk(1, 2, 1, NULL);
+  sg_err_t err;
+  assert_int_equal(sg_comm_connect(c1, addrs, sg_deadline_in_ms(200), &err),
+                   SG_ETIMEDOUT); /* nobody listens on port 1 */
+  assert_int_equal(sg_comm_connect(c1, addrs, sg_deadline_in_ms(200), &err),
+                   SG_ESTATE);
+  float f = 0;
+  struct done d;
+  assert_int_not_equal(sg_comm_allreduce(c1, &f, 1, SG_COMM_F32, SG_COMM_SUM,
+                                         sg_deadline_in_ms(100), done_cb, &d,
+                                         &err),
+                       0);
+  sg_comm_free(c1);
+
+  sg_comm_opts_t o = {.rank = 2, .world_size = 2};
+  sg_comm_t *c = NULL;
+  assert_int_equal(sg_comm_new(&o, &c, &err), SG_EINVAL);
+  o.rank = 0;
+  o.world_size = 0;
+  assert_int_equal(sg_comm_new(&o, &c, &err), SG_EINVAL);
+  assert_null(c);
+  sg_comm_free(NULL);
+  assert_int_equal(sg_sock_registered_count(), 0);
+}
+
+/* ---- real processes ---------------------------------------------------------
+ */
+
+/* rank_main: one rank in a child process: allreduce 8 MiB in a loop until
+ * an error; write "rc elapsed_ms message" to fd. */
+static void rank_main(int rank, int world, int port_fd_w, int addr_fd_r,
+                      int out_fd) {
+  sg_comm_opts_t o = {.rank = rank,
+                      .world_size = world,
+                      .generation = 3,
+                      .bind_host = "127.0.0.1"};
+  sg_comm_t *c = NULL;
+  if (sg_comm_new(&o, &c, NULL))
+    _exit(2);
+  int port = sg_comm_port(c);
+  if (write(port_fd_w, &port, sizeof(port)) != sizeof(port))
+    _exit(2);
+  int ports[MAXW];
+  if (read(addr_fd_r, ports, sizeof(int) * (size_t)world) !=
+      (ssize_t)(sizeof(int) * (size_t)world))
+    _exit(2);
+  char addr[MAXW][64];
+  const char *addrs[MAXW];
+  for (int i = 0; i < world; i++) {
+    snprintf(addr[i], sizeof(addr[i]), "127.0.0.1:%d", ports[i]);
+    addrs[i] = addr[i];
+  }
+  sg_err_t err;
+  if (sg_comm_connect(c, addrs, sg_deadline_in_ms(20000), &err))
+    _exit(3);
+  size_t count = 2u << 20;
+  float *buf = calloc(count, sizeof(float));
+  struct done d;
+  int rc = 0;
+  int64_t t_fail = 0;
+  for (int it = 0; it < 100000 && rc == 0; it++) {
+    done_init(&d);
+    if (it == 2 && write(out_fd, "R", 1) != 1) /* running: kill me now */
+      _exit(2);
+    rc = sg_comm_allreduce(c, buf, count, SG_COMM_F32, SG_COMM_SUM,
+                           sg_deadline_in_ms(60000), done_cb, &d, &err);
+    if (rc == 0)
+      rc = done_wait(&d, 120000);
+    t_fail = sg_now_ns();
+  }
+  char line[400];
+  int n = snprintf(line, sizeof(line), "%d %lld %s", rc,
+                   (long long)(t_fail / 1000000), d.msg);
+  if (write(out_fd, line, (size_t)n) != n)
+    _exit(2);
+  sg_comm_free(c);
+  _exit(0);
+}
+
+static void test_sigkill_mid_allreduce(void **state) {
+  enum { W = 3, VICTIM = 2 };
+  pid_t pids[W];
+  int port_p[W][2], addr_p[W][2], out_p[W][2];
+  for (int r = 0; r < W; r++) {
+    assert_int_equal(pipe(port_p[r]), 0);
+    assert_int_equal(pipe(addr_p[r]), 0);
+    assert_int_equal(pipe(out_p[r]), 0);
+    pids[r] = fork();
+    assert_true(pids[r] >= 0);
+    if (pids[r] == 0) {
+      alarm(120); /* hard limit for the child */
+      rank_main(r, W, port_p[r][1], addr_p[r][0], out_p[r][1]);
+    }
+  }
+  int ports[W];
+  for (int r = 0; r < W; r++)
+    assert_int_equal(read(port_p[r][0], &ports[r], sizeof(int)), sizeof(int));
+  for (int r = 0; r < W; r++)
+    assert_int_equal(write(addr_p[r][1], ports, sizeof(ports)),
+                     (ssize_t)sizeof(ports));
+  /* wait until every rank is in its third allreduce, then kill one */
+  for (int r = 0; r < W; r++) {
+    char ch = 0;
+    struct pollfd p = {.fd = out_p[r][0], .events = POLLIN};
+    assert_int_equal(poll(&p, 1, 60000), 1);
+    assert_int_equal(read(out_p[r][0], &ch, 1), 1);
+    assert_int_equal(ch, 'R');
+  }
+  usleep(20 * 1000);
+  int64_t t_kill = sg_now_ns() / 1000000;
+  kill(pids[VICTIM], SIGKILL);
+  for (int r = 0; r < W; r++) {
+    if (r == VICTIM)
+      continue;
+    char line[400] = {0};
+    struct pollfd p = {.fd = out_p[r][0], .events = POLLIN};
+    int ready = poll(&p, 1, 30000);
+    if (ready != 1) {
+      for (int q = 0; q < W; q++)
+        kill(pids[q], SIGKILL);
+    }
+    assert_int_equal(ready, 1);
+    assert_true(read(out_p[r][0], line, sizeof(line) - 1) > 0);
+    int rc = 0;
+    long long t = 0;
+    int off = 0;
+    assert_int_equal(sscanf(line, "%d %lld %n", &rc, &t, &off), 2);
+    fprintf(stderr, "rank %d after %lld ms: %d %s\n", r, t - t_kill, rc,
+            line + off);
+    assert_int_equal(rc, SG_EPEER);
+    assert_non_null(strstr(line + off, "rank 2"));
+    assert_true(t - t_kill < 5000); /* a closed connection, not a timeout */
+  }
+  for (int r = 0; r < W; r++) {
+    int st;
+    if (r != VICTIM)
+      kill(pids[r], SIGKILL);
+    waitpid(pids[r], &st, 0);
+    close(port_p[r][0]);
+    close(port_p[r][1]);
+    close(addr_p[r][0]);
+    close(addr_p[r][1]);
+    close(out_p[r][0]);
+    close(out_p[r][1]);
+  }
+}
+
+int main(void) {
+  signal(SIGPIPE, SIG_IGN);
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_f16_roundtrip),
+      cmocka_unit_test(test_bf16_rounding),
+      cmocka_unit_test(test_kernels),
+      cmocka_unit_test(test_chunks),
+      cmocka_unit_test(test_ring_schedule),
+      cmocka_unit_test(test_rd_schedule),
+      cmocka_unit_test(test_hello),
+      cmocka_unit_test(test_reply_frame),
+      cmocka_unit_test(test_allreduce_1),
+      cmocka_unit_test(test_allreduce_2_small),
+      cmocka_unit_test(test_allreduce_3_small),
+      cmocka_unit_test(test_allreduce_2_ring),
+      cmocka_unit_test(test_allreduce_3_ring),
+      cmocka_unit_test(test_allreduce_4_ring),
+      cmocka_unit_test(test_allreduce_bits),
+      cmocka_unit_test(test_broadcast),
+      cmocka_unit_test(test_allgather_reduce_scatter),
+      cmocka_unit_test(test_alltoall_sendrecv_barrier),
+      cmocka_unit_test(test_barrier_waits),
+      cmocka_unit_test(test_abort_from_thread),
+      cmocka_unit_test(test_deadline),
+      cmocka_unit_test(test_mismatch),
+      cmocka_unit_test(test_free_cancels),
+      cmocka_unit_test(test_bye),
+      cmocka_unit_test(test_handshake_rejects),
+      cmocka_unit_test(test_connect_abort_and_args),
+      cmocka_unit_test(test_sigkill_mid_allreduce),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -424,13 +424,15 @@ static void test_refusals(void **unused) {
                                       sg_deadline_in_ms(5000), bytes, &err),
                    SG_EINVAL);
   d.regs[0].len++;
+  uint64_t layout = info.layout;
+  sg_ckpt_info_free(&info);
   /* a served layout that changed under the same step */
   assert_int_equal(sg_ckpt_server_disallow(s, sg_deadline_in_ms(1000)), 0);
   st.regs[3].len--;
   serve(s, 4, &st);
-  assert_int_equal(sg_ckpt_fetch_data(f, addrs, 1, "tok", 4, info.layout,
-                                      d.regs, d.n, NULL,
-                                      sg_deadline_in_ms(5000), bytes, &err),
+  assert_int_equal(sg_ckpt_fetch_data(f, addrs, 1, "tok", 4, layout, d.regs,
+                                      d.n, NULL, sg_deadline_in_ms(5000), bytes,
+                                      &err),
                    SG_ESTATE);
   /* serving twice without disallow */
   assert_int_equal(sg_ckpt_server_serve(s, 6, NULL, 0, NULL, 0, &err),

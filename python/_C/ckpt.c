@@ -1,0 +1,529 @@
+/*
+ * ckpt.c: stepguard._C.CkptServer and CkptFetch, heap types over
+ * sg_ckpt_server_t and sg_ckpt_fetch_t.
+ *
+ * Regions cross as two buffers of 8-byte integers (pointers and lengths,
+ * e.g. array('Q')), so a state dict of many tensors costs no Python tuple
+ * per tensor.  The pointers are borrowed: the Python caller keeps what they
+ * point into alive (and unchanged, for the server) until disallow() or
+ * shutdown() returns (server) or data() returns (fetch).  The served header
+ * is a buffer the server object holds a view of until then.
+ *
+ * Every call that can wait runs without the GIL; fetch calls go through
+ * sg_py_blocking so Ctrl-C aborts them.
+ */
+#include "module.h"
+
+#include <string.h>
+
+#include "stepguard/ckpt.h"
+
+/* ---- regions from two buffers --------------------------------------------
+ */
+
+/* get_regions: build n regions from `ptrs` and `lens` (8-byte items). */
+static int get_regions(PyObject *ptrs, PyObject *lens, sg_ckpt_region_t **out,
+                       size_t *n) {
+  Py_buffer bp, bl;
+  int rc = -1;
+  *out = NULL;
+  *n = 0;
+  if (PyObject_GetBuffer(ptrs, &bp, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+    return -1;
+  if (PyObject_GetBuffer(lens, &bl, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+    PyBuffer_Release(&bp);
+    return -1;
+  }
+  if (bp.itemsize != 8 || bl.itemsize != 8 || bp.len != bl.len) {
+    PyErr_SetString(PyExc_ValueError,
+                    "ptrs and lens must be equally long buffers of 8-byte "
+                    "integers");
+    goto out;
+  }
+  size_t count = (size_t)bp.len / 8;
+  if (count > SG_CKPT_MAX_REGIONS) {
+    PyErr_SetString(PyExc_ValueError, "too many regions");
+    goto out;
+  }
+  sg_ckpt_region_t *r = PyMem_Calloc(count ? count : 1, sizeof(*r));
+  if (!r) {
+    PyErr_NoMemory();
+    goto out;
+  }
+  const uint64_t *p = bp.buf, *l = bl.buf;
+  for (size_t i = 0; i < count; i++) {
+    r[i].ptr = (void *)(uintptr_t)p[i];
+    r[i].len = l[i];
+  }
+  *out = r;
+  *n = count;
+  rc = 0;
+out:
+  PyBuffer_Release(&bp);
+  PyBuffer_Release(&bl);
+  return rc;
+}
+
+/* ---- CkptServer -------------------------------------------------------------
+ */
+
+typedef struct {
+  PyObject_HEAD sg_ckpt_server_t *srv;
+  Py_buffer header; /* held while serving */
+  int has_header;
+  int busy; /* calls running without the GIL */
+} srv_obj;
+
+static int srv_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
+  srv_obj *self = (srv_obj *)self_obj;
+  static char *kwlist[] = {
+      "bind", "auth_token", "max_conns", "request_timeout_s", "stall_timeout_s",
+      NULL};
+  const char *bind = NULL, *token = NULL;
+  int max_conns = 0;
+  double req_s = 30.0, stall_s = 30.0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|zzidd:CkptServer", kwlist, &bind,
+                                   &token, &max_conns, &req_s, &stall_s))
+    return -1;
+  if (self->srv) {
+    PyErr_SetString(PyExc_RuntimeError, "CkptServer already started");
+    return -1;
+  }
+  int64_t req_ms = sg_py_timeout_ms(req_s), stall_ms;
+  if (req_ms < 0 || (stall_ms = sg_py_timeout_ms(stall_s)) < 0)
+    return -1;
+  sg_ckpt_server_opts_t o;
+  sg_ckpt_server_opts_init(&o);
+  o.bind = bind;
+  o.auth_token = token;
+  o.max_conns = max_conns;
+  o.request_timeout_ms = req_ms > 0 ? req_ms : 1;
+  o.stall_timeout_ms = stall_ms > 0 ? stall_ms : 1;
+  sg_err_t err;
+  sg_err_clear(&err);
+  sg_ckpt_server_t *srv = NULL;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = sg_ckpt_server_start(&o, &srv, &err);
+  Py_END_ALLOW_THREADS
+  if (rc) {
+    if (rc == SG_EINVAL)
+      PyErr_SetString(PyExc_ValueError, err.msg);
+    else
+      sg_py_raise(sg_py_state_of_type(Py_TYPE(self)), rc, err.msg);
+    return -1;
+  }
+  self->srv = srv;
+  return 0;
+}
+
+static int srv_guard(srv_obj *self) {
+  if (!self->srv) {
+    PyErr_SetString(PyExc_RuntimeError, "CkptServer is shut down");
+    return -1;
+  }
+  return 0;
+}
+
+static void release_header(srv_obj *self) {
+  if (self->has_header) {
+    self->has_header = 0;
+    PyBuffer_Release(&self->header);
+  }
+}
+
+static PyObject *srv_port(PyObject *self_obj, PyObject *unused) {
+  srv_obj *self = (srv_obj *)self_obj;
+  if (srv_guard(self) < 0)
+    return NULL;
+  return PyLong_FromLong(sg_ckpt_server_port(self->srv));
+}
+
+static PyObject *srv_serve(PyObject *self_obj, PyObject *args) {
+  srv_obj *self = (srv_obj *)self_obj;
+  long long step;
+  PyObject *header, *ptrs, *lens;
+  if (!PyArg_ParseTuple(args, "LOOO:serve", &step, &header, &ptrs, &lens))
+    return NULL;
+  if (srv_guard(self) < 0)
+    return NULL;
+  if (self->has_header) {
+    PyErr_SetString(PyExc_RuntimeError,
+                    "already serving; call disallow() first");
+    return NULL;
+  }
+  sg_ckpt_region_t *regs = NULL;
+  size_t n = 0;
+  if (get_regions(ptrs, lens, &regs, &n) < 0)
+    return NULL;
+  if (PyObject_GetBuffer(header, &self->header, PyBUF_SIMPLE) < 0) {
+    PyMem_Free(regs);
+    return NULL;
+  }
+  self->has_header = 1;
+  sg_err_t err;
+  sg_err_clear(&err);
+  int rc = sg_ckpt_server_serve(self->srv, step, self->header.buf,
+                                (size_t)self->header.len, regs, n, &err);
+  PyMem_Free(regs);
+  if (rc) {
+    release_header(self);
+    if (rc == SG_EINVAL || rc == SG_ETOOBIG) {
+      PyErr_SetString(PyExc_ValueError, err.msg);
+      return NULL;
+    }
+    return sg_py_raise(sg_py_state_of_type(Py_TYPE(self)), rc, err.msg);
+  }
+  Py_RETURN_NONE;
+}
+
+static PyObject *srv_disallow(PyObject *self_obj, PyObject *args) {
+  srv_obj *self = (srv_obj *)self_obj;
+  double timeout_s;
+  if (!PyArg_ParseTuple(args, "d:disallow", &timeout_s))
+    return NULL;
+  if (srv_guard(self) < 0)
+    return NULL;
+  int64_t ms = sg_py_timeout_ms(timeout_s);
+  if (ms < 0)
+    return NULL;
+  sg_deadline_t d = sg_deadline_in_ms(ms);
+  int rc;
+  self->busy++;
+  Py_BEGIN_ALLOW_THREADS
+  rc = sg_ckpt_server_disallow(self->srv, d);
+  Py_END_ALLOW_THREADS
+  self->busy--;
+  release_header(self);
+  return PyBool_FromLong(rc == 0);
+}
+
+static PyObject *srv_stats(PyObject *self_obj, PyObject *unused) {
+  srv_obj *self = (srv_obj *)self_obj;
+  if (srv_guard(self) < 0)
+    return NULL;
+  sg_ckpt_server_stats_t s;
+  sg_ckpt_server_stats(self->srv, &s);
+  return Py_BuildValue(
+      "{sKsKsKsKsKsKsKsi}", "bytes_sent", (unsigned long long)s.bytes_sent,
+      "requests", (unsigned long long)s.requests, "refused",
+      (unsigned long long)s.refused, "bad_input",
+      (unsigned long long)s.bad_input, "timeouts",
+      (unsigned long long)s.timeouts, "cut", (unsigned long long)s.cut, "conns",
+      (unsigned long long)s.conns, "open_conns", s.open_conns);
+}
+
+static void srv_stop(srv_obj *self) {
+  sg_ckpt_server_t *srv = self->srv;
+  self->srv = NULL;
+  if (srv) {
+    Py_BEGIN_ALLOW_THREADS
+    sg_ckpt_server_stop(srv);
+    Py_END_ALLOW_THREADS
+  }
+  release_header(self);
+}
+
+static PyObject *srv_shutdown(PyObject *self_obj, PyObject *unused) {
+  srv_obj *self = (srv_obj *)self_obj;
+  if (self->busy) {
+    PyErr_SetString(PyExc_RuntimeError,
+                    "CkptServer.shutdown() while disallow() runs");
+    return NULL;
+  }
+  srv_stop(self);
+  Py_RETURN_NONE;
+}
+
+static void srv_dealloc(PyObject *self_obj) {
+  srv_obj *self = (srv_obj *)self_obj;
+  PyTypeObject *tp = Py_TYPE(self);
+  if (self->srv) {
+    PyErr_WarnFormat(PyExc_ResourceWarning, 1,
+                     "unclosed CkptServer; call shutdown()");
+    srv_stop(self);
+  }
+  release_header(self);
+  tp->tp_free(self_obj);
+  Py_DECREF(tp);
+}
+
+static PyMethodDef srv_methods[] = {
+    {"port", srv_port, METH_NOARGS, "port() -> int: the bound port."},
+    {"serve", srv_serve, METH_VARARGS,
+     "serve(step, header, ptrs, lens): serve `step`: the header buffer and "
+     "the regions (ptrs[i], lens[i]); the memory must stay valid and "
+     "unchanged until disallow() or shutdown() returns."},
+    {"disallow", srv_disallow, METH_VARARGS,
+     "disallow(timeout_s) -> bool: stop serving; waits for responses in "
+     "flight up to timeout_s, then cuts them (returns False then)."},
+    {"stats", srv_stats, METH_NOARGS, "stats() -> dict of counters."},
+    {"shutdown", srv_shutdown, METH_NOARGS,
+     "shutdown(): stop the server (idempotent)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot srv_slots[] = {
+    {Py_tp_init, srv_init},
+    {Py_tp_dealloc, srv_dealloc},
+    {Py_tp_methods, srv_methods},
+    {Py_tp_doc, "CkptServer(bind=None, auth_token=None, max_conns=0, "
+                "request_timeout_s=30.0, stall_timeout_s=30.0)"},
+    {0, NULL},
+};
+
+static PyType_Spec srv_spec = {
+    .name = "stepguard._C.CkptServer",
+    .basicsize = sizeof(srv_obj),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .slots = srv_slots,
+};
+
+/* ---- CkptFetch --------------------------------------------------------------
+ */
+
+typedef struct {
+  PyObject_HEAD sg_ckpt_fetch_t *f;
+} fetch_obj;
+
+static int fetch_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
+  fetch_obj *self = (fetch_obj *)self_obj;
+  static char *kwlist[] = {NULL};
+  if (!PyArg_ParseTupleAndKeywords(args, kw, ":CkptFetch", kwlist))
+    return -1;
+  if (self->f)
+    return 0;
+  if (sg_ckpt_fetch_new(&self->f)) {
+    PyErr_NoMemory();
+    return -1;
+  }
+  return 0;
+}
+
+static int fetch_guard(fetch_obj *self) {
+  if (!self->f) {
+    PyErr_SetString(PyExc_RuntimeError, "CkptFetch is not initialised");
+    return -1;
+  }
+  return 0;
+}
+
+struct info_call {
+  sg_ckpt_fetch_t *f;
+  const char *addr, *token;
+  int64_t step;
+  sg_deadline_t deadline;
+  sg_ckpt_info_t info;
+  sg_err_t err;
+  int rc;
+};
+
+static void info_run(void *p) {
+  struct info_call *c = p;
+  c->rc = sg_ckpt_fetch_info(c->f, c->addr, c->token, c->step, c->deadline,
+                             &c->info, &c->err);
+}
+
+static void call_abort(void *p) {
+  sg_ckpt_fetch_abort(*(sg_ckpt_fetch_t **)p); /* f is the first field */
+}
+
+static PyObject *fetch_info(PyObject *self_obj, PyObject *args) {
+  fetch_obj *self = (fetch_obj *)self_obj;
+  struct info_call c;
+  memset(&c, 0, sizeof(c));
+  long long step;
+  double timeout_s;
+  if (!PyArg_ParseTuple(args, "szLd:info", &c.addr, &c.token, &step,
+                        &timeout_s))
+    return NULL;
+  if (fetch_guard(self) < 0)
+    return NULL;
+  int64_t ms = sg_py_timeout_ms(timeout_s);
+  if (ms < 0)
+    return NULL;
+  c.f = self->f;
+  c.step = step;
+  c.deadline = sg_deadline_in_ms(ms);
+  if (sg_py_blocking(info_run, call_abort, &c) < 0) {
+    sg_ckpt_info_free(&c.info);
+    return NULL;
+  }
+  if (c.rc)
+    return sg_py_raise(sg_py_state_of_type(Py_TYPE(self)), c.rc, c.err.msg);
+  PyObject *lens = NULL, *hdr = NULL, *ret = NULL;
+  lens = PyList_New((Py_ssize_t)c.info.nregions);
+  if (!lens)
+    goto out;
+  for (size_t i = 0; i < c.info.nregions; i++) {
+    PyObject *v = PyLong_FromUnsignedLongLong(c.info.lens[i]);
+    if (!v)
+      goto out;
+    PyList_SET_ITEM(lens, (Py_ssize_t)i, v);
+  }
+  hdr = PyBytes_FromStringAndSize((const char *)c.info.header,
+                                  (Py_ssize_t)c.info.hlen);
+  if (!hdr)
+    goto out;
+  ret = Py_BuildValue("(OOK)", hdr, lens, (unsigned long long)c.info.layout);
+out:
+  Py_XDECREF(lens);
+  Py_XDECREF(hdr);
+  sg_ckpt_info_free(&c.info);
+  return ret;
+}
+
+struct data_call {
+  sg_ckpt_fetch_t *f;
+  const char **addrs;
+  size_t naddr;
+  const char *token;
+  int64_t step;
+  uint64_t layout;
+  sg_ckpt_region_t *regs;
+  size_t n;
+  sg_ckpt_fetch_opts_t o;
+  sg_deadline_t deadline;
+  uint64_t *bytes;
+  sg_err_t err;
+  int rc;
+};
+
+static void data_run(void *p) {
+  struct data_call *c = p;
+  c->rc =
+      sg_ckpt_fetch_data(c->f, c->addrs, c->naddr, c->token, c->step, c->layout,
+                         c->regs, c->n, &c->o, c->deadline, c->bytes, &c->err);
+}
+
+static PyObject *fetch_data(PyObject *self_obj, PyObject *args, PyObject *kw) {
+  fetch_obj *self = (fetch_obj *)self_obj;
+  static char *kwlist[] = {"addrs", "token",   "step",      "layout",    "ptrs",
+                           "lens",  "streams", "timeout_s", "min_chunk", NULL};
+  struct data_call c;
+  memset(&c, 0, sizeof(c));
+  PyObject *addrs, *ptrs, *lens, *seq = NULL, *ret = NULL;
+  long long step;
+  unsigned long long layout, min_chunk = 0;
+  int streams = 0;
+  double timeout_s;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OzLKOOid|K:data", kwlist, &addrs,
+                                   &c.token, &step, &layout, &ptrs, &lens,
+                                   &streams, &timeout_s, &min_chunk))
+    return NULL;
+  if (fetch_guard(self) < 0)
+    return NULL;
+  int64_t ms = sg_py_timeout_ms(timeout_s);
+  if (ms < 0)
+    return NULL;
+  seq = PySequence_Fast(addrs, "addrs must be a sequence of str");
+  if (!seq)
+    return NULL;
+  Py_ssize_t na = PySequence_Fast_GET_SIZE(seq);
+  if (na < 1 || na > SG_CKPT_MAX_SOURCES) {
+    PyErr_SetString(PyExc_ValueError, "between 1 and 256 sources");
+    goto out;
+  }
+  c.addrs = PyMem_Calloc((size_t)na, sizeof(*c.addrs));
+  c.bytes = PyMem_Calloc((size_t)na, sizeof(*c.bytes));
+  if (!c.addrs || !c.bytes) {
+    PyErr_NoMemory();
+    goto out;
+  }
+  for (Py_ssize_t i = 0; i < na; i++) {
+    c.addrs[i] = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(seq, i));
+    if (!c.addrs[i])
+      goto out;
+  }
+  if (get_regions(ptrs, lens, &c.regs, &c.n) < 0)
+    goto out;
+  c.f = self->f;
+  c.naddr = (size_t)na;
+  c.step = step;
+  c.layout = layout;
+  c.o.streams_per_source = streams;
+  c.o.min_chunk = min_chunk;
+  c.deadline = sg_deadline_in_ms(ms);
+  if (sg_py_blocking(data_run, call_abort, &c) < 0)
+    goto out;
+  if (c.rc) {
+    if (c.rc == SG_EINVAL)
+      PyErr_SetString(PyExc_ValueError, c.err.msg);
+    else
+      sg_py_raise(sg_py_state_of_type(Py_TYPE(self)), c.rc, c.err.msg);
+    goto out;
+  }
+  ret = PyList_New(na);
+  if (!ret)
+    goto out;
+  for (Py_ssize_t i = 0; i < na; i++) {
+    PyObject *v = PyLong_FromUnsignedLongLong(c.bytes[i]);
+    if (!v) {
+      Py_CLEAR(ret);
+      goto out;
+    }
+    PyList_SET_ITEM(ret, i, v);
+  }
+out:
+  PyMem_Free(c.addrs);
+  PyMem_Free(c.bytes);
+  PyMem_Free(c.regs);
+  Py_XDECREF(seq);
+  return ret;
+}
+
+static PyObject *fetch_abort(PyObject *self_obj, PyObject *unused) {
+  fetch_obj *self = (fetch_obj *)self_obj;
+  if (fetch_guard(self) < 0)
+    return NULL;
+  sg_ckpt_fetch_abort(self->f);
+  Py_RETURN_NONE;
+}
+
+static void fetch_dealloc(PyObject *self_obj) {
+  fetch_obj *self = (fetch_obj *)self_obj;
+  PyTypeObject *tp = Py_TYPE(self);
+  sg_ckpt_fetch_free(self->f); /* no call runs: it would hold a reference */
+  tp->tp_free(self_obj);
+  Py_DECREF(tp);
+}
+
+static PyMethodDef fetch_methods[] = {
+    {"info", fetch_info, METH_VARARGS,
+     "info(addr, token, step, timeout_s) -> (header: bytes, lens: list[int], "
+     "layout: int)"},
+    {"data", (PyCFunction)(void (*)(void))fetch_data,
+     METH_VARARGS | METH_KEYWORDS,
+     "data(addrs, token, step, layout, ptrs, lens, streams, timeout_s, "
+     "min_chunk=0) -> list[int]: bytes taken from each source."},
+    {"abort", fetch_abort, METH_NOARGS,
+     "abort(): fail the running and every later call (any thread)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot fetch_slots[] = {
+    {Py_tp_init, fetch_init},
+    {Py_tp_dealloc, fetch_dealloc},
+    {Py_tp_methods, fetch_methods},
+    {Py_tp_doc, "CkptFetch(): one fetch (its abort is final)."},
+    {0, NULL},
+};
+
+static PyType_Spec fetch_spec = {
+    .name = "stepguard._C.CkptFetch",
+    .basicsize = sizeof(fetch_obj),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .slots = fetch_slots,
+};
+
+int sg_py_ckpt_init(PyObject *module, sg_py_state *st) {
+  st->ckpt_types[0] = PyType_FromModuleAndSpec(module, &srv_spec, NULL);
+  if (!st->ckpt_types[0] ||
+      PyModule_AddObjectRef(module, "CkptServer", st->ckpt_types[0]) < 0)
+    return -1;
+  st->ckpt_types[1] = PyType_FromModuleAndSpec(module, &fetch_spec, NULL);
+  if (!st->ckpt_types[1] ||
+      PyModule_AddObjectRef(module, "CkptFetch", st->ckpt_types[1]) < 0)
+    return -1;
+  return 0;
+}

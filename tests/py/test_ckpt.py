@@ -1,0 +1,349 @@
+"""NativeTransport: bit-identical round trips, refusals, striping, sources
+killed mid-transfer (real processes), bad input, and the torchft interface.
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+import struct
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from stepguard import _C
+from stepguard.checkpointing.native_transport import NativeTransport, parse_sources
+from stepguard.checkpointing.transport import CheckpointTransport
+
+T5 = timedelta(seconds=5)
+T60 = timedelta(seconds=60)
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def assert_identical(a, b) -> None:
+    """Same tree, same leaves; tensors: same dtype, shape, stride and bits."""
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        if a.layout == torch.strided:
+            assert a.stride() == b.stride()
+            assert _bits(a) == _bits(b)
+        else:
+            assert torch.equal(a.to_dense(), b.to_dense())
+        assert a.requires_grad == b.requires_grad
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys())
+        for k in a:
+            assert_identical(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_identical(x, y)
+    else:
+        assert a == b
+
+
+Point = collections.namedtuple("Point", ["x", "y"])
+
+
+def many_dtypes_state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    user: dict = {}
+    for dt in [
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex64,
+        torch.complex128,
+        torch.int8,
+        torch.uint8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    ]:
+        raw = torch.randint(0, 256, (5, 7, 8), dtype=torch.uint8, generator=g)
+        user[str(dt)] = raw.view(dt) if dt.itemsize <= 8 else raw
+    for name in ["float8_e4m3fn", "float8_e5m2", "uint16", "uint32"]:
+        dt = getattr(torch, name, None)
+        if dt is not None:
+            user[name] = torch.randint(0, 256, (64,), dtype=torch.uint8).view(dt)
+    nan = torch.tensor([float("nan"), -0.0, float("inf")])
+    nan[0] = struct.unpack("<f", b"\x01\x00\xc0\x7f")[0]  # a NaN payload
+    base = torch.randn(6, 8, generator=g)
+    user.update(
+        {
+            "nan": nan,
+            "scalar": torch.tensor(3.5),
+            "transposed": base.t(),
+            "stepped": base[::2, 1::3],
+            "expanded": torch.randn(1, 4, generator=g).expand(5, 4),
+            "offset_view": base[3:, 2:5],
+            "empty": torch.empty(0, 3),
+            "empty_strided": torch.empty_strided((0, 4), (1, 0)),
+            "param": torch.nn.Parameter(torch.randn(3, 3, generator=g)),
+            "grad": torch.randn(2, generator=g).requires_grad_(True),
+            "sparse": torch.randn(4, 4, generator=g).to_sparse(),
+            "nested": {
+                "list": [torch.arange(5), {"deep": (torch.ones(2, 2), "s")}],
+                "tuple": (1, 2.5, None, b"bytes"),
+                "od": collections.OrderedDict(b=torch.zeros(3), a=7),
+                "point": Point(torch.tensor([1, 2]), "y"),
+            },
+            "text": "hello",
+            "none": None,
+        }
+    )
+    return {"user": {"model": user}, "torchft": {"step": 12, "batches_committed": 40}}
+
+
+@pytest.fixture
+def pair():
+    a = NativeTransport(T60, hostname="127.0.0.1", auth_token="tok")
+    b = NativeTransport(T60, hostname="127.0.0.1", auth_token="tok")
+    try:
+        yield a, b
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_is_a_checkpoint_transport(pair) -> None:
+    a, _ = pair
+    assert isinstance(a, CheckpointTransport)
+    assert a.metadata().startswith("sgckpt://127.0.0.1:")
+    assert parse_sources("sgckpt://h:1,sgckpt://[::1]:2/") == ["h:1", "[::1]:2"]
+    assert parse_sources(["sgckpt://h:1", "h:1", "g:3"]) == ["h:1", "g:3"]
+    with pytest.raises(ValueError):
+        parse_sources(" , ")
+
+
+def test_round_trip_is_bit_identical(pair) -> None:
+    a, b = pair
+    sd = many_dtypes_state()
+    a.send_checkpoint([1], 12, sd, T60)
+    got = b.recv_checkpoint(0, a.metadata(), 12, T60)
+    assert_identical(sd, got)
+    assert isinstance(got["user"]["model"]["param"], torch.nn.Parameter)
+    # received tensors own fresh memory
+    before = _bits(sd["user"]["model"]["torch.int64"])
+    got["user"]["model"]["torch.int64"].zero_()
+    assert _bits(sd["user"]["model"]["torch.int64"]) == before != bytes(len(before))
+    assert sum(b.last_recv_bytes) == a.stats()["bytes_sent"] > 0
+    a.disallow_checkpoint()
+
+
+def test_tensor_data_is_not_in_the_header(pair) -> None:
+    a, b = pair
+    big = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB
+    a.send_checkpoint([1], 1, {"w": big}, T60)
+    fetch = _C.CkptFetch()
+    header, lens, _ = fetch.info(a.metadata()[len("sgckpt://") :], "tok", 1, 5.0)
+    assert lens == [4 << 20]
+    assert len(header) < 2048
+    got = b.recv_checkpoint(0, a.metadata(), 1, T60)
+    assert torch.equal(got["w"], big)
+
+
+def test_refusals(pair) -> None:
+    a, b = pair
+    with pytest.raises(RuntimeError, match="serving -1 but got step=3"):
+        b.recv_checkpoint(0, a.metadata(), 3, T5)
+    a.send_checkpoint([1], 3, {"w": torch.ones(4)}, T60)
+    with pytest.raises(RuntimeError, match="serving 3 but got step=4"):
+        b.recv_checkpoint(0, a.metadata(), 4, T5)
+    c = NativeTransport(T60, hostname="127.0.0.1", auth_token="other")
+    try:
+        with pytest.raises(RuntimeError, match="auth token"):
+            c.recv_checkpoint(0, a.metadata(), 3, T5)
+    finally:
+        c.shutdown()
+    # a new step replaces the old one; the old one is refused
+    a.send_checkpoint([1], 4, {"w": torch.zeros(4)}, T60)
+    assert torch.equal(b.recv_checkpoint(0, a.metadata(), 4, T5)["w"], torch.zeros(4))
+    with pytest.raises(RuntimeError, match="serving 4 but got step=3"):
+        b.recv_checkpoint(0, a.metadata(), 3, T5)
+    a.disallow_checkpoint()
+    a.disallow_checkpoint()  # idempotent
+    with pytest.raises(RuntimeError, match="serving -1"):
+        b.recv_checkpoint(0, a.metadata(), 4, T5)
+    assert a.stats()["refused"] >= 4
+
+
+def test_nothing_listening_and_deadline() -> None:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    b = NativeTransport(T5, hostname="127.0.0.1")
+    try:
+        with pytest.raises(RuntimeError, match="no source serves"):
+            b.recv_checkpoint(0, f"sgckpt://127.0.0.1:{port}", 1, T5)
+        # a listener that never answers: the deadline holds
+        silent = socket.socket()
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            b.recv_checkpoint(
+                0,
+                f"sgckpt://127.0.0.1:{silent.getsockname()[1]}",
+                1,
+                timedelta(seconds=0.5),
+            )
+        assert time.monotonic() - t0 < 30
+        silent.close()
+    finally:
+        b.shutdown()
+
+
+def test_striped_across_three_sources() -> None:
+    g = torch.Generator().manual_seed(1)
+    sd = {"w": [torch.randn(1 << 20, generator=g) for _ in range(6)], "s": 3}
+    srcs = [NativeTransport(T60, hostname="127.0.0.1") for _ in range(3)]
+    b = NativeTransport(T60, hostname="127.0.0.1", streams_per_source=1)
+    try:
+        for s in srcs:
+            s.send_checkpoint([3], 7, sd, T60)
+        got = b.recv_checkpoint_striped([s.metadata() for s in srcs], 7, T60)
+        assert_identical(sd, got)
+        total = 6 * (4 << 20)
+        sent = [s.stats()["bytes_sent"] for s in srcs]
+        assert b.last_recv_bytes == sent
+        assert sum(sent) == total
+        assert all(x > 0 for x in sent), sent
+        # comma-joined metadata strips the same way
+        got = b.recv_checkpoint(0, ",".join(s.metadata() for s in srcs), 7, T60)
+        assert_identical(sd, got)
+        assert all(x > 0 for x in b.last_recv_bytes)
+    finally:
+        for s in srcs:
+            s.shutdown()
+        b.shutdown()
+
+
+def test_disallow_waits_for_a_transfer_in_flight(pair) -> None:
+    a, _ = pair
+    big = torch.ones(8 << 20)  # 32 MiB
+    a.send_checkpoint([1], 2, {"w": big}, T60)
+    addr = a.metadata()[len("sgckpt://") :]
+    fetch = _C.CkptFetch()
+    _, lens, layout = fetch.info(addr, "tok", 2, 5.0)
+    # a raw reader that asks for everything and reads slowly
+    host, port = addr.rsplit(":", 1)
+    r = socket.create_connection((host, int(port)), timeout=10)
+    tok = b"tok"
+    req = struct.pack(
+        "<IHHqQQQHHI", 0x51434753, 1, 2, 2, layout, 0, lens[0], len(tok), 0, 0
+    )
+    r.sendall(req + tok)
+    r.recv(4096)
+    released = threading.Event()
+
+    def disallow() -> None:
+        a.disallow_checkpoint()
+        released.set()
+
+    th = threading.Thread(target=disallow)
+    th.start()
+    assert not released.wait(0.3)  # held while the reader is behind
+    got = 4096
+    while got < lens[0] + 48:
+        n = len(r.recv(1 << 20))
+        if n == 0:
+            break
+        got += n
+    assert released.wait(30)
+    th.join()
+    r.close()
+    assert a.stats()["cut"] == 0
+
+
+_SERVE_AND_DIE = r"""
+import os, signal, sys, time
+from datetime import timedelta
+import torch
+from stepguard.checkpointing.native_transport import NativeTransport
+mb, die_after = int(sys.argv[1]), int(sys.argv[2])
+g = torch.Generator().manual_seed(5)
+sd = {"w": torch.randn(mb << 18, generator=g), "k": "v"}
+t = NativeTransport(timedelta(seconds=60), hostname="127.0.0.1", streams_per_source=1)
+t.send_checkpoint([1], 9, sd, timedelta(seconds=60))
+print(t.metadata(), flush=True)
+while True:
+    if die_after >= 0 and t.stats()["bytes_sent"] > die_after:
+        os.kill(os.getpid(), signal.SIGKILL)  # mid-transfer
+    time.sleep(0.0005)
+"""
+
+
+def _spawn_source(procs, mb: int, die_after: int) -> str:
+    import subprocess
+
+    p = procs.spawn(
+        _SERVE_AND_DIE, str(mb), str(die_after), stdout=subprocess.PIPE, text=True
+    )
+    line = p.stdout.readline().strip()
+    assert line.startswith("sgckpt://"), line
+    return line
+
+
+def test_source_killed_mid_transfer(procs) -> None:
+    mb = 128
+    expect = torch.randn(mb << 18, generator=torch.Generator().manual_seed(5))
+    b = NativeTransport(T60, hostname="127.0.0.1", streams_per_source=1)
+    try:
+        dying = _spawn_source(procs, mb, 1 << 20)
+        with pytest.raises(RuntimeError, match="truncated|closed|reset|refused"):
+            b.recv_checkpoint(0, dying, 9, T60)
+        assert procs.popens[-1].wait(timeout=30) < 0  # it was killed
+        # a later try from a healthy source recovers
+        healthy = _spawn_source(procs, mb, -1)
+        got = b.recv_checkpoint(0, healthy, 9, T60)
+        assert torch.equal(got["w"], expect) and got["k"] == "v"
+        # striped over a dying and a healthy source: the healthy one finishes
+        dying = _spawn_source(procs, mb, 1 << 20)
+        got = b.recv_checkpoint_striped([dying, healthy], 9, T60)
+        assert torch.equal(got["w"], expect)
+        assert b.last_recv_bytes[1] >= (mb << 20) // 2
+        assert sum(b.last_recv_bytes) == mb << 20
+    finally:
+        b.shutdown()
+
+
+def test_server_survives_garbage(pair) -> None:
+    a, b = pair
+    a.send_checkpoint([1], 1, {"w": torch.arange(1000)}, T60)
+    host, port = a.metadata()[len("sgckpt://") :].rsplit(":", 1)
+    junk_inputs = [
+        b"\x00" * 100,
+        b"GET / HTTP/1.1\r\n\r\n",
+        b"SGCQ" + b"\xff" * 60,
+        b"SG",
+    ]
+    for junk in junk_inputs:
+        s = socket.create_connection((host, int(port)), timeout=10)
+        s.sendall(junk)
+        if len(junk) >= 4:
+            resp = s.recv(48)
+            assert resp[:4] == b"SGCR"
+        s.close()
+    got = b.recv_checkpoint(0, a.metadata(), 1, T60)
+    assert torch.equal(got["w"], torch.arange(1000))
+    assert a.stats()["bad_input"] >= 3
+
+
+def test_shutdown_is_idempotent() -> None:
+    a = NativeTransport(T5, hostname="127.0.0.1")
+    a.send_checkpoint([], 0, {"x": torch.ones(1)}, T5)
+    a.shutdown()
+    a.shutdown()
+    with pytest.raises(RuntimeError):
+        a.metadata()

@@ -1,0 +1,653 @@
+"""ProcessGroupTCP: stepguard's native TCP collectives as a process group.
+
+A :class:`stepguard.process_group.ProcessGroup` (torchft's interface) over
+libstepguard's communicator (``include/stepguard/comm.h``): every collective
+is asynchronous with a deadline (the group's ``timeout``), gives identical
+bits on every rank, and fails with the failing peer's rank in the message
+when a peer dies.  ``abort()`` from any thread fails everything in flight at
+once.  Each ``configure()`` builds a new communicator for the new quorum;
+the old one is torn down.
+
+Rendezvous goes through the store address that ``configure`` receives
+(``host:port/prefix``): every rank listens on an ephemeral port and
+publishes ``host:port`` under its rank; the quorum id is the communicator's
+generation and the prefix its job name, so a peer of another quorum or job
+is refused at the handshake.  The advertised host is the local address that
+routes to the store (``STEPGUARD_COMM_HOST`` overrides it); the token in
+``STEPGUARD_AUTH_TOKEN``, when set, must match on every rank.
+
+Tensors: CPU tensors that are contiguous are used in place.  Others
+(non-contiguous, or on an accelerator) are staged through a contiguous host
+copy: the copy is made when the operation is issued (which synchronises
+with the tensor's stream) and written back before the work completes.
+
+It is also a torch.distributed backend: ``init_process_group(backend=
+"stepguard_tcp", ...)`` builds one over the default store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import zlib
+from datetime import timedelta
+from typing import Callable, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp, Store
+from torch.futures import Future
+
+from stepguard import _C
+from stepguard.process_group import (
+    ProcessGroup,
+    _split_store_addr,
+    create_store_client,
+)
+
+__all__ = ["ProcessGroupTCP", "BACKEND_NAME"]
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+#: The name under which the group is registered with torch.distributed.
+BACKEND_NAME = "stepguard_tcp"
+
+_DTYPES = {
+    torch.float32: _C.COMM_F32,
+    torch.float64: _C.COMM_F64,
+    torch.float16: _C.COMM_F16,
+    torch.bfloat16: _C.COMM_BF16,
+    torch.int8: _C.COMM_I8,
+    torch.uint8: _C.COMM_U8,
+    torch.int32: _C.COMM_I32,
+    torch.int64: _C.COMM_I64,
+}
+
+_OPS = (
+    (ReduceOp.SUM, _C.COMM_SUM),
+    (ReduceOp.AVG, _C.COMM_AVG),
+    (ReduceOp.MIN, _C.COMM_MIN),
+    (ReduceOp.MAX, _C.COMM_MAX),
+    (ReduceOp.PRODUCT, _C.COMM_PRODUCT),
+)
+
+
+def _redop(opts: object) -> int:
+    op = getattr(opts, "reduceOp", opts)
+    for torch_op, ours in _OPS:
+        if op == torch_op:
+            return ours
+    raise ValueError(f"ProcessGroupTCP does not support reduce op {op}")
+
+
+def _dtype(t: torch.Tensor) -> int:
+    try:
+        return _DTYPES[t.dtype]
+    except KeyError:
+        raise TypeError(
+            f"ProcessGroupTCP cannot reduce {t.dtype}; supported: "
+            + ", ".join(str(d) for d in _DTYPES)
+        ) from None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _advertise_host(store_host: Optional[str]) -> str:
+    """The local address that peers can reach: the one routing to the
+    store, unless ``STEPGUARD_COMM_HOST`` says otherwise."""
+    env = os.environ.get("STEPGUARD_COMM_HOST")
+    if env:
+        return env
+    target = store_host or os.environ.get("MASTER_ADDR")
+    if target:
+        try:
+            family = socket.AF_INET6 if ":" in target else socket.AF_INET
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((target, 9))  # no packet is sent
+                host = s.getsockname()[0]
+            return f"[{host}]" if ":" in host else host
+        except OSError:
+            pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+class _Staged:
+    """The contiguous host buffers of one operation and their write-backs."""
+
+    def __init__(self) -> None:
+        self.keep: List[torch.Tensor] = []
+        self.writebacks: List[Tuple[torch.Tensor, torch.Tensor]] = []
+
+    def buf(self, t: torch.Tensor, write: bool) -> torch.Tensor:
+        """A contiguous CPU tensor with t's bytes; written back to t at
+        completion when ``write``."""
+        if t.device.type == "cpu" and t.is_contiguous():
+            b = t
+        else:
+            b = t.detach().to("cpu", memory_format=torch.contiguous_format)
+            b = b.contiguous()
+            if write:
+                self.writebacks.append((t, b))
+        self.keep.append(b)
+        return b
+
+    def write_back(self) -> None:
+        for dst, src in self.writebacks:
+            dst.copy_(src)
+
+
+class _TCPWork(dist._Work):
+    """The work of one call: completes when its C operations have.
+
+    ``wait()`` raises the operation's error (``TimeoutError`` for a
+    deadline, ``RuntimeError`` naming the failed peer otherwise); the
+    future resolves to ``result`` or fails with the same exception.
+    """
+
+    def __init__(
+        self, pg: "ProcessGroupTCP", result: object, staged: _Staged, nops: int
+    ) -> None:
+        super().__init__()
+        self._pg = pg
+        self._result = result
+        self._staged = staged
+        self._left = nops
+        self._exc: Optional[BaseException] = None
+        self._event = threading.Event()
+        self._future: Future[object] = Future()
+        self._lock = threading.Lock()
+
+    # -- runs on the communicator's progress thread, with the GIL --
+    def _on_done(self, rc: int, msg: str) -> None:
+        with self._lock:
+            if rc and self._exc is None:
+                self._exc = _exception(rc, msg)
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._pg._completions.put(self)
+
+    # -- runs on the group's completion thread --
+    def _finish(self) -> None:
+        if self._exc is None:
+            try:
+                self._staged.write_back()
+            except Exception as e:  # noqa: BLE001 - reported to the waiter
+                self._exc = e
+        if self._exc is not None:
+            self._pg._record_error(self._exc)
+        self._event.set()
+        if self._exc is not None:
+            self._future.set_exception(self._exc)
+        else:
+            self._future.set_result(self._result)
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        """Blocks until the operation is done (at most ``timeout``, else the
+        group's timeout; the operation has its own deadline too)."""
+        t = timeout if timeout is not None else self._pg._timeout
+        if not self._event.wait(max(t.total_seconds(), 0.0)):
+            raise TimeoutError(f"work did not complete within {t}")
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def is_completed(self) -> bool:
+        return self._event.is_set()
+
+    def is_success(self) -> bool:
+        return self._event.is_set() and self._exc is None
+
+    def exception(self) -> Optional[BaseException]:  # type: ignore[override]
+        return self._exc
+
+    def get_future(self) -> Future[object]:
+        return self._future
+
+
+def _exception(rc: int, msg: str) -> Exception:
+    if rc in (_C.ETIMEDOUT, _C.ECANCELED):
+        return TimeoutError(msg)
+    exc = _C.Error(msg)
+    exc.code = rc
+    return exc
+
+
+class ProcessGroupTCP(ProcessGroup):
+    """Fault-tolerant collectives over TCP, with torchft's interface.
+
+    Args:
+        timeout: the deadline of every operation and of ``configure``'s
+            rendezvous (a float is seconds).
+    """
+
+    def __init__(self, timeout: Union[timedelta, float] = timedelta(seconds=60)) -> None:
+        super().__init__(0, 1)
+        if not isinstance(timeout, timedelta):
+            timeout = timedelta(seconds=timeout)
+        self._timeout = timeout
+        self._comm: Optional[_C.Comm] = None
+        self._rank = 0
+        self._world_size = 0
+        self._quorum_id: Optional[int] = None
+        self._errored: Optional[Exception] = None
+        self._lock = threading.Lock()
+        self._completions: "queue.SimpleQueue[Optional[_TCPWork]]" = queue.SimpleQueue()
+        self._completer: Optional[threading.Thread] = None
+
+    # -- configuration ----------------------------------------------------------
+
+    def getBackendName(self) -> str:
+        return "stepguard-tcp"
+
+    def size(self) -> int:
+        return self._world_size
+
+    def rank(self) -> int:  # type: ignore[override]
+        return self._rank
+
+    def set_timeout(self, timeout: timedelta) -> None:  # type: ignore[override]
+        self._timeout = timeout
+
+    def configure(
+        self,
+        store_addr: str,
+        replica_id: str,
+        rank: int,
+        world_size: int,
+        quorum_id: Optional[int] = None,
+        group_rank: Optional[int] = None,
+        group_world_size: Optional[int] = None,
+        global_ranks: Optional[List[int]] = None,
+    ) -> None:
+        """Builds a new communicator for ``world_size`` members through the
+        store at ``store_addr`` (``host:port/prefix``); blocks until every
+        member is connected or the timeout passes.  The previous
+        communicator is aborted and closed first."""
+        self._replica_id = replica_id
+        if group_rank is not None:
+            self._group_rank = group_rank
+        if group_world_size is not None:
+            self._group_world_size = group_world_size
+        self._drop_comm()
+        host, _, prefix = _split_store_addr(store_addr)
+        store = create_store_client(store_addr, timeout=self._timeout)
+        generation = (
+            quorum_id if quorum_id is not None else zlib.crc32(prefix.encode())
+        )
+        self._quorum_id = quorum_id
+        self._connect(store, rank, world_size, generation, prefix, host)
+
+    def _connect(
+        self,
+        store: Store,
+        rank: int,
+        world_size: int,
+        generation: int,
+        job: str,
+        store_host: Optional[str],
+    ) -> None:
+        token = os.environ.get("STEPGUARD_AUTH_TOKEN") or None
+        comm = _C.Comm(
+            rank,
+            world_size,
+            generation & 0xFFFFFFFFFFFFFFFF,
+            job.encode()[-256:].decode(errors="ignore"),
+            token,
+        )
+        try:
+            addr = f"{_advertise_host(store_host)}:{comm.port()}"
+            keys = [f"stepguard_comm/{r}" for r in range(world_size)]
+            store.set(keys[rank], addr)
+            store.wait(keys, self._timeout)
+            addrs = [store.get(k).decode() for k in keys]
+            comm.connect(addrs, self._timeout.total_seconds())
+        except BaseException:
+            comm.close()
+            raise
+        with self._lock:
+            self._comm = comm
+            self._rank = rank
+            self._world_size = world_size
+            self._errored = None
+
+    def _drop_comm(self) -> None:
+        with self._lock:
+            comm, self._comm = self._comm, None
+        if comm is not None:
+            comm.abort()
+            comm.close()
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def abort(self) -> None:
+        """Fails every operation in flight (within 100 ms) and refuses new
+        ones until the next ``configure``."""
+        with self._lock:
+            comm = self._comm
+            if self._errored is None:
+                self._errored = RuntimeError("aborted")
+        if comm is not None:
+            comm.abort()
+
+    def shutdown(self) -> None:
+        """Cancels queued operations and closes the communicator."""
+        self._drop_comm()
+        completer = self._completer
+        if completer is not None:
+            self._completions.put(None)
+            completer.join(timeout=10)
+            self._completer = None
+
+    def errored(self) -> Optional[Exception]:
+        """The error that broke the current communicator, or None."""
+        return self._errored
+
+    def _record_error(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._errored is None and isinstance(exc, Exception):
+                self._errored = exc
+
+    def __del__(self) -> None:
+        try:
+            self._drop_comm()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # -- issuing ----------------------------------------------------------------------
+
+    def _completion_loop(self) -> None:
+        while True:
+            work = self._completions.get()
+            if work is None:
+                return
+            try:
+                work._finish()
+            except Exception:  # noqa: BLE001 - never lose the thread
+                logger.exception("completing a ProcessGroupTCP work failed")
+
+    def _issue(
+        self,
+        result: object,
+        staged: _Staged,
+        calls: Sequence[Callable[[Callable[[int, str], None]], None]],
+    ) -> _TCPWork:
+        """Runs each call with the work's completion callable."""
+        with self._lock:
+            comm = self._comm
+            if comm is None:
+                raise RuntimeError("ProcessGroupTCP is not configured")
+            if self._completer is None or not self._completer.is_alive():
+                self._completer = threading.Thread(
+                    target=self._completion_loop,
+                    name="stepguard-tcp-completion",
+                    daemon=True,
+                )
+                self._completer.start()
+        work = _TCPWork(self, result, staged, max(len(calls), 1))
+        if not calls:
+            work._on_done(0, "")
+        issued = 0
+        try:
+            for call in calls:
+                call(work._on_done)
+                issued += 1
+        except Exception as e:
+            self._record_error(e)
+            for _ in range(len(calls) - issued):
+                work._on_done(_C.ECANCELED, str(e))
+            if issued == 0:
+                raise
+        return work
+
+    def _t(self) -> float:
+        return self._timeout.total_seconds()
+
+    def _require(self) -> "_C.Comm":
+        comm = self._comm
+        if comm is None:
+            raise RuntimeError("ProcessGroupTCP is not configured")
+        return comm
+
+    # -- collectives --------------------------------------------------------------------
+
+    def allreduce(self, tensors: List[torch.Tensor], opts: object) -> _TCPWork:  # type: ignore[override]
+        """Reduces each tensor in place across every member."""
+        comm, op, s = self._require(), _redop(opts), _Staged()
+        calls = []
+        for t in tensors:
+            b, dt = s.buf(t, True), _dtype(t)
+            calls.append(
+                lambda done, b=b, dt=dt: comm.allreduce(
+                    b.data_ptr(), b.numel(), dt, op, self._t(), done
+                )
+            )
+        return self._issue(tensors, s, calls)
+
+    def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: object) -> _TCPWork:  # type: ignore[override]
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensor_list: List[torch.Tensor], opts: object) -> _TCPWork:  # type: ignore[override]
+        """Copies member ``opts.rootRank``'s tensors to every member."""
+        comm, s = self._require(), _Staged()
+        root = getattr(opts, "rootRank", opts)
+        if not isinstance(root, int):
+            raise TypeError("broadcast needs BroadcastOptions or a root rank")
+        calls = []
+        for t in tensor_list:
+            b = s.buf(t, True)
+            calls.append(
+                lambda done, b=b: comm.broadcast(
+                    b.data_ptr(), _nbytes(b), root, self._t(), done
+                )
+            )
+        return self._issue(tensor_list, s, calls)
+
+    def allgather(  # type: ignore[override]
+        self,
+        output_tensors: List[List[torch.Tensor]],
+        input_tensor: List[torch.Tensor],
+        opts: object = None,
+    ) -> _TCPWork:
+        """``output_tensors[i][r]`` receives member r's ``input_tensor[i]``."""
+        comm, s = self._require(), _Staged()
+        calls = []
+        for outs, inp in zip(output_tensors, input_tensor):
+            self._check_list(outs, inp, "allgather")
+            ib = s.buf(inp, False)
+            obs = [s.buf(o, True) for o in outs]
+            calls.append(
+                lambda done, ib=ib, obs=obs: comm.allgather(
+                    ib.data_ptr(),
+                    _nbytes(ib),
+                    [o.data_ptr() for o in obs],
+                    self._t(),
+                    done,
+                )
+            )
+        return self._issue(output_tensors, s, calls)
+
+    def allgather_into_tensor_coalesced(  # type: ignore[override]
+        self,
+        output_tensors: List[torch.Tensor],
+        input_tensors: List[torch.Tensor],
+        opts: object = None,
+    ) -> _TCPWork:
+        """Each flat output gets every member's input, in rank order."""
+        comm, s = self._require(), _Staged()
+        calls = []
+        for out, inp in zip(output_tensors, input_tensors):
+            if out.numel() != inp.numel() * self._world_size or out.dtype != inp.dtype:
+                raise ValueError("allgather_into_tensor: output must be world_size inputs")
+            ib, ob = s.buf(inp, False), s.buf(out, True)
+            n = _nbytes(ib)
+            calls.append(
+                lambda done, ib=ib, ob=ob, n=n: comm.allgather(
+                    ib.data_ptr(),
+                    n,
+                    [ob.data_ptr() + r * n for r in range(self._world_size)],
+                    self._t(),
+                    done,
+                )
+            )
+        return self._issue(output_tensors, s, calls)
+
+    def reduce_scatter(  # type: ignore[override]
+        self,
+        output_tensors: List[torch.Tensor],
+        input_tensors: List[List[torch.Tensor]],
+        opts: object,
+    ) -> _TCPWork:
+        """``output_tensors[i]`` on member r gets the reduction over members
+        of their ``input_tensors[i][r]``."""
+        comm, op, s = self._require(), _redop(opts), _Staged()
+        calls = []
+        for out, ins in zip(output_tensors, input_tensors):
+            self._check_list(ins, out, "reduce_scatter")
+            dt = _dtype(out)
+            ob = s.buf(out, True)
+            ibs = [s.buf(i, False) for i in ins]
+            calls.append(
+                lambda done, ob=ob, ibs=ibs, dt=dt: comm.reduce_scatter(
+                    [i.data_ptr() for i in ibs],
+                    ob.data_ptr(),
+                    ob.numel(),
+                    dt,
+                    op,
+                    self._t(),
+                    done,
+                )
+            )
+        return self._issue(output_tensors, s, calls)
+
+    def reduce_scatter_tensor_coalesced(  # type: ignore[override]
+        self,
+        output_tensors: List[torch.Tensor],
+        input_tensors: List[torch.Tensor],
+        opts: object,
+    ) -> _TCPWork:
+        """Reduce-scatter of flat inputs (world_size outputs long)."""
+        comm, op, s = self._require(), _redop(opts), _Staged()
+        calls = []
+        for out, inp in zip(output_tensors, input_tensors):
+            if inp.numel() != out.numel() * self._world_size or out.dtype != inp.dtype:
+                raise ValueError("reduce_scatter_tensor: input must be world_size outputs")
+            dt = _dtype(out)
+            ob, ib = s.buf(out, True), s.buf(inp, False)
+            n = _nbytes(ob)
+            calls.append(
+                lambda done, ob=ob, ib=ib, n=n, dt=dt: comm.reduce_scatter(
+                    [ib.data_ptr() + r * n for r in range(self._world_size)],
+                    ob.data_ptr(),
+                    ob.numel(),
+                    dt,
+                    op,
+                    self._t(),
+                    done,
+                )
+            )
+        return self._issue(output_tensors, s, calls)
+
+    def alltoall_base(  # type: ignore[override]
+        self,
+        output_buffer: torch.Tensor,
+        input_buffer: torch.Tensor,
+        output_split_sizes: List[int],
+        input_split_sizes: List[int],
+        opts: object = None,
+    ) -> _TCPWork:
+        """Sends dim-0 split r of the input to member r and receives member
+        r's into split r of the output (even splits when none are given)."""
+        comm, s = self._require(), _Staged()
+        w = self._world_size
+        ib, ob = s.buf(input_buffer, False), s.buf(output_buffer, True)
+
+        def layout(t: torch.Tensor, splits: List[int]) -> Tuple[List[int], List[int]]:
+            rows = t.shape[0] if t.dim() > 0 else t.numel()
+            if not splits:
+                if rows % w:
+                    raise ValueError("alltoall_base: dim 0 does not split evenly")
+                splits = [rows // w] * w
+            if len(splits) != w or sum(splits) != rows:
+                raise ValueError("alltoall_base: split sizes do not match")
+            row = _nbytes(t) // rows if rows else 0
+            ptrs, sizes, off = [], [], t.data_ptr()
+            for n in splits:
+                ptrs.append(off)
+                sizes.append(n * row)
+                off += n * row
+            return ptrs, sizes
+
+        ip, isz = layout(ib, list(input_split_sizes))
+        op_, osz = layout(ob, list(output_split_sizes))
+        return self._issue(
+            output_buffer,
+            s,
+            [lambda done: comm.alltoall(ip, isz, op_, osz, self._t(), done)],
+        )
+
+    def barrier(self, opts: object = None) -> _TCPWork:  # type: ignore[override]
+        """Completes once every member has entered the barrier."""
+        comm = self._require()
+        return self._issue(None, _Staged(), [lambda done: comm.barrier(self._t(), done)])
+
+    def send(self, tensors: List[torch.Tensor], dst_rank: int, tag: int = 0) -> _TCPWork:  # type: ignore[override]
+        """Sends each tensor to ``dst_rank`` (matched in order; ``tag`` is
+        not used)."""
+        comm, s = self._require(), _Staged()
+        calls = []
+        for t in tensors:
+            b = s.buf(t, False)
+            calls.append(
+                lambda done, b=b: comm.send(b.data_ptr(), _nbytes(b), dst_rank, self._t(), done)
+            )
+        return self._issue(tensors, s, calls)
+
+    def recv(self, tensors: List[torch.Tensor], src_rank: int, tag: int = 0) -> _TCPWork:  # type: ignore[override]
+        """Receives each tensor from ``src_rank`` (matched in order)."""
+        comm, s = self._require(), _Staged()
+        calls = []
+        for t in tensors:
+            b = s.buf(t, True)
+            calls.append(
+                lambda done, b=b: comm.recv(b.data_ptr(), _nbytes(b), src_rank, self._t(), done)
+            )
+        return self._issue(tensors, s, calls)
+
+    def _check_list(self, many: List[torch.Tensor], one: torch.Tensor, what: str) -> None:
+        if len(many) != self._world_size:
+            raise ValueError(f"{what}: need {self._world_size} tensors, got {len(many)}")
+        for t in many:
+            if t.numel() != one.numel() or t.dtype != one.dtype:
+                raise ValueError(f"{what}: tensors must match in size and dtype")
+
+    def __repr__(self) -> str:
+        return (
+            f"ProcessGroupTCP(rank={self._rank}, world_size={self._world_size}, "
+            f"quorum_id={self._quorum_id}, timeout={self._timeout})"
+        )
+
+
+def _create_backend(
+    store: Store, rank: int, world_size: int, timeout: timedelta
+) -> ProcessGroupTCP:
+    pg = ProcessGroupTCP(timeout=timeout)
+    pg._connect(store, rank, world_size, 0, "", None)
+    return pg
+
+
+def _register_backend() -> None:
+    if BACKEND_NAME.upper() in dist.Backend._plugins:  # type: ignore[attr-defined]
+        return
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        devices.append("cuda")
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, devices=devices)
+
+
+_register_backend()

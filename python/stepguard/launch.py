@@ -956,6 +956,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=100,
                    help="restarts per group before giving up (default 100)")
     p.add_argument("--restart-delay", type=float, default=0.0, metavar="SECONDS")
+    p.add_argument("--term-grace", type=float, default=2.0, metavar="SECONDS",
+                   help="SIGTERM to SIGKILL when ending a group (default 2)")
     p.add_argument("--duration", type=float, default=None, metavar="SECONDS",
                    help="stop everything after this long")
     p.add_argument("--inject", action="append", default=[], metavar="SPEC",
@@ -998,7 +1000,7 @@ def main(argv: list[str] | None = None) -> int:
         omp_threads=args.omp_threads, max_restarts=args.max_restarts,
         restart_delay=args.restart_delay, duration=args.duration, failures=failures,
         timeline=args.timeline, log_dir=args.log_dir, stop_file=args.stop_file,
-        master_addr=args.master_addr, quiet=args.quiet,
+        master_addr=args.master_addr, quiet=args.quiet, term_grace=args.term_grace,
     )
     try:
         return Launcher(cfg).run()

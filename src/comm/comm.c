@@ -614,11 +614,12 @@ static int peer_gone(sg_comm_t *c, int p) {
   return gone;
 }
 
-/* first_gone: the peer other than `except` seen gone first (checking the
- * watched ones now), or -1. */
+/* first_gone: the peer other than `except` seen gone first (probing the
+ * ones not yet seen gone), or -1. */
 static int first_gone(sg_comm_t *c, int except) {
   for (int p = 0; p < c->world; p++) {
-    if (p == c->rank || c->peers[p].fd < 0 || c->peers[p].unwatched)
+    if (p == c->rank || p == except || c->peers[p].fd < 0 ||
+        c->peers[p].gone_at)
       continue;
     struct pollfd pf = {.fd = c->peers[p].fd, .events = POLLRDHUP};
     if (poll(&pf, 1, 0) == 1)

@@ -337,6 +337,7 @@ class Launcher:
             1, (os.cpu_count() or 1) // (config.groups * config.nproc_per_group)
         )
         self._cgroup_root: Path | None = None
+        self.bad_events = 0  # worker event lines dropped as malformed
 
     # -- public controls (call from on_tick or another thread) --
 
@@ -370,7 +371,8 @@ class Launcher:
     def _record(self, event: str, t: float | None = None, **fields: Any) -> dict[str, Any]:
         t = time.time() if t is None else t
         rec = {"event": event, "t": round(t, 6), "elapsed": round(t - self.t0, 6)}
-        rec.update(fields)
+        for k, v in fields.items():
+            rec.setdefault(k, v)  # a worker's fields never override these
         if self._timeline is not None:
             self._timeline.write(json.dumps(rec, default=str) + "\n")
             self._timeline.flush()
@@ -579,7 +581,13 @@ class Launcher:
     # -- worker events --
 
     def _read_events(self) -> None:
+        """Reads worker events off the pipe (reader thread).
+
+        Anything that is not one JSON object with a string ``event`` per
+        line, or a line longer than _MAX_EVENT, is counted and dropped.
+        """
         buf = b""
+        skipping = False  # inside an over-long line: drop up to its newline
         while True:
             try:
                 chunk = os.read(self._pipe_r, 65536)
@@ -590,23 +598,49 @@ class Launcher:
             buf += chunk
             *lines, buf = buf.split(b"\n")
             for line in lines:
+                if skipping:
+                    skipping = False
+                    continue
                 try:
                     rec = json.loads(line)
                 except ValueError:
-                    continue
-                if isinstance(rec, dict) and isinstance(rec.get("event"), str):
+                    rec = None
+                if (isinstance(rec, dict) and isinstance(rec.get("event"), str)
+                        and len(line) <= _MAX_EVENT):
                     self._events.put(rec)
+                elif line.strip():
+                    self.bad_events += 1
+            if len(buf) > _MAX_EVENT:
+                self.bad_events += 1
+                buf = b""
+                skipping = True
 
     def _handle_worker_event(self, rec: dict[str, Any]) -> None:
-        ev = rec.pop("event")
-        t = float(rec.pop("t", time.time()))
+        try:
+            self._worker_event(rec)
+        except Exception:  # noqa: BLE001 - a bad event must not stop the job
+            self.bad_events += 1
+            _log.debug("bad worker event %r", rec, exc_info=True)
+
+    def _worker_event(self, rec: dict[str, Any]) -> None:
+        ev = str(rec.pop("event"))
+        now = time.time()
+        t = rec.pop("t", now)
+        if not _is_int_or_float(t) or abs(t - now) > 86400:
+            t = now  # not a plausible wall-clock time: use the arrival time
+        t = float(t)
+        if ev in _LAUNCHER_EVENTS:
+            ev = "worker_" + ev
+        for key in ("group", "rank", "incarnation"):
+            if not _is_int(rec.get(key)):
+                rec.pop(key, None)
         gid = rec.get("group")
-        g = self.groups[gid] if isinstance(gid, int) and 0 <= gid < len(self.groups) else None
+        g = self.groups[gid] if gid is not None and 0 <= gid < len(self.groups) else None
         current = g is not None and rec.get("incarnation") == g.incarnation
         if ev != "step":
             self._record(ev, t=t, source="worker", **rec)
             return
-        committed = bool(rec.get("committed"))
+        committed = rec.get("committed") is True
         self._record("commit" if committed else "discard", t=t, **rec)
         if g is None or not current or rec.get("rank", 0) != 0:
             return
@@ -912,7 +946,8 @@ class Launcher:
                     self._handle_worker_event(self._events.get_nowait())
                 except queue.Empty:
                     break
-            self._record("end", restarts=sum(g.restarts for g in self.groups))
+            self._record("end", restarts=sum(g.restarts for g in self.groups),
+                         bad_events=self.bad_events)
             for g in self.groups:
                 g.store = None
             if self._timeline is not None:
@@ -927,6 +962,26 @@ class Launcher:
 
 class _Terminated(Exception):
     pass
+
+
+_MAX_EVENT = 65536  # longest accepted worker event line, in bytes
+# Names the launcher writes itself; a worker event of the same name is
+# recorded as "worker_<name>" so it cannot be mistaken for one.
+_LAUNCHER_EVENTS = frozenset({
+    "start", "lighthouse", "launch", "restart", "exit", "group_end", "group_done",
+    "give_up", "inject", "inject_skipped", "hang_end", "slow_end", "finish",
+    "duration_reached", "interrupted", "end", "commit", "discard", "quorum_change",
+    "recovery",
+})
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_int_or_float(v: object) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)
+            and v == v and abs(v) != float("inf"))
 
 
 # ---- CLI -------------------------------------------------------------------

@@ -34,6 +34,19 @@ rank = int(os.environ["RANK"])
 child = None
 if os.environ.get("FAKE_CHILD"):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+if os.environ.get("FAKE_IGNORE_TERM") and rank == 0:
+    import signal
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if os.environ.get("FAKE_GARBAGE"):
+    fd = int(os.environ["STEPGUARD_EVENTS_FD"])
+    for junk in (b"not json\n", b"[1, 2]\n", b'{"event": 5}\n', b"\xff\xfe\n",
+                 b"x" * 100000 + b'{"event": "hidden"}\n',
+                 b'{"event": "inject", "group": "0", "pid": 1}\n',
+                 b'{"event": "step", "t": "soon", "group": 0, "rank": 0, '
+                 b'"incarnation": 0, "step": "x", "committed": "yes"}\n',
+                 b'{"event": "step", "t": 1e308, "group": 99, "elapsed": -1}\n',
+                 b'{"event": "step", "t": NaN, "group": true}\n'):
+        os.write(fd, junk)
 report("hello", env=env, pid=os.getpid(), child=child.pid if child else None)
 die = os.environ.get("FAKE_DIE", "")  # "rank:incarnation:seconds"
 die_at = None
@@ -166,6 +179,40 @@ def test_group_restarts_when_one_rank_dies(tmp_path: Path) -> None:
     rejoin = _of(tl, "recovery", kind="rejoin")
     assert len(rejoin) == 1 and rejoin[0]["duration_s"] > 0
     assert _of(tl, "group_done", incarnation=1)
+
+
+def test_rank_ignoring_sigterm_is_killed(tmp_path: Path) -> None:
+    """A rank that ignores SIGTERM is SIGKILLed after the grace period."""
+    cfg = _config(tmp_path, groups=1, nproc_per_group=2, term_grace=0.5,
+                  env={"FAKE_DIE": "1:0:0.3", "FAKE_IGNORE_TERM": "1", "FAKE_STEPS": "40"})
+    assert Launcher(cfg).run() == 0
+    tl = _timeline(tmp_path / "tl.jsonl")
+    by_rank = {e["rank"]: e for e in _of(tl, "exit", incarnation=0)}
+    assert by_rank[1]["returncode"] == 3
+    assert by_rank[0]["signal"] == "SIGKILL"
+    assert _of(tl, "group_done", incarnation=1)
+
+
+def test_garbage_events_are_dropped(tmp_path: Path) -> None:
+    """Malformed, over-long and impersonating worker events are dropped or
+    renamed; the launcher keeps going and records the good ones."""
+    cfg = _config(tmp_path, groups=1, env={"FAKE_GARBAGE": "1", "FAKE_STEPS": "5"})
+    launcher = Launcher(cfg)
+    assert launcher.run() == 0
+    tl = _timeline(tmp_path / "tl.jsonl")
+    assert _of(tl, "inject") == []  # the impersonation was renamed
+    fake = _of(tl, "worker_inject")
+    assert len(fake) == 1 and fake[0]["source"] == "worker" and "group" not in fake[0]
+    assert _of(tl, "hidden") == []  # rode on an over-long line
+    # the three bad step events are recorded as discards without derived
+    # records; their times fell back to the arrival time
+    bad = [r for r in _of(tl, "discard") if r.get("step") in ("x", None)]
+    assert len(bad) == 3
+    assert all(abs(r["t"] - time.time()) < 600 and r["elapsed"] >= 0 for r in bad)
+    assert len(_of(tl, "commit")) == 5
+    assert _of(tl, "hello")
+    assert _of(tl, "end")[0]["bad_events"] == 5
+    assert launcher.bad_events == 5
 
 
 def test_kill_injection_on_schedule(tmp_path: Path) -> None:

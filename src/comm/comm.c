@@ -47,6 +47,7 @@
 #define HANDSHAKE_MS 10000          /* one handshake's own limit */
 #define SLICE_MS 100                /* abort latency bound for blocking steps */
 #define MAX_BYTES ((size_t)1 << 46) /* largest operation accepted */
+#define GONE_GRACE_MS 50            /* see first_gone */
 
 enum op_kind {
   OP_ALLREDUCE = 1,
@@ -614,22 +615,37 @@ static int peer_gone(sg_comm_t *c, int p) {
   return gone;
 }
 
-/* first_gone: the peer other than `except` seen gone first (probing the
- * ones not yet seen gone), or -1. */
+/* first_gone: the peer other than `except` seen gone first, or -1.  Peers
+ * not yet seen gone are probed, for up to GONE_GRACE_MS when none is: a
+ * peer that closed because it saw a crash may be heard before the crash
+ * itself.  Only failure paths call this. */
 static int first_gone(sg_comm_t *c, int except) {
-  for (int p = 0; p < c->world; p++) {
-    if (p == c->rank || p == except || c->peers[p].fd < 0 ||
-        c->peers[p].gone_at)
-      continue;
-    struct pollfd pf = {.fd = c->peers[p].fd, .events = POLLRDHUP};
-    if (poll(&pf, 1, 0) == 1)
-      peer_gone(c, p);
-  }
+  struct pollfd *pf = sg_calloc((size_t)c->world, sizeof(*pf));
+  sg_deadline_t grace = sg_deadline_in_ms(GONE_GRACE_MS);
   int best = -1;
-  for (int p = 0; p < c->world; p++)
-    if (p != except && c->peers[p].gone_at &&
-        (best < 0 || c->peers[p].gone_at < c->peers[best].gone_at))
-      best = p;
+  for (;;) {
+    int np = 0;
+    for (int p = 0; p < c->world; p++) {
+      if (p == c->rank || p == except || c->peers[p].fd < 0 ||
+          c->peers[p].gone_at)
+        continue;
+      struct pollfd one = {.fd = c->peers[p].fd, .events = POLLRDHUP};
+      if (poll(&one, 1, 0) == 1)
+        peer_gone(c, p);
+      else if (pf)
+        pf[np++] = one;
+    }
+    for (int p = 0; p < c->world; p++)
+      if (p != except && c->peers[p].gone_at &&
+          (best < 0 || c->peers[p].gone_at < c->peers[best].gone_at))
+        best = p;
+    if (best >= 0 || np == 0 || sg_deadline_passed(grace) ||
+        atomic_load(&c->stop))
+      break;
+    if (poll(pf, (nfds_t)np, (int)sg_deadline_left_ms(grace)) <= 0)
+      break;
+  }
+  sg_free(pf);
   return best;
 }
 

@@ -1,0 +1,314 @@
+"""ProcessGroupTCP over real processes.
+
+Each test starts its ranks as separate Python processes around a TCPStore
+held by the test, and collects what they report through files.  Results
+are compared with torch's Gloo process group, run in the same processes on
+the same data: bit-for-bit where the data is exact (small integers), and
+closely (plus bit-identical across our ranks) for random floats.  Failure
+tests SIGKILL a rank mid-allreduce, abort from another thread, and check
+that a reconfiguration builds a new communicator.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+WORKER = r'''
+import json, os, sys, threading, time
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+from torch.distributed import (AllreduceOptions, BroadcastOptions, PrefixStore,
+                               ReduceOp, TCPStore)
+from stepguard.process_group import ProcessGroupTCP
+
+port, rank, world, scenario, out = (int(sys.argv[1]), int(sys.argv[2]),
+                                    int(sys.argv[3]), sys.argv[4], sys.argv[5])
+T = timedelta(seconds=20)
+ADDR = f"127.0.0.1:{port}"
+
+def tcp(prefix="q/1", quorum_id=1, w=world, r=rank, timeout=T):
+    pg = ProcessGroupTCP(timeout=timeout)
+    pg.configure(f"{ADDR}/{prefix}", "replica", r, w, quorum_id=quorum_id)
+    return pg
+
+def gloo():
+    store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                     timeout=T)
+    return dist.ProcessGroupGloo(PrefixStore("gloo", store), rank, world, T)
+
+def data(dtype, seed, exact=True):
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    if exact:
+        v = torch.randint(1, 5, (1003,), generator=g)
+        if dtype in (torch.int8, torch.int32, torch.int64, torch.float32,
+                     torch.float64, torch.float16, torch.bfloat16):
+            v = v * (1 if rank % 2 else -1)
+        return v.to(dtype)
+    return (torch.rand(200003, generator=g, dtype=torch.float64) * 2 - 1).to(dtype)
+
+res = {}
+if scenario == "compare":
+    ours, ref = tcp(), gloo()
+    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
+              torch.int8, torch.uint8, torch.int32, torch.int64]
+    ops = {"sum": ReduceOp.SUM, "min": ReduceOp.MIN, "max": ReduceOp.MAX,
+           "product": ReduceOp.PRODUCT}
+    for dt in dtypes:
+        for name, op in ops.items():
+            a = data(dt, len(res))
+            b = a.clone()
+            ours.allreduce([a], op).wait()
+            opts = AllreduceOptions(); opts.reduceOp = op
+            ref.allreduce([b], opts).wait()
+            res[f"{dt}-{name}"] = [a.view(torch.uint8).tolist() if False else
+                                   a.float().tolist(), b.float().tolist(),
+                                   bytes(a.view(torch.uint8).numpy()).hex()[:4000]]
+    # random floats: ours must be bit-identical across ranks
+    for size in (5, 200003):
+        a = data(torch.float32, 99, exact=False)[:size].clone()
+        b = a.clone()
+        ours.allreduce([a], ReduceOp.SUM).wait()
+        ref.allreduce([b]).wait()
+        res[f"rand-{size}"] = [float((a - b).abs().max()),
+                               bytes(a.numpy().tobytes()).hex()]
+    # AVG (Gloo has none): against Gloo's SUM / world
+    a = data(torch.float64, 7); b = a.clone()
+    ours.allreduce([a], ReduceOp.AVG).wait(); ref.allreduce([b]).wait()
+    res["avg"] = [a.tolist(), (b / world).tolist()]
+    # broadcast, allgather, alltoall, reduce_scatter, send/recv, barrier
+    for root in range(world):
+        a = torch.full((70001,), float(rank)); b = a.clone()
+        o = BroadcastOptions(); o.rootRank = root
+        ours.broadcast([a], o).wait(); ref.broadcast([b], o).wait()
+        res[f"bcast-{root}"] = [a.tolist()[:5], b.tolist()[:5], bool(torch.equal(a, b))]
+    a = torch.arange(10, dtype=torch.int64) + 100 * rank
+    outs = [torch.zeros(10, dtype=torch.int64) for _ in range(world)]
+    refs = [torch.zeros(10, dtype=torch.int64) for _ in range(world)]
+    ours.allgather([outs], [a]).wait(); ref.allgather([refs], [a]).wait()
+    res["allgather"] = [torch.cat(outs).tolist(), torch.cat(refs).tolist()]
+    flat = torch.zeros(10 * world, dtype=torch.int64)
+    ours.allgather_into_tensor_coalesced([flat], [a]).wait()
+    res["allgather_flat"] = [flat.tolist(), torch.cat(refs).tolist()]
+    x = torch.arange(world * 3, dtype=torch.float32) + 1000 * rank
+    y = torch.empty_like(x); yr = torch.empty_like(x)
+    ours.alltoall_base(y, x, [], [], None).wait()
+    ref.alltoall_base(yr, x, [], [], dist.AllToAllOptions()).wait()
+    res["alltoall"] = [y.tolist(), yr.tolist()]
+    ins = [torch.full((4,), float(rank * 10 + i)) for i in range(world)]
+    o = torch.zeros(4)
+    ours.reduce_scatter([o], [ins], ReduceOp.SUM).wait()
+    res["reduce_scatter"] = [o.tolist(), [float(sum(q * 10 + rank for q in range(world)))] * 4]
+    nc = torch.arange(20, dtype=torch.float32).reshape(4, 5).t() * (rank + 1)  # not contiguous
+    want = torch.arange(20, dtype=torch.float32).reshape(4, 5).t() * sum(range(1, world + 1))
+    ours.allreduce([nc], ReduceOp.SUM).wait()
+    res["noncontig"] = [nc.tolist(), want.tolist()]
+    if rank == 0:
+        ours.send([torch.arange(6, dtype=torch.float32)], world - 1, 0).wait()
+    if rank == world - 1:
+        r = torch.zeros(6); ours.recv([r], 0, 0).wait(); res["recv"] = r.tolist()
+    fut = ours.allreduce([torch.ones(3)], ReduceOp.SUM).get_future()
+    res["future"] = fut.wait()[0].tolist()
+    ours.barrier().wait()
+    res["size"] = [ours.size(), ours.getBackendName(), ours.errored() is None]
+    ours.shutdown()
+elif scenario == "kill":
+    pg = tcp()
+    t = torch.zeros(4 << 20)
+    print("ready", flush=True)
+    t0 = None
+    try:
+        for i in range(100000):
+            pg.allreduce([t], ReduceOp.SUM).wait()
+            if i == 1:
+                open(out + ".ready", "w").close()
+    except Exception as e:
+        res = {"type": type(e).__name__, "msg": str(e), "t": time.monotonic(),
+               "errored": repr(pg.errored())}
+    pg.shutdown()
+elif scenario == "abort":
+    pg = tcp(timeout=timedelta(seconds=60))
+    if rank == 0:
+        w = pg.allreduce([torch.zeros(100)], ReduceOp.SUM)
+        threading.Timer(0.2, pg.abort).start()
+        t0 = time.monotonic()
+        try:
+            w.wait()
+            res["raised"] = None
+        except Exception as e:
+            res["raised"] = type(e).__name__ + ": " + str(e)
+        res["elapsed"] = time.monotonic() - t0
+        res["errored"] = pg.errored() is not None
+        try:
+            pg.allreduce([torch.zeros(1)], ReduceOp.SUM)
+            res["after"] = None
+        except Exception as e:
+            res["after"] = str(e)
+        # a new configuration makes it usable again
+        pg.configure(f"{ADDR}/q/2", "replica", 0, 1, quorum_id=2)
+        t = torch.ones(3); pg.allreduce([t], ReduceOp.SUM).wait()
+        res["reconfigured"] = t.tolist()
+    else:
+        time.sleep(3)
+    pg.shutdown()
+elif scenario == "reconfigure":
+    pg = tcp("q/1", 1)
+    t = torch.ones(4); pg.allreduce([t], ReduceOp.SUM).wait()
+    res["q1"] = t.tolist()
+    if rank < world - 1:  # the last rank leaves; the others go on as a smaller quorum
+        pg.configure(f"{ADDR}/q/2", "replica", rank, world - 1, quorum_id=2)
+        t = torch.ones(4); pg.allreduce([t], ReduceOp.SUM).wait()
+        res["q2"] = t.tolist()
+        res["size"] = pg.size()
+    pg.shutdown()
+elif scenario == "init":
+    store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=T)
+    dist.init_process_group(backend="stepguard_tcp", store=store, rank=rank,
+                            world_size=world)
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t)
+    outs = [torch.zeros(3) for _ in range(world)]
+    dist.all_gather(outs, t)
+    b = torch.full((2,), float(rank)); dist.broadcast(b, src=world - 1)
+    dist.barrier()
+    res = {"sum": t.tolist(), "gather": [o.tolist() for o in outs], "bcast": b.tolist(),
+           "rank": dist.get_rank(), "world": dist.get_world_size()}
+    dist.destroy_process_group()
+with open(out, "w") as f:
+    json.dump(res, f)
+'''
+
+
+def _start(procs, tmp_path: Path, world: int, scenario: str):
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=30))
+    outs = [tmp_path / f"out{r}.json" for r in range(world)]
+    ps = [
+        procs.spawn(WORKER, str(store.port), str(r), str(world), scenario, str(outs[r]))
+        for r in range(world)
+    ]
+    return store, ps, outs
+
+
+def _finish(ps, outs, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    for p in ps:
+        p.wait(timeout=max(deadline - time.monotonic(), 1))
+    for p in ps:
+        assert p.returncode == 0, f"worker exited with {p.returncode}"
+    return [json.loads(o.read_text()) for o in outs]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_matches_gloo(procs, tmp_path, world):
+    store, ps, outs = _start(procs, tmp_path, world, "compare")
+    res = _finish(ps, outs)
+    r0 = res[0]
+    for key, val in r0.items():
+        if key.startswith("torch."):
+            ours, gloo, hexbits = val
+            assert ours == gloo, key  # exact data: the same values as Gloo
+            for other in res[1:]:
+                assert other[key][2] == hexbits, key  # same bits on every rank
+    for size in ("rand-5", "rand-200003"):
+        assert r0[size][0] < 1e-5  # close to Gloo
+        for other in res[1:]:
+            assert other[size][1] == r0[size][1]  # identical bits on every rank
+    assert r0["avg"][0] == pytest.approx(r0["avg"][1])
+    for root in range(world):
+        for r in res:
+            assert r[f"bcast-{root}"][2], f"broadcast from {root} differs from Gloo"
+            assert r[f"bcast-{root}"][0] == [float(root)] * 5
+    for r in res:
+        assert r["allgather"][0] == r["allgather"][1]
+        assert r["allgather_flat"][0] == r["allgather_flat"][1]
+        assert r["alltoall"][0] == r["alltoall"][1]
+        assert r["reduce_scatter"][0] == r["reduce_scatter"][1]
+        assert r["noncontig"][0] == r["noncontig"][1]
+        assert r["future"] == [float(world)] * 3
+        assert r["size"] == [world, "stepguard-tcp", True]
+    assert res[-1]["recv"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_sigkill_names_the_rank(procs, tmp_path):
+    world, victim = 3, 1
+    store, ps, outs = _start(procs, tmp_path, world, "kill")
+    ready = [Path(str(o) + ".ready") for o in outs]
+    deadline = time.monotonic() + 60
+    while not all(r.exists() for r in ready):
+        assert time.monotonic() < deadline, "ranks never got going"
+        assert all(p.poll() is None for p in ps)
+        time.sleep(0.05)
+    time.sleep(0.05)
+    t_kill = time.monotonic()
+    os.kill(ps[victim].pid, signal.SIGKILL)
+    for r, p in enumerate(ps):
+        if r != victim:
+            p.wait(timeout=60)
+            assert p.returncode == 0
+    for r in range(world):
+        if r == victim:
+            continue
+        res = json.loads(outs[r].read_text())
+        assert res["type"] == "Error", res
+        assert f"rank {victim}" in res["msg"], res
+        assert res["errored"] != "None"
+        assert res["t"] - t_kill < 10.0  # seen from the connection, not the 20 s deadline
+
+
+def test_abort_from_another_thread(procs, tmp_path):
+    store, ps, outs = _start(procs, tmp_path, 2, "abort")
+    res = _finish(ps, outs)[0]
+    assert res["raised"] is not None and "abort" in res["raised"]
+    assert res["elapsed"] < 10.0  # not the 60 s deadline
+    assert res["errored"]
+    assert res["after"] is not None
+    assert res["reconfigured"] == [1.0, 1.0, 1.0]
+
+
+def test_reconfigure_to_a_smaller_quorum(procs, tmp_path):
+    store, ps, outs = _start(procs, tmp_path, 3, "reconfigure")
+    res = _finish(ps, outs)
+    for r in res:
+        assert r["q1"] == [3.0] * 4
+    for r in res[:2]:
+        assert r["q2"] == [2.0] * 4
+        assert r["size"] == 2
+
+
+def test_init_process_group_backend(procs, tmp_path):
+    store, ps, outs = _start(procs, tmp_path, 2, "init")
+    res = _finish(ps, outs)
+    for rank, r in enumerate(res):
+        assert r["sum"] == [3.0] * 3
+        assert r["gather"] == [[3.0] * 3, [3.0] * 3]
+        assert r["bcast"] == [1.0, 1.0]
+        assert r["rank"] == rank and r["world"] == 2
+
+
+def test_bad_arguments_raise():
+    from stepguard.process_group import ProcessGroupTCP
+
+    pg = ProcessGroupTCP(timeout=timedelta(seconds=5))
+    with pytest.raises(RuntimeError, match="not configured"):
+        pg.allreduce([torch.ones(1)], torch.distributed.ReduceOp.SUM)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    pg.configure(f"127.0.0.1:{store.port}/solo", "r", 0, 1, quorum_id=3)
+    with pytest.raises(TypeError):
+        pg.allreduce([torch.ones(1, dtype=torch.bool)], torch.distributed.ReduceOp.SUM)
+    with pytest.raises(ValueError):
+        pg.allreduce([torch.ones(1)], torch.distributed.ReduceOp.BAND)
+    t = torch.ones(2)
+    pg.allreduce([t], torch.distributed.ReduceOp.SUM).wait()  # world of one
+    assert t.tolist() == [1.0, 1.0]
+    pg.shutdown()

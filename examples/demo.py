@@ -102,6 +102,10 @@ class Progress:
         if elapsed - self.last_print < self.every:
             return
         self.last_print = elapsed
+        if self.max_step < 0:
+            print(f"[{elapsed:6.1f}s] starting: {len(self.running)} replica groups "
+                  "launched, waiting for the first committed step", flush=True)
+            return
         loss = statistics.mean(self.loss.values()) if self.loss else float("nan")
         print(f"[{elapsed:6.1f}s] step {max(self.max_step, 0):4d}  loss {loss:6.3f}  "
               f"replicas in quorum {self.participants}/{self.groups}  "

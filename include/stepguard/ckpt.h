@@ -208,7 +208,9 @@ SG_EXPORT void sg_ckpt_server_stats(sg_ckpt_server_t *s,
 /*
  * sg_ckpt_server_stop: close every connection, join the thread and free
  * `s` (NULL is a no-op).  The served memory is no longer read when it
- * returns.  Must not race other calls on `s`.
+ * returns.  Must not race other calls on `s`.  In a forked child it returns
+ * at once and frees nothing (serve fails with SG_ESTATE there, disallow
+ * returns 0).
  */
 SG_EXPORT void sg_ckpt_server_stop(sg_ckpt_server_t *s);
 

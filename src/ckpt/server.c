@@ -11,6 +11,12 @@
  * fall to zero (cutting the rest at its deadline) before it releases the
  * memory, like a reader-writer lock whose writer is the optimizer step.
  *
+ * Fork: a forked child has no server thread, and the mutex may have been
+ * held at the fork.  Every entry point compares sg_sock_fork_count() with
+ * its value at start; in a child, serve and disallow fail or return at once
+ * and stop frees nothing (the registry already pointed the sockets at
+ * /dev/null there).
+ *
  * Bad input: a request that cannot be parsed, a wrong token or a range
  * past the end gets an error response and the connection closes; a
  * request that is merely refused (not serving, wrong step, wrong layout)
@@ -65,6 +71,7 @@ struct sg_ckpt_server_s {
   int max_conns;
   int64_t request_timeout_ns, stall_timeout_ns;
   size_t send_budget;
+  unsigned fork_count; /* sg_sock_fork_count() at start */
 
   pthread_mutex_t mu;
   pthread_cond_t cv;
@@ -522,6 +529,7 @@ int sg_ckpt_server_start(const sg_ckpt_server_opts_t *o, sg_ckpt_server_t **out,
   s->listen_fd = -1;
   s->wake_fd = -1;
   s->step = -1;
+  s->fork_count = sg_sock_fork_count();
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -576,6 +584,10 @@ int sg_ckpt_server_serve(sg_ckpt_server_t *s, int64_t step, const void *header,
   sg_ckpt_region_t *regs = NULL;
   uint64_t *prefix = NULL;
   uint8_t *lens = NULL;
+  if (sg_sock_fork_count() != s->fork_count)
+    return sg_err_set(err, SG_ESTATE,
+                      "checkpoint server used in a forked "
+                      "child process");
   if (step < 0 || (hlen && !header) || (n && !regions))
     return sg_err_set(err, SG_EINVAL, "bad serve arguments");
   if (hlen > SG_CKPT_MAX_HEADER || n > SG_CKPT_MAX_REGIONS)
@@ -654,6 +666,8 @@ static void deadline_ts(sg_deadline_t d, struct timespec *ts) {
 
 int sg_ckpt_server_disallow(sg_ckpt_server_t *s, sg_deadline_t deadline) {
   int rc = 0;
+  if (sg_sock_fork_count() != s->fork_count)
+    return 0; /* the child serves nothing */
   pthread_mutex_lock(&s->mu);
   if (s->state == S_IDLE) {
     pthread_mutex_unlock(&s->mu);
@@ -697,6 +711,8 @@ void sg_ckpt_server_stats(sg_ckpt_server_t *s, sg_ckpt_server_stats_t *o) {
 void sg_ckpt_server_stop(sg_ckpt_server_t *s) {
   if (!s)
     return;
+  if (sg_sock_fork_count() != s->fork_count)
+    return; /* no thread to join here; the parent owns the rest */
   pthread_mutex_lock(&s->mu);
   s->stop = 1;
   pthread_mutex_unlock(&s->mu);

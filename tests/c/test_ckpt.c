@@ -20,6 +20,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/time.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -812,6 +813,37 @@ static void test_max_conns(void **unused) {
                    SG_EINVAL);
 }
 
+/* A forked child (a DataLoader worker) may drop its copy of a server: that
+ * must neither hang (no thread to join) nor touch the parent's state. */
+static void test_forked_child_stop(void **unused) {
+  state_t st;
+  make_state(&st, 7, 1);
+  sg_ckpt_server_t *s = start_server(NULL, 0);
+  serve(s, 1, &st);
+  pid_t pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0) {
+    alarm(20); /* a hang fails the test instead of blocking it */
+    sg_err_t err;
+    int bad = sg_ckpt_server_serve(s, 2, NULL, 0, NULL, 0, &err) != SG_ESTATE;
+    bad |= sg_ckpt_server_disallow(s, sg_deadline_in_ms(1000)) != 0;
+    sg_ckpt_server_stop(s);
+    _exit(bad ? 3 : 0);
+  }
+  int status = 0;
+  assert_int_equal(waitpid(pid, &status, 0), pid);
+  assert_true(WIFEXITED(status));
+  assert_int_equal(WEXITSTATUS(status), 0);
+  /* the parent still serves */
+  char a[64];
+  addr_of(s, a);
+  const char *addrs[] = {a};
+  uint64_t bytes[1];
+  check_fetch(addrs, 1, NULL, 1, &st, 1, bytes);
+  sg_ckpt_server_stop(s);
+  free(st.mem);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_request_codec),
@@ -826,6 +858,7 @@ int main(void) {
       cmocka_unit_test(test_abort_and_deadline),
       cmocka_unit_test(test_server_survives_bad_clients),
       cmocka_unit_test(test_max_conns),
+      cmocka_unit_test(test_forked_child_stop),
   };
   int rc = cmocka_run_group_tests(tests, NULL, NULL);
   if (sg_sock_registered_count() != 0) {

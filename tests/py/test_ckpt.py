@@ -347,3 +347,46 @@ def test_shutdown_is_idempotent() -> None:
     a.shutdown()
     with pytest.raises(RuntimeError):
         a.metadata()
+
+
+def test_forked_child_drops_its_copy(pair) -> None:
+    import os
+
+    a, b = pair
+    a.send_checkpoint([1], 6, {"w": torch.arange(100)}, T60)
+    pid = os.fork()
+    if pid == 0:  # a DataLoader-like worker: drop the inherited transport
+        code = 0
+        try:
+            a.disallow_checkpoint()
+            a.shutdown()
+        except BaseException:  # noqa: BLE001 - report through the status
+            code = 3
+        os._exit(code)
+    deadline = time.monotonic() + 30
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung dropping the transport")
+        time.sleep(0.01)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    got = b.recv_checkpoint(0, a.metadata(), 6, T60)  # the parent serves on
+    assert torch.equal(got["w"], torch.arange(100))
+
+
+def test_fetches_from_a_torchft_http_peer() -> None:
+    torchft_http = pytest.importorskip("torchft.checkpointing.http_transport")
+    peer = torchft_http.HTTPTransport(T60, num_chunks=0)
+    b = NativeTransport(T60, hostname="127.0.0.1")
+    try:
+        sd = {"user": {"w": torch.randn(64, 3)}, "torchft": {"step": 2}}
+        peer.send_checkpoint([1], 2, sd, T60)
+        got = b.recv_checkpoint(0, peer.metadata(), 2, T60)
+        assert_identical(sd, got)
+    finally:
+        peer.shutdown()
+        b.shutdown()

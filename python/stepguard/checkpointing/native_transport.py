@@ -23,6 +23,9 @@ accepts one such string or several joined by commas, and
 ``recv_checkpoint_striped`` takes a list; with several sources the fetch
 is striped across all of them (a source that fails mid-transfer is dropped
 and its share taken by the others).  Nothing half-loaded is ever returned.
+A source whose metadata is an ``http://`` URL (an HTTPTransport peer, e.g.
+a torchft replica) is fetched from with the HTTP transport's format when no
+``sgckpt://`` source is given.
 
 The header is unpickled on the receiving side, so a source is trusted as
 with torchft's transports; set ``auth_token`` (or ``STEPGUARD_AUTH_TOKEN``)
@@ -259,7 +262,7 @@ class NativeTransport(CheckpointTransport[T]):
         ``metadata`` is one source's ``metadata()`` or several joined with
         commas; with several the fetch is striped across them.
         """
-        return self.recv_checkpoint_striped(parse_sources(metadata), step, timeout)
+        return self.recv_checkpoint_striped([metadata], step, timeout)
 
     def recv_checkpoint_striped(
         self, sources: Sequence[str], step: int, timeout: timedelta
@@ -273,7 +276,17 @@ class NativeTransport(CheckpointTransport[T]):
         partly received state.  ``last_recv_bytes`` then holds the bytes
         taken from each source.
         """
-        addrs = parse_sources(sources)
+        items = [m for s in sources for m in s.split(",") if m.strip()]
+        is_http = [m.strip().startswith(("http://", "https://")) for m in items]
+        http = [m.strip() for m, h in zip(items, is_http) if h]
+        native = [m for m, h in zip(items, is_http) if not h]
+        if not native and http:
+            # an HTTPTransport peer (torchft's or ours): its wire format
+            from stepguard.checkpointing.http_transport import HTTPTransport
+
+            self.last_recv_bytes = []
+            return HTTPTransport._load_from_address(f"{http[0]}{step}/full", timeout)
+        addrs = parse_sources(native)
         deadline = time.monotonic() + _seconds(timeout)
         fetch = _C.CkptFetch()
         header = None

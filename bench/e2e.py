@@ -11,7 +11,9 @@ launcher's timeline it measures:
 (b) the steady-state step time (all replicas in the quorum, none healing),
     against plain ``torch.distributed`` DDP over the same ranks;
 (c) relaunched replica start -> its first committed step (process start,
-    imports, joining, healing from a peer, one step).
+    imports, joining, healing from a peer, one step); (c') the same from
+    the moment the trainer reported ``ready`` (imports, corpus and model
+    done), which is the part fault tolerance is responsible for.
 
 Configurations: ``plain`` (torch DDP, no fault tolerance), ``torchft``
 (torchft's trainer and lighthouse), ``stepguard`` (stepguard's trainer and
@@ -91,7 +93,9 @@ def measure(tl: list[dict[str, Any]], groups: int, warmup: int) -> dict[str, Any
     for r in tl:
         if r["event"] == "recovery" and r["kind"] == "survivors":
             surv.setdefault(r["failure"], r["duration_s"])
-    rejoin = [r["duration_s"] for r in tl if r["event"] == "recovery" and r["kind"] == "rejoin"]
+    rejoins = [r for r in tl if r["event"] == "recovery" and r["kind"] == "rejoin"]
+    rejoin = [r["duration_s"] for r in rejoins]
+    join = [r["join_s"] for r in rejoins if "join_s" in r]
     # Steady state: a committed step of a full quorum, nobody healing, and
     # not among the first `warmup` steps of an incarnation.
     seen: dict[tuple[int, int, int], int] = {}
@@ -111,6 +115,7 @@ def measure(tl: list[dict[str, Any]], groups: int, warmup: int) -> dict[str, Any
         "kills": sum(1 for r in tl if r["event"] == "inject"),
         "survivors": sorted(surv.values()),
         "rejoin": sorted(rejoin),
+        "join": sorted(join),
         "step_times": times,
         "committed_steps": len(steps),
         "discards": sum(1 for r in tl if r["event"] == "discard" and r.get("rank") == 0),
@@ -154,6 +159,8 @@ def table(res: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     row("(b) step time, median (full quorum)", "step_times", med, "ms")
     row("(c) relaunch -> first commit, median", "rejoin", med)
     row("(c) relaunch -> first commit, max", "rejoin", lambda v: max(v) if v else None)
+    row("(c') trainer ready -> first commit, median", "join", med)
+    row("(c') trainer ready -> first commit, max", "join", lambda v: max(v) if v else None)
     counts = "| kills / committed steps / discarded | " + " | ".join(
         f"{res[c]['kills']} / {res[c]['committed_steps']} / {res[c]['discards']}"
         for c in cols) + (" | |" if fast else " |")

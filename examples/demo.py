@@ -150,7 +150,9 @@ def summarize(tl: list[dict[str, Any]], groups: int, identical: tuple[bool, str]
     for r in tl:
         if r["event"] == "recovery" and r["kind"] == "survivors":
             surv.setdefault(r["failure"], r["duration_s"])
-    rejoin = [r["duration_s"] for r in tl if r["event"] == "recovery" and r["kind"] == "rejoin"]
+    rejoins = [r for r in tl if r["event"] == "recovery" and r["kind"] == "rejoin"]
+    rejoin = [r["duration_s"] for r in rejoins]
+    join = [r["join_s"] for r in rejoins if "join_s" in r]
     commits = [r for r in tl if r["event"] == "commit" and r.get("rank") == 0]
     discards = [r for r in tl if r["event"] == "discard" and r.get("rank") == 0]
     steps = {r["step"] for r in commits}
@@ -169,6 +171,7 @@ def summarize(tl: list[dict[str, Any]], groups: int, identical: tuple[bool, str]
         "kill_to_survivor_commit_median_s": statistics.median(s) if s else None,
         "kill_to_survivor_commit_max_s": max(s) if s else None,
         "relaunch_to_first_commit_median_s": statistics.median(rejoin) if rejoin else None,
+        "ready_to_first_commit_median_s": statistics.median(join) if join else None,
         "final_step": max(steps) + 1 if steps else 0,
         "replicas_identical": identical[0],
         "replicas_detail": identical[1],
@@ -190,7 +193,8 @@ def summary_text(s: dict[str, Any]) -> str:
         f"{secs(s['kill_to_survivor_commit_median_s'])}, max "
         f"{secs(s['kill_to_survivor_commit_max_s'])}",
         f"relaunched replica start -> healed and committed: median "
-        f"{secs(s['relaunch_to_first_commit_median_s'])}",
+        f"{secs(s['relaunch_to_first_commit_median_s'])} (of which after its setup "
+        f"(imports, data, model): {secs(s['ready_to_first_commit_median_s'])})",
     ]
     if s["replicas_identical"]:
         lines.append(f"replicas identical: yes ({s['replicas_detail']})")

@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("group %d: %.2f M parameters, %d corpus bytes, device %s",
                  group, num_parameters(model) / 1e6, corpus.numel(), device)
 
+    report("ready")  # imports, corpus and model are done
     manager = None
     if args.plain:
         import torch.distributed as dist

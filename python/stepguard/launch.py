@@ -29,7 +29,8 @@ Everything that happens goes to a timeline of JSON lines (``--timeline``):
 launches, exits, restarts, injections, and the workers' own events, which
 they send with :func:`report` over a pipe the launcher reads; from those the
 launcher derives quorum changes, commits, discards, and recoveries with
-their durations.  Ctrl-C (or SIGTERM) ends every process it started, by
+their durations (a worker that reports ``ready`` once its setup is done
+also gets the time from there to its first commit, ``join_s``).  Ctrl-C (or SIGTERM) ends every process it started, by
 process group id.
 
 Worker helpers (dependency-free, usable from any training script):
@@ -266,6 +267,7 @@ class _Group:
         self.restart_at = 0.0
         self.restarts = 0
         self.launched_at = 0.0
+        self.ready_at: float | None = None  # rank 0 reported "ready"
         self.first_commit_seen = False
         self.last_quorum: tuple[Any, Any] | None = None
         self.stopped = False  # hang injection in effect
@@ -463,6 +465,7 @@ class Launcher:
         g.store = self._new_store()
         g.workers = []
         g.first_commit_seen = False
+        g.ready_at = None
         g.last_quorum = None
         g.stopped = False
         base = dict(os.environ)
@@ -638,6 +641,8 @@ class Launcher:
         g = self.groups[gid] if gid is not None and 0 <= gid < len(self.groups) else None
         current = g is not None and rec.get("incarnation") == g.incarnation
         if ev != "step":
+            if ev == "ready" and current and g is not None and rec.get("rank", 0) == 0:
+                g.ready_at = t
             self._record(ev, t=t, source="worker", **rec)
             return
         committed = rec.get("committed") is True
@@ -654,9 +659,14 @@ class Launcher:
         if not g.first_commit_seen:
             g.first_commit_seen = True
             if g.incarnation > 0:
+                extra = {}
+                if g.ready_at is not None:
+                    # The part after the worker said it was ready: joining,
+                    # healing and one step, without imports and model setup.
+                    extra["join_s"] = round(t - g.ready_at, 6)
                 self._record("recovery", t=t, kind="rejoin", group=gid,
                              incarnation=g.incarnation, step=rec.get("step"),
-                             duration_s=round(t - g.launched_at, 6))
+                             duration_s=round(t - g.launched_at, 6), **extra)
         still: list[dict[str, Any]] = []
         for k in self._pending_kills:
             if gid != k["group"] and t > k["t"]:

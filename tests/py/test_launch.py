@@ -48,6 +48,7 @@ if os.environ.get("FAKE_GARBAGE"):
                  b'{"event": "step", "t": NaN, "group": true}\n'):
         os.write(fd, junk)
 report("hello", env=env, pid=os.getpid(), child=child.pid if child else None)
+report("ready")
 die = os.environ.get("FAKE_DIE", "")  # "rank:incarnation:seconds"
 die_at = None
 if die:
@@ -178,6 +179,7 @@ def test_group_restarts_when_one_rank_dies(tmp_path: Path) -> None:
     assert _wait_gone(children, 10) == []
     rejoin = _of(tl, "recovery", kind="rejoin")
     assert len(rejoin) == 1 and rejoin[0]["duration_s"] > 0
+    assert 0 < rejoin[0]["join_s"] < rejoin[0]["duration_s"]
     assert _of(tl, "group_done", incarnation=1)
 
 

@@ -193,8 +193,8 @@ def summary_text(s: dict[str, Any]) -> str:
         f"{secs(s['kill_to_survivor_commit_median_s'])}, max "
         f"{secs(s['kill_to_survivor_commit_max_s'])}",
         f"relaunched replica start -> healed and committed: median "
-        f"{secs(s['relaunch_to_first_commit_median_s'])} (of which after its setup "
-        f"(imports, data, model): {secs(s['ready_to_first_commit_median_s'])})",
+        f"{secs(s['relaunch_to_first_commit_median_s'])}; from the end of its setup "
+        f"(imports, data, model): {secs(s['ready_to_first_commit_median_s'])}",
     ]
     if s["replicas_identical"]:
         lines.append(f"replicas identical: yes ({s['replicas_detail']})")

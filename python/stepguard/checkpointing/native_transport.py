@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import array
 import logging
+import math
 import os
 import pickle
 import socket
@@ -46,12 +47,7 @@ from datetime import timedelta
 from typing import Any, List, Sequence, Tuple, TypeVar
 
 import torch
-from torch.utils._pytree import (
-    tree_flatten,
-    tree_unflatten,
-    treespec_dumps,
-    treespec_loads,
-)
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from stepguard import _C
 from stepguard.checkpointing.transport import CheckpointTransport
@@ -90,8 +86,9 @@ def _plain(t: torch.Tensor) -> bool:
 
 def _span_elems(t: torch.Tensor) -> int:
     """Elements from ``t``'s first to its last addressed element, inclusive."""
-    if t.numel() == 0:
-        return 0
+    n = t.numel()
+    if n == 0 or t.is_contiguous():
+        return n
     return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
 
 
@@ -210,15 +207,11 @@ class NativeTransport(CheckpointTransport[T]):
                 )
             else:
                 metas.append(("v", leaf))
-        try:  # the JSON form when every node type has one
-            spec_field: Any = ("json", treespec_dumps(spec))
-        except Exception:  # noqa: BLE001 - custom node types: pickle it
-            spec_field = ("pickle", spec)
         header = pickle.dumps(
             {
                 "version": _HEADER_VERSION,
                 "step": step,
-                "spec": spec_field,
+                "spec": spec,
                 "leaves": metas,
             },
             protocol=pickle.HIGHEST_PROTOCOL,
@@ -316,17 +309,22 @@ class NativeTransport(CheckpointTransport[T]):
         leaves: List[Any] = []
         bufs: List[torch.Tensor] = []
         ptrs = array.array("Q")
+        want = array.array("Q")
         for m in meta["leaves"]:
             if m[0] == "v":
                 leaves.append(m[1])
                 continue
             _, dtype_name, shape, stride, span, _rg, _param, _dev = m
             dtype = getattr(torch, dtype_name)
-            buf = torch.empty((span,), dtype=dtype)
+            numel = math.prod(shape)
+            if span == numel:  # dense: allocate it in its final form
+                buf = torch.empty_strided(shape, stride, dtype=dtype)
+            else:  # gaps or overlaps: the span, viewed below
+                buf = torch.empty((span,), dtype=dtype)
             bufs.append(buf)
             leaves.append(None)
             ptrs.append(buf.data_ptr() if span else 0)
-        want = array.array("Q", (b.numel() * b.element_size() for b in bufs))
+            want.append(span * buf.element_size())
         if list(want) != list(lens):
             raise RuntimeError("checkpoint header and region table disagree")
         self.last_recv_bytes = fetch.data(
@@ -343,17 +341,16 @@ class NativeTransport(CheckpointTransport[T]):
         for i, m in enumerate(meta["leaves"]):
             if m[0] != "t":
                 continue
-            _, _dt, shape, stride, _span, requires_grad, is_param, _dev = m
-            t = next(it).as_strided(shape, stride, 0)
+            _, _dt, shape, stride, span, requires_grad, is_param, _dev = m
+            t = next(it)
+            if span != math.prod(shape):
+                t = t.as_strided(shape, stride, 0)
             if is_param:
                 t = torch.nn.Parameter(t, requires_grad=requires_grad)
             elif requires_grad:
                 t.requires_grad_(True)
             leaves[i] = t
-        kind, spec = meta["spec"]
-        if kind == "json":
-            spec = treespec_loads(spec)
-        return tree_unflatten(leaves, spec)
+        return tree_unflatten(leaves, meta["spec"])
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop serving and close the server (idempotent)."""

@@ -1,0 +1,367 @@
+"""Harness for the training-API scenarios: a lighthouse, N replica groups of
+M ranks (each group with its own TCPStore), kills and restarts by pid, and
+the per-step JSON events the workers (tests/py/train_worker.py) write.
+
+The implementation under test is ``$STEPGUARD_TRAIN_IMPL`` (``stepguard``,
+the default, or ``torchft``, which runs the same scenarios against the
+real torchft to prove they are right); the lighthouse is ours unless
+``$STEPGUARD_TRAIN_LIGHTHOUSE=torchft``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import pytest
+
+from lighthouse_util import OURS_CODE, TORCHFT_LIGHTHOUSE_SCRIPT, LighthouseProc
+
+WORKER = str(Path(__file__).with_name("train_worker.py"))
+IMPL = os.environ.get("STEPGUARD_TRAIN_IMPL", "stepguard")
+LIGHTHOUSE = os.environ.get("STEPGUARD_TRAIN_LIGHTHOUSE", "ours")
+
+
+def impl_has(*attr_paths: str) -> bool:
+    """True if every ``IMPL.attr_path`` exists (``Manager``,
+    ``process_group.ProcessGroupTCP``), checked in a child process so that
+    the test process never imports torch."""
+    checks = []
+    for path in attr_paths:
+        mod, _, attr = path.rpartition(".")
+        checks.append((f"{IMPL}.{mod}" if mod else IMPL, attr))
+    code = ("import importlib,sys\n"
+            f"for m, a in {checks!r}:\n"
+            "    if not hasattr(importlib.import_module(m), a): sys.exit(1)\n")
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                           timeout=120)
+    except subprocess.TimeoutExpired:
+        return False
+    return r.returncode == 0
+
+
+# what train_worker.py uses from the implementation
+API = ("Manager", "DistributedDataParallel", "Optimizer", "ProcessGroupGloo",
+       "manager.WorldSizeMode", "process_group.FakeProcessGroupWrapper")
+
+
+def require_api() -> None:
+    """Skips the calling test module (with the reason) if IMPL lacks the API."""
+    if not impl_has(*API):
+        pytest.skip(f"{IMPL} does not have the training API yet (one of {', '.join(API)})",
+                    allow_module_level=True)
+
+
+def wait_for(pred: Callable[[], object], timeout: float, what: str,
+             job: Job | None = None, interval: float = 0.05) -> object:
+    """Polls pred() until truthy; on timeout fails with the workers' state."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            detail = job.summary() if job is not None else ""
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{detail}")
+        time.sleep(interval)
+
+
+class Group:
+    """One replica group: its rank processes (or one torchrun) of one incarnation."""
+
+    def __init__(self, rid: str, ranks: int, args: tuple[str, ...], torchrun: bool) -> None:
+        self.rid = rid
+        self.ranks = ranks
+        self.args = args
+        self.torchrun = torchrun
+        self.incarnation = -1
+        self.popens: list[subprocess.Popen] = []
+
+
+class Job:
+    """A lighthouse and replica groups; every process it starts is killed by
+    pid in ``close()`` (worker pids under torchrun are read from their
+    ``start`` events)."""
+
+    def __init__(self, tmp: Path, *, min_replicas: int = 1,
+                 join_timeout_ms: int = 200, heartbeat_timeout_ms: int | None = None,
+                 impl: str = IMPL, lighthouse: str = LIGHTHOUSE) -> None:
+        self.dir = tmp
+        self.impl = impl
+        (tmp / "events").mkdir(parents=True, exist_ok=True)
+        (tmp / "logs").mkdir(exist_ok=True)
+        if heartbeat_timeout_ms is None:
+            # ours sees a closed connection at once, so a heartbeat timeout
+            # that would make a test slow proves that; torchft's needs it
+            heartbeat_timeout_ms = 60000 if lighthouse == "ours" else 2000
+        self.groups: dict[str, Group] = {}
+        self._popens: list[subprocess.Popen] = []
+        self._cache: dict[Path, tuple[int, list[dict]]] = {}
+        self._orphans: set[int] = set()  # children of killed trainers
+        flags = ["--bind", "127.0.0.1:0", "--min_replicas", str(min_replicas),
+                 "--join_timeout_ms", str(join_timeout_ms),
+                 "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),
+                 "--quorum_tick_ms", "20"]
+        if lighthouse == "torchft":
+            cmd = [str(TORCHFT_LIGHTHOUSE_SCRIPT), *flags]
+        else:
+            cmd = [sys.executable, "-c", OURS_CODE, *flags]
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self._popens.append(p)
+        self.lighthouse = LighthouseProc(p)
+        self.addr = self.lighthouse.addr
+
+    # ---- processes --------------------------------------------------
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        tests_dir = str(Path(__file__).parent)
+        env["PYTHONPATH"] = tests_dir + os.pathsep + env.get("PYTHONPATH", "")
+        return env
+
+    def start_group(self, rid: str, ranks: int = 1, *args: str,
+                    torchrun: bool = False) -> Group:
+        g = Group(rid, ranks, tuple(args), torchrun)
+        self.groups[rid] = g
+        self._launch(g)
+        return g
+
+    def _launch(self, g: Group, extra: Iterable[str] = ()) -> None:
+        g.incarnation += 1
+        g.popens = []
+        common = ["--impl", self.impl, "--lighthouse", self.addr,
+                  "--replica-id", g.rid, "--dir", str(self.dir),
+                  "--incarnation", str(g.incarnation), *g.args, *extra]
+        log = open(self.dir / "logs" / f"{g.rid}.i{g.incarnation}.log", "ab")
+        try:
+            if g.torchrun:
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       f"--nproc-per-node={g.ranks}", "--monitor-interval=0.1",
+                       WORKER, *common]
+                g.popens.append(subprocess.Popen(cmd, stdout=log, stderr=log,
+                                                 env=self._env()))
+            else:
+                for r in range(g.ranks):
+                    cmd = [sys.executable, WORKER, *common, "--group-rank", str(r),
+                           "--group-world-size", str(g.ranks)]
+                    g.popens.append(subprocess.Popen(cmd, stdout=log, stderr=log,
+                                                     env=self._env()))
+        finally:
+            log.close()
+        self._popens.extend(g.popens)
+
+    def child_pids(self, rid: str) -> set[int]:
+        """Children the current incarnation's trainers reported (DataLoader
+        workers), so that they too are killed by pid at the end."""
+        g = self.groups[rid]
+        return {c for e in self.events(rid, inc=g.incarnation, ev="ready")
+                for c in e.get("children", [])}
+
+    def worker_pids(self, rid: str) -> list[int]:
+        """Pids of the current incarnation's trainer processes (from events)."""
+        g = self.groups[rid]
+        return [e["pid"] for e in self.events(rid, inc=g.incarnation, ev="start")]
+
+    def kill_group(self, rid: str) -> None:
+        """SIGKILLs every process of the group's current incarnation."""
+        g = self.groups[rid]
+        self._orphans |= self.child_pids(rid)
+        for p in g.popens:
+            p.kill()
+        for pid in self.worker_pids(rid):
+            _kill(pid)
+        for p in g.popens:
+            p.wait(timeout=30)
+
+    def restart_group(self, rid: str, *extra: str) -> None:
+        self._launch(self.groups[rid], extra)
+
+    def wait_exit(self, rid: str, timeout: float) -> list[int]:
+        g = self.groups[rid]
+        deadline = time.monotonic() + timeout
+        rcs = []
+        for p in g.popens:
+            try:
+                rcs.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{rid} did not exit within {timeout}s\n"
+                                     + self.summary()) from None
+        return rcs
+
+    def stop_at(self, step: int) -> None:
+        """Makes every worker exit once it has reached `step`."""
+        tmp = self.dir / "stop_at.tmp"
+        tmp.write_text(str(step))
+        os.rename(tmp, self.dir / "stop_at")
+
+    def alive(self, rid: str) -> bool:
+        return all(p.poll() is None for p in self.groups[rid].popens)
+
+    def close(self) -> None:
+        pids: set[int] = set()
+        for rid in self.groups:
+            try:
+                pids |= {e["pid"] for e in self.events(rid, ev="start")}
+            except OSError:
+                pass
+        for p in self._popens:
+            if p.poll() is None:
+                p.kill()
+        for rid in self.groups:
+            pids |= self.child_pids(rid)
+        for pid in pids | self._orphans:
+            _kill(pid)
+        for p in self._popens:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+
+    # ---- events -----------------------------------------------------
+
+    def _read(self, path: Path) -> list[dict]:
+        size = path.stat().st_size
+        cached = self._cache.get(path)
+        if cached is not None and cached[0] == size:
+            return cached[1]
+        out = []
+        with open(path) as f:
+            for line in f:
+                if line.endswith("\n"):
+                    out.append(json.loads(line))
+        self._cache[path] = (size, out)
+        return out
+
+    def events(self, rid: str | None = None, *, g: int | None = None,
+               inc: int | None = None, ev: str | None = None) -> list[dict]:
+        """Events, filtered, in file order per rank (files in name order)."""
+        out: list[dict] = []
+        pattern = f"{rid or '*'}.g{'*' if g is None else g}.i{'*' if inc is None else inc}.jsonl"
+        for path in sorted((self.dir / "events").glob(pattern)):
+            for e in self._read(path):
+                if ev is None or e["ev"] == ev:
+                    out.append(e)
+        return out
+
+    def steps(self, rid: str | None = None, **kw) -> list[dict]:
+        return self.events(rid, ev="step", **kw)
+
+    def committed(self, rid: str, g: int = 0, inc: int | None = None) -> int:
+        """The highest step this rank has committed up to (-1 if none)."""
+        g_ = self.groups[rid]
+        inc = g_.incarnation if inc is None else inc
+        return max((e["step"] for e in self.steps(rid, g=g, inc=inc) if e["ok"]),
+                   default=-1)
+
+    def all_committed(self, step: int, rids: Iterable[str] | None = None) -> bool:
+        rids = list(self.groups) if rids is None else list(rids)
+        return all(self.committed(rid, g) >= step
+                   for rid in rids for g in range(self.groups[rid].ranks))
+
+    def hashes(self) -> dict[tuple[int, int], dict[str, str]]:
+        """{(group_rank, committed step): {replica_id: hash}}, every incarnation.
+
+        Also asserts that one rank never logs two hashes for one step."""
+        out: dict[tuple[int, int], dict[str, str]] = defaultdict(dict)
+        for e in self.steps():
+            if not e["ok"]:
+                continue
+            key = (e["g"], e["step"])
+            prev = out[key].get(e["rid"])
+            assert prev is None or prev == e["hash"], (
+                f"{e['rid']} g{e['g']} logged two hashes for step {e['step']}")
+            out[key][e["rid"]] = e["hash"]
+        return out
+
+    def assert_identical(self, min_compared: int, rids: Iterable[str] | None = None,
+                         from_step: int = 0) -> int:
+        """Asserts that replicas at the same committed step hold identical
+        parameters; returns how many (group rank, step) pairs held at least
+        two replicas, and asserts that number and that parameters changed."""
+        want = set(self.groups) if rids is None else set(rids)
+        compared = 0
+        distinct: dict[int, set[str]] = defaultdict(set)
+        for (g, step), by_rid in sorted(self.hashes().items()):
+            if step < from_step:
+                continue
+            sel = {r: h for r, h in by_rid.items() if r in want}
+            if len(sel) >= 2:
+                assert len(set(sel.values())) == 1, (
+                    f"group rank {g} step {step}: replicas differ: {sel}")
+                compared += 1
+            distinct[g] |= set(sel.values())
+        assert compared >= min_compared, (
+            f"only {compared} (group rank, step) pairs compared, want {min_compared}")
+        for g, hs in distinct.items():
+            assert len(hs) >= min(compared, 3), f"parameters of group rank {g} never change"
+        return compared
+
+    def summary(self, tail: int = 4) -> str:
+        lines = [f"impl={self.impl} dir={self.dir}"]
+        for rid, g in self.groups.items():
+            for r in range(g.ranks):
+                evs = self.events(rid, g=r)
+                lines.append(f"-- {rid} g{r} (incarnation {g.incarnation}, "
+                             f"alive={self.alive(rid)}): {len(evs)} events")
+                lines.extend("   " + json.dumps(e) for e in evs[-tail:])
+            logf = self.dir / "logs" / f"{rid}.i{g.incarnation}.log"
+            if logf.exists():
+                text = logf.read_text(errors="replace").splitlines()[-8:]
+                lines.extend("   | " + t for t in text)
+        lines.append("-- lighthouse: " + " / ".join(self.lighthouse.lines[-4:]))
+        return "\n".join(lines)
+
+
+class HardTimeout(BaseException):
+    """Raised by SIGALRM when a scenario overruns its hard time limit."""
+
+
+@pytest.fixture
+def job_factory(tmp_path):
+    """Makes Jobs under tmp_path and closes them all at teardown.  The first
+    ``make(hard_timeout=S, ...)`` arms SIGALRM: the scenario fails after S
+    seconds (default 120) whatever it is waiting for."""
+    jobs: list[Job] = []
+    limit = [0]
+
+    def on_alarm(signum, frame):
+        raise HardTimeout(f"scenario exceeded its {limit[0]}s hard timeout\n"
+                          + "\n".join(j.summary() for j in jobs))
+
+    def make(hard_timeout: int = 120, **kw) -> Job:
+        if not limit[0]:
+            limit[0] = hard_timeout
+            signal.alarm(hard_timeout)
+        j = Job(tmp_path / f"job{len(jobs)}", **kw)
+        jobs.append(j)
+        return j
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        yield make
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+        for j in jobs:
+            j.close()
+
+
+def _kill(pid: int) -> None:
+    """SIGKILLs pid if it still runs train_worker.py (a pid read from an event
+    file may have exited and been reused since)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"train_worker.py" not in f.read():
+                return
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, FileNotFoundError):
+        pass

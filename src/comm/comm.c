@@ -40,8 +40,8 @@
 
 #define LOG_SUB "comm"
 #define STAGE_BYTES (1u << 20)      /* circular staging buffer for reduction */
-#define SEND_BUDGET (4u << 20)      /* bytes sent per engine pass */
-#define RECV_BUDGET (4u << 20)      /* bytes received per engine pass */
+#define SEND_BUDGET (512u << 10)    /* bytes sent per engine pass */
+#define RECV_BUDGET (512u << 10)    /* bytes received per engine pass */
 #define DEFAULT_SMALL (64u << 10)   /* latency algorithm up to this size */
 #define MAX_PENDING 64              /* handshakes in progress at once */
 #define HANDSHAKE_MS 10000          /* one handshake's own limit */

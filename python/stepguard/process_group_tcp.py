@@ -170,18 +170,25 @@ class _TCPWork(dist._Work):
             self._left -= 1
             last = self._left == 0
         if last:
+            if not self._staged.writebacks:
+                self._release()  # nothing to copy: wake waiters now
             self._pg._completions.put(self)
 
-    # -- runs on the group's completion thread --
-    def _finish(self) -> None:
-        if self._exc is None:
-            try:
-                self._staged.write_back()
-            except Exception as e:  # noqa: BLE001 - reported to the waiter
-                self._exc = e
+    def _release(self) -> None:
         if self._exc is not None:
             self._pg._record_error(self._exc)
         self._event.set()
+
+    # -- runs on the group's completion thread (futures' callbacks run
+    # there, never on the progress thread) --
+    def _finish(self) -> None:
+        if not self._event.is_set():
+            if self._exc is None:
+                try:
+                    self._staged.write_back()
+                except Exception as e:  # noqa: BLE001 - reported to the waiter
+                    self._exc = e
+            self._release()
         if self._exc is not None:
             self._future.set_exception(self._exc)
         else:

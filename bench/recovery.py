@@ -135,99 +135,119 @@ def check(sd: dict, total: int, n: int) -> None:
     assert len(got) == n and sum(v.numel() * 4 for v in got.values()) == total
 
 
-def run_stepguard(total: int, n: int, reps: int, streams: int) -> list[float]:
-    from stepguard.checkpointing.native_transport import NativeTransport
+class Runner:
+    """One competitor: start() its serving child, one() heal once, stop()."""
 
-    p, meta = spawn("stepguard", total, n, reps)
-    t = NativeTransport(TIMEOUT, hostname="127.0.0.1", streams_per_source=streams)
-    times = []
-    try:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            sd = t.recv_checkpoint(0, meta, STEP, TIMEOUT)
-            times.append(time.perf_counter() - t0)
-            check(sd, total, n)
-            del sd
-    finally:
-        t.shutdown()
-        finish(p)
-    return times
+    def __init__(self, total: int, n: int, reps: int) -> None:
+        self.total, self.n, self.reps = total, n, reps
+        self.p: subprocess.Popen | None = None
+
+    def stop(self) -> None:
+        if self.p is not None:
+            finish(self.p)
+            self.p = None
 
 
-def run_http(total: int, n: int, reps: int) -> list[float]:
-    from torchft.checkpointing.http_transport import HTTPTransport
+class Stepguard(Runner):
+    def __init__(self, total: int, n: int, reps: int, streams: int) -> None:
+        super().__init__(total, n, reps)
+        self.streams = streams
 
-    p, meta = spawn("torchft-http", total, n, reps)
-    t = HTTPTransport(TIMEOUT, num_chunks=0)
-    times = []
-    try:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            sd = t.recv_checkpoint(0, meta, STEP, TIMEOUT)
-            times.append(time.perf_counter() - t0)
-            check(sd, total, n)
-            del sd
-    finally:
-        t.shutdown()
-        finish(p)
-    return times
+    def start(self) -> None:
+        from stepguard.checkpointing.native_transport import NativeTransport
 
+        self.p, self.meta = spawn("stepguard", self.total, self.n, self.reps)
+        self.t = NativeTransport(
+            TIMEOUT, hostname="127.0.0.1", streams_per_source=self.streams
+        )
 
-def run_pg(total: int, n: int, reps: int, seq: int) -> list[float]:
-    import torch
-    import torch.distributed as dist
-    from torchft.checkpointing.pg_transport import PGTransport
-    from torchft.process_group import ProcessGroupGloo, reconfigure_with_store
+    def one(self) -> float:
+        t0 = time.perf_counter()
+        sd = self.t.recv_checkpoint(0, self.meta, STEP, TIMEOUT)
+        dt = time.perf_counter() - t0
+        check(sd, self.total, self.n)
+        return dt
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    addr = f"127.0.0.1:{store.port}/bench/{seq}"
-    p = subprocess.Popen(
-        [sys.executable, __file__, "--serve", "torchft-pg", "--total", str(total),
-         "--tensors", str(n), "--reps", str(reps), "--arg", addr],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    pg = ProcessGroupGloo(timeout=TIMEOUT)
-    times = []
-    try:
-        reconfigure_with_store(pg, addr, 1, 2)
-        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-        t = PGTransport(pg, TIMEOUT, torch.device("cpu"))
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            sd = t.recv_checkpoint(0, "<n/a>", STEP, TIMEOUT)
-            times.append(time.perf_counter() - t0)
-            check(sd, total, n)
-            del sd
-    finally:
-        finish(p)
-    return times
+    def stop(self) -> None:
+        self.t.shutdown()
+        super().stop()
 
 
-def run_loopback(total: int, n: int, reps: int) -> list[float]:
-    import torch
+class Http(Runner):
+    def start(self) -> None:
+        from torchft.checkpointing.http_transport import HTTPTransport
 
-    p, addr = spawn("loopback", total, n, reps)
-    host, port = addr.rsplit(":", 1)
-    times = []
-    try:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            dst = torch.empty(total, dtype=torch.uint8)
-            view = memoryview(dst.numpy())
-            s = socket.create_connection((host, int(port)))
-            s.sendall(b"g")
-            got = 0
-            while got < total:
-                k = s.recv_into(view[got:])
-                if k == 0:
-                    raise RuntimeError("loopback source closed early")
-                got += k
-            s.close()
-            times.append(time.perf_counter() - t0)
-            del dst
-    finally:
-        finish(p)
-    return times
+        self.p, self.meta = spawn("torchft-http", self.total, self.n, self.reps)
+        self.t = HTTPTransport(TIMEOUT, num_chunks=0)
+
+    def one(self) -> float:
+        t0 = time.perf_counter()
+        sd = self.t.recv_checkpoint(0, self.meta, STEP, TIMEOUT)
+        dt = time.perf_counter() - t0
+        check(sd, self.total, self.n)
+        return dt
+
+    def stop(self) -> None:
+        self.t.shutdown()
+        super().stop()
+
+
+class Pg(Runner):
+    seq = 0
+
+    def start(self) -> None:
+        import torch
+        import torch.distributed as dist
+        from torchft.checkpointing.pg_transport import PGTransport
+        from torchft.process_group import ProcessGroupGloo, reconfigure_with_store
+
+        Pg.seq += 1
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False
+        )
+        addr = f"127.0.0.1:{self.store.port}/bench/{Pg.seq}"
+        self.p = subprocess.Popen(
+            [sys.executable, __file__, "--serve", "torchft-pg", "--total",
+             str(self.total), "--tensors", str(self.n), "--reps",
+             str(self.reps), "--arg", addr],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        self.pg = ProcessGroupGloo(timeout=TIMEOUT)
+        reconfigure_with_store(self.pg, addr, 1, 2)
+        assert self.p.stdout is not None
+        assert self.p.stdout.readline().strip() == "ready"
+        self.t = PGTransport(self.pg, TIMEOUT, torch.device("cpu"))
+
+    def one(self) -> float:
+        t0 = time.perf_counter()
+        sd = self.t.recv_checkpoint(0, "<n/a>", STEP, TIMEOUT)
+        dt = time.perf_counter() - t0
+        check(sd, self.total, self.n)
+        return dt
+
+
+class Loopback(Runner):
+    def start(self) -> None:
+        self.p, addr = spawn("loopback", self.total, self.n, self.reps)
+        host, port = addr.rsplit(":", 1)
+        self.addr = (host, int(port))
+
+    def one(self) -> float:
+        import torch
+
+        t0 = time.perf_counter()
+        dst = torch.empty(self.total, dtype=torch.uint8)
+        view = memoryview(dst.numpy())
+        s = socket.create_connection(self.addr)
+        s.sendall(b"g")
+        got = 0
+        while got < self.total:
+            k = s.recv_into(view[got:])
+            if k == 0:
+                raise RuntimeError("loopback source closed early")
+            got += k
+        s.close()
+        return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -251,27 +271,38 @@ def main() -> None:
         shapes += [("1GiB x16", 1 << 30, 16), ("1GiB x16384", 1 << 30, 16384)]
     skip = set(filter(None, args.skip.split(",")))
     results = []
-    seq = 0
     for label, total, n in shapes:
         row: dict = {"shape": label, "bytes": total, "tensors": n}
+        reps = args.reps
         runners = {
-            "loopback": lambda: run_loopback(total, n, args.reps),
-            "stepguard": lambda: run_stepguard(total, n, args.reps, args.streams),
-            "stepguard-1stream": lambda: run_stepguard(total, n, args.reps, 1),
-            "torchft-http": lambda: run_http(total, n, args.reps),
-            "torchft-pg": lambda: run_pg(total, n, args.reps, seq),
+            "loopback": Loopback(total, n, reps),
+            "stepguard": Stepguard(total, n, reps, args.streams),
+            "stepguard-1stream": Stepguard(total, n, reps, 1),
+            "torchft-http": Http(total, n, reps),
+            "torchft-pg": Pg(total, n, reps),
         }
-        for kind, fn in runners.items():
-            if kind in skip:
+        runners = {k: r for k, r in runners.items() if k not in skip}
+        times: dict = {k: [] for k in runners}
+        live = {}
+        try:
+            for kind, r in runners.items():
+                try:
+                    r.start()
+                    live[kind] = r
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    print(f"{label:14s} {kind:18s} failed to start: {e}")
+            # interleaved, so that load on the machine hits all alike
+            for _ in range(reps):
+                for kind, r in live.items():
+                    times[kind].append(r.one())
+        finally:
+            for r in live.values():
+                r.stop()
+        for kind, ts in times.items():
+            if not ts:
                 continue
-            seq += 1
-            try:
-                times = fn()
-            except Exception as e:  # noqa: BLE001 - report and go on
-                print(f"{label:14s} {kind:18s} failed: {e}", flush=True)
-                continue
-            med = statistics.median(times)
-            row[kind] = {"median_s": med, "gbps": total / med / 1e9, "times": times}
+            med = statistics.median(ts)
+            row[kind] = {"median_s": med, "gbps": total / med / 1e9, "times": ts}
             print(
                 f"{label:14s} {kind:18s} median {med * 1e3:8.1f} ms "
                 f"{total / med / 1e9:6.2f} GB/s",

@@ -1,0 +1,1004 @@
+"""The Manager: per-step fault tolerance for one rank of a replica group.
+
+Every step is a transaction over the replica groups in the current quorum:
+
+1. ``start_quorum()`` (from ``Optimizer.zero_grad``) asks the group's manager
+   server for this step's quorum, on a background thread.  On a new quorum
+   the replica process group is rebuilt; a replica that is behind fetches
+   the state of an up-to-date one (live recovery) while the others serve it.
+2. ``allreduce()`` (from the DDP comm hook) averages gradients over the
+   participating replicas; a failure marks the step failed instead of
+   raising.
+3. ``should_commit()`` (from ``Optimizer.step``) votes: the step commits only
+   if every rank of the group is healthy and enough replicas took part.
+
+Group rank 0 runs the group's :class:`~stepguard.coordination.ManagerServer`
+(a C server on threads of this process) and publishes its address in the
+group's TCPStore; every rank keeps one
+:class:`~stepguard.coordination.ManagerClient` open for the life of
+training (the server treats a rank whose connections all close as dead).
+
+Constructor, methods, defaults, environment variables and log records are
+torchft's (``TORCHFT_*``; every one also read as ``STEPGUARD_*``).  Where
+torchft applies an environment override only partly, this module applies it
+everywhere (see ``Manager.__init__``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import re
+import socket
+import traceback
+import uuid
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from datetime import timedelta
+from enum import Enum
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    ContextManager,
+    Dict,
+    List,
+    Optional,
+    TypeVar,
+    cast,
+)
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp, TCPStore
+from torch.distributed.distributed_c10d import AllreduceOptions, Work
+
+from stepguard.checkpointing import CheckpointTransport, HTTPTransport
+from stepguard.checkpointing._rwlock import RWLock
+from stepguard.coordination import ManagerClient, ManagerServer
+from stepguard.futures import future_timeout
+from stepguard.process_group import ReconfigureOptions, _env
+from stepguard.work import _DummyWork
+
+if TYPE_CHECKING:
+    from stepguard.process_group import ProcessGroup
+
+__all__ = ["ExceptionWithTraceback", "Manager", "WorldSizeMode"]
+
+MANAGER_ADDR_KEY: str = "manager_addr"
+MANAGER_PORT_ENV: str = "TORCHFT_MANAGER_PORT"
+REPLICA_ID_KEY: str = "replica_id"
+
+TIMEOUT_SEC_ENV: str = "TORCHFT_TIMEOUT_SEC"
+QUORUM_TIMEOUT_SEC_ENV: str = "TORCHFT_QUORUM_TIMEOUT_SEC"
+CONNECT_TIMEOUT_SEC_ENV: str = "TORCHFT_CONNECT_TIMEOUT_SEC"
+QUORUM_RETRIES_ENV: str = "TORCHFT_QUORUM_RETRIES"
+TORCH_FR_DUMP_TEMP_FILE_ENV: str = "TORCH_FR_DUMP_TEMP_FILE"
+
+T = TypeVar("T")
+S = TypeVar("S")
+
+
+def get_timeout(timeout_sec_env: Optional[str], default_timeout: timedelta) -> timedelta:
+    """``timedelta(seconds=int(timeout_sec_env))`` if the variable was set,
+    else ``default_timeout``."""
+    if timeout_sec_env is not None and timeout_sec_env != "":
+        return timedelta(seconds=int(timeout_sec_env))
+    return default_timeout
+
+
+def extract_trailing_digits(s: str) -> int:
+    """The number at the end of ``s`` (``"train_ddp_3"`` -> 3), else 0."""
+    m = re.search(r"(\d+)$", s)
+    return int(m.group(1)) if m else 0
+
+
+class WorldSizeMode(Enum):
+    """How many replicas take part in a step.
+
+    DYNAMIC: every replica in the quorum; gradients are averaged over them.
+    FIXED_WITH_SPARES: at most ``min_replica_size``; the others are spares
+        that contribute zeros and are not counted.
+    """
+
+    DYNAMIC = 0
+    FIXED_WITH_SPARES = 1
+
+
+class ExceptionWithTraceback(Exception):
+    """An error reported to the manager, with the traceback where it was
+    caught (``original_exception``, ``stack_trace``)."""
+
+    def __init__(self, e: Exception) -> None:
+        self.original_exception = e
+        self.stack_trace: str = "".join(
+            traceback.format_exception(type(e), e, e.__traceback__)
+        )
+        super().__init__(f"{e}\n{self.stack_trace}")
+
+
+def _accelerator() -> bool:
+    return torch.accelerator.is_available()
+
+
+def _stream_context(stream: Optional[torch.Stream]) -> ContextManager[object]:
+    if stream is None:
+        return nullcontext()
+    return cast(ContextManager[object], stream)
+
+
+class Manager:
+    """Manages one rank of a replica group: quorum, live recovery, error
+    swallowing and the commit vote.
+
+    The default torch process group of the replica group (torchelastic /
+    ``init_process_group``) must exist, as must its TCPStore at
+    ``MASTER_ADDR:MASTER_PORT``.  Save and restore ``state_dict()`` with
+    your periodic checkpoints.
+
+    Args:
+        pg: a reconfigurable process group over the replicas (a
+            :class:`~stepguard.process_group.ProcessGroup`).
+        load_state_dict: loads the user state received when healing.
+        state_dict: returns the user state sent to healing replicas (both
+            registered under ``"default"`` when given).
+        min_replica_size: replicas needed to commit a step.
+        use_async_quorum: run the quorum during the forward pass (healing
+            replicas then load their state at ``should_commit``).
+        timeout: default deadline: collectives (``wrap_future``), the
+            commit vote, checkpoint metadata and transfer, the state lock.
+        quorum_timeout: deadline of a quorum (longer than a step).
+        connect_timeout: deadline of connecting to the manager/lighthouse.
+        rank: group rank (else ``RANK``).
+        world_size: group size (else ``WORLD_SIZE``).
+        world_size_mode: see :class:`WorldSizeMode`.
+        store_addr: the group's TCPStore host (else ``MASTER_ADDR``).
+        store_port: its port (else ``MASTER_PORT``).
+        lighthouse_addr: group rank 0: the lighthouse (else
+            ``TORCHFT_LIGHTHOUSE``).
+        replica_id: group rank 0: the replica's name; a uuid is appended.
+        port: group rank 0: the manager port (else ``TORCHFT_MANAGER_PORT``,
+            else any free port).
+        hostname: group rank 0: the host name to advertise.
+        heartbeat_interval: manager -> lighthouse heartbeat period.
+        checkpoint_transport: moves state to healing replicas (default
+            ``HTTPTransport(timeout, num_chunks=0)``).
+        init_sync: heal replicas from each other at step 0 too.
+        max_retries: consecutive failed commits allowed before
+            ``should_commit`` raises (None: no limit).
+        quorum_retries: lighthouse quorum retries on failure.
+    """
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        load_state_dict: Optional[Callable[[T], None]],
+        state_dict: Optional[Callable[[], T]],
+        min_replica_size: int,
+        use_async_quorum: bool = True,
+        timeout: timedelta = timedelta(seconds=60),
+        quorum_timeout: timedelta = timedelta(seconds=60),
+        connect_timeout: timedelta = timedelta(seconds=60),
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        world_size_mode: WorldSizeMode = WorldSizeMode.DYNAMIC,
+        store_addr: Optional[str] = None,
+        store_port: Optional[int] = None,
+        lighthouse_addr: Optional[str] = None,
+        replica_id: Optional[str] = None,
+        port: Optional[int] = None,
+        hostname: str = socket.gethostname(),
+        heartbeat_interval: timedelta = timedelta(milliseconds=100),
+        checkpoint_transport: Optional[CheckpointTransport[Dict[str, T]]] = None,
+        init_sync: bool = True,
+        max_retries: Optional[int] = None,
+        quorum_retries: int = 0,
+    ) -> None:
+        if not getattr(pg, "supports_reconfigure", False):
+            raise ValueError(
+                "the Manager needs a reconfigurable process group "
+                "(stepguard.process_group.ProcessGroup)"
+            )
+
+        self.quorum_logger: logging.Logger = logging.getLogger("torchft_quorums")
+        self.commits_logger: logging.Logger = logging.getLogger("torchft_commits")
+        self.errors_logger: logging.Logger = logging.getLogger("torchft_errors")
+
+        self._load_state_dict_fns: Dict[str, Callable[[object], None]] = {}
+        self._user_state_dicts: Dict[str, Callable[[], object]] = {}
+        self._original_fr_dump_temp_file: Optional[str] = os.environ.get(
+            TORCH_FR_DUMP_TEMP_FILE_ENV
+        )
+        self._replica_id = replica_id
+
+        # Environment overrides win over arguments (as torchft).  torchft
+        # then still hands the raw arguments to the manager server and
+        # client, the default transport and the state lock; here the
+        # overridden values are used everywhere.
+        self._timeout: timedelta = get_timeout(_env(TIMEOUT_SEC_ENV), timeout)
+        self._quorum_timeout: timedelta = get_timeout(
+            _env(QUORUM_TIMEOUT_SEC_ENV), quorum_timeout
+        )
+        self._connect_timeout: timedelta = get_timeout(
+            _env(CONNECT_TIMEOUT_SEC_ENV), connect_timeout
+        )
+        self._quorum_retries: int = int(_env(QUORUM_RETRIES_ENV) or quorum_retries)
+
+        self._state_dict_lock = RWLock(timeout=self._timeout.total_seconds())
+        if load_state_dict and state_dict:
+            self.register_state_dict_fn("default", load_state_dict, state_dict)
+
+        self._pending_state_dict: Optional[Dict[str, object]] = None
+        self._use_async_quorum = use_async_quorum
+        self._replica_world_size_mode = world_size_mode
+        self._init_sync = init_sync
+        self._max_retries = max_retries
+        self._commit_failures = 0
+
+        store_addr = store_addr or os.environ["MASTER_ADDR"]
+        store_port = store_port or int(os.environ["MASTER_PORT"])
+        self._group_rank: int = rank if rank is not None else int(os.environ["RANK"])
+        self._group_world_size: int = world_size or int(os.environ["WORLD_SIZE"])
+        self._min_replica_size = min_replica_size
+
+        if checkpoint_transport is None:
+            checkpoint_transport = HTTPTransport[Dict[str, T]](
+                timeout=self._timeout, num_chunks=0
+            )
+        self._checkpoint_transport: CheckpointTransport[Dict[str, T]] = (
+            checkpoint_transport
+        )
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="async_quorum"
+        )
+        self._quorum_future: Optional[concurrent.futures.Future] = None
+
+        self._store = TCPStore(
+            host_name=store_addr,
+            port=store_port,
+            is_master=False,
+            wait_for_workers=False,
+        )
+        self._pg = pg
+        self._manager: Optional[ManagerServer] = None
+        self._recovery_stream: Optional[torch.Stream] = (
+            torch.Stream() if _accelerator() else None
+        )
+        self._recovery_event: Optional[torch.Event] = None
+
+        if self._group_rank == 0:
+            if port is None:
+                port = int(_env(MANAGER_PORT_ENV) or 0)
+            lighthouse_addr = lighthouse_addr or _env("TORCHFT_LIGHTHOUSE")
+            if not lighthouse_addr:
+                raise KeyError(
+                    "TORCHFT_LIGHTHOUSE (or STEPGUARD_LIGHTHOUSE) is not set "
+                    "and no lighthouse_addr was given"
+                )
+            # A quickly restarted replica must be a new member of the job.
+            suffix = str(uuid.uuid4())
+            full_id = suffix if not replica_id else f"{replica_id}:{suffix}"
+            self._manager = ManagerServer(
+                replica_id=full_id,
+                lighthouse_addr=lighthouse_addr,
+                hostname=hostname,
+                bind=f"[::]:{port}",
+                store_addr=f"{store_addr}:{store_port}",
+                world_size=self._group_world_size,
+                heartbeat_interval=heartbeat_interval,
+                connect_timeout=self._connect_timeout,
+                quorum_retries=self._quorum_retries,
+            )
+            self._store.set(MANAGER_ADDR_KEY, self._manager.address())
+            self._store.set(REPLICA_ID_KEY, full_id)
+
+        addr = self._store.get(MANAGER_ADDR_KEY).decode("utf-8")
+        self._client = ManagerClient(addr, connect_timeout=self._connect_timeout)
+        full_replica_id = self._store.get(REPLICA_ID_KEY).decode("utf-8")
+        self._logger = _ManagerLogger(self, full_replica_id, self._group_rank)
+
+        self._step = 0
+        self._quorum_id = -1
+        self._errored: Optional[ExceptionWithTraceback] = None
+        self._healing = False
+        self._batches_committed = 0
+        self._participating_replica_rank: Optional[int] = None
+        self._participating_replica_world_size: int = 0
+        self._is_state_dict_read_allowed = True
+
+        self._global_rank: int = (
+            self._group_rank
+            if self._replica_id is None
+            else extract_trailing_digits(self._replica_id) * self._group_world_size
+            + self._group_rank
+        )
+        if hasattr(pg, "set_rank_info"):
+            pg.set_rank_info(
+                self._replica_id or "0",
+                self._group_rank,
+                self._group_world_size,
+                self._global_rank,
+            )
+        self._update_fr_path()
+
+    # -- user state ---------------------------------------------------------
+
+    def allow_state_dict_read(self) -> None:
+        """Lets checkpoint sends read the state again (after
+        ``disallow_state_dict_read``)."""
+        if self._is_state_dict_read_allowed:
+            return
+        self._is_state_dict_read_allowed = True
+        self._state_dict_lock.w_release()
+
+    def disallow_state_dict_read(self) -> None:
+        """Blocks checkpoint sends from reading the state (while weights are
+        being updated); waits for reads in progress."""
+        if not self._is_state_dict_read_allowed:
+            return
+        self._is_state_dict_read_allowed = False
+        self._state_dict_lock.w_acquire()
+
+    def register_state_dict_fn(
+        self,
+        key: str,
+        load_state_dict: Callable[[T], None],
+        state_dict: Callable[[], T],
+    ) -> None:
+        """Registers one component of the state sent to healing replicas.
+
+        Args:
+            key: a name unique among the registered components.
+            load_state_dict: loads the component received when healing.
+            state_dict: returns the component to send.
+        """
+        assert key not in self._load_state_dict_fns, f"key {key} already registered"
+        self._load_state_dict_fns[key] = cast(Callable[[object], None], load_state_dict)
+        self._user_state_dicts[key] = state_dict
+
+    def set_state_dict_fns(
+        self, load_state_dict: Callable[[T], None], state_dict: Callable[[], T]
+    ) -> None:
+        """Deprecated: use ``register_state_dict_fn``."""
+        self._logger.warn("set_state_dict_fns is deprecated, use register_state_dict_fn")
+        self.register_state_dict_fn("set_state_dict_fns", load_state_dict, state_dict)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stops the transport, the manager server (group rank 0) and the
+        quorum thread."""
+        self._checkpoint_transport.shutdown(wait=wait)
+        if self._manager is not None:
+            self._manager.shutdown()
+        self._executor.shutdown(wait=wait)
+
+    # -- collectives and errors ----------------------------------------------
+
+    @torch.profiler.record_function("stepguard::manager::allreduce")
+    def allreduce(
+        self,
+        tensor: torch.Tensor,
+        should_quantize: bool = False,
+        reduce_op: ReduceOp = ReduceOp.AVG,
+    ) -> Work:
+        """Reduces ``tensor`` in place over the participating replicas.
+
+        Never raises for a communication failure: the step is marked failed
+        and the returned work completes with the tensor as it is.  A
+        replica that is healing or a spare contributes zeros.  AVG is a sum
+        divided by the number of participants (floating point only).
+
+        Args:
+            tensor: the tensor to reduce.
+            should_quantize: ask for FP8 collectives (not available here: a
+                full-precision allreduce is done instead).
+            reduce_op: AVG (default), SUM, MAX, MIN, PRODUCT, ...
+
+        Returns:
+            A work whose ``wait()`` returns False if the step failed.
+
+        Raises:
+            ValueError: AVG on a non floating point tensor.
+        """
+        if self.errored():
+            return _DummyWork(tensor)
+
+        self.wait_quorum()
+        num_participants: int = self.num_participants()
+        if not self.is_participating():
+            tensor.zero_()
+
+        if reduce_op == ReduceOp.AVG:
+            if not torch.is_floating_point(tensor):
+                raise ValueError(
+                    "average reduce op is only supported for floating point tensors"
+                )
+            pg_reduce_op = ReduceOp.SUM
+        else:
+            pg_reduce_op = reduce_op
+
+        try:
+            if should_quantize:
+                self._logger.warn("quantized allreduce is not available; not quantizing")
+            opts = AllreduceOptions()
+            opts.reduceOp = pg_reduce_op
+            work = self._pg.allreduce([tensor], opts)
+            managed = _ManagedWork(self, work, tensor)
+
+            if reduce_op == ReduceOp.AVG:
+
+                def average(fut: _SimpleFuture) -> torch.Tensor:
+                    fut.value()
+                    if num_participants > 0:
+                        tensor.div_(num_participants)
+                    return tensor
+
+                managed.get_future().then(average)
+            return managed
+        except Exception as e:  # noqa: BLE001 - a failed step, not a crash
+            self._logger.exception(f"got exception in all reduce -- skipping remaining: {e}")
+            self.report_error(e)
+            return _DummyWork(tensor)
+
+    def report_error(self, e: Exception) -> None:
+        """Marks this step failed (it will not commit); the process group
+        is rebuilt at the next quorum."""
+        self._errored = ExceptionWithTraceback(e)
+
+    def errored(self) -> Optional[ExceptionWithTraceback]:
+        """The error that failed this step, or None."""
+        return self._errored
+
+    def wrap_future(
+        self,
+        fut: torch.futures.Future[T],
+        default: T,
+        timeout: Optional[timedelta] = None,
+    ) -> torch.futures.Future[T]:
+        """Bounds ``fut`` by a deadline and swallows its failure: the
+        returned future yields ``default`` and the step is marked failed.
+
+        Args:
+            fut: the future to wrap.
+            default: the value on failure or timeout.
+            timeout: deadline (default: the manager's timeout).
+        """
+        fut = future_timeout(fut, timeout or self._timeout)
+        stream = torch.accelerator.current_stream() if _accelerator() else None
+
+        def callback(f: torch.futures.Future[T]) -> T:
+            with _stream_context(stream):
+                try:
+                    return f.value()
+                except Exception as e:  # noqa: BLE001 - swallowed on purpose
+                    self._logger.exception(f"got exception in future -- skipping remaining: {e}")
+                    self.report_error(e)
+                    return default
+
+        return fut.then(callback)
+
+    # -- quorum ---------------------------------------------------------------
+
+    def start_quorum(
+        self,
+        allow_heal: bool = True,
+        shrink_only: bool = False,
+        timeout: Optional[timedelta] = None,
+    ) -> None:
+        """Starts this step's quorum (in the background unless
+        ``use_async_quorum=False``).  Prefer ``Optimizer.zero_grad``.
+
+        Args:
+            allow_heal: heal replicas that are behind (equal on all
+                replicas).
+            shrink_only: only accept a quorum without new members.
+            timeout: quorum deadline (default ``quorum_timeout``).
+
+        Raises:
+            Exception: the previous quorum failed (a quorum failure is
+                fatal: restart the process).
+        """
+        if self._quorum_future is not None:
+            self._quorum_future.result()
+
+        self._errored = None
+        self._healing = False
+
+        self._quorum_future = self._executor.submit(
+            self._async_quorum,
+            allow_heal=allow_heal,
+            shrink_only=shrink_only,
+            quorum_timeout=timeout or self._quorum_timeout,
+            curr_device=(
+                torch.accelerator.current_device_index() if _accelerator() else -1
+            ),
+        )
+        if not self._use_async_quorum:
+            self.wait_quorum()
+            if self._healing:
+                # Heal now, before the forward pass, and take full part.
+                self._apply_pending_state_dict()
+                self._healing = False
+
+    def wait_quorum(self) -> None:
+        """Waits for the quorum started by ``start_quorum``; raises its
+        error."""
+        assert self._quorum_future is not None, "must call start_quorum before wait_quorum"
+        self._quorum_future.result()
+
+    def _reconfigure_pg(self, quorum_id: int, handles: List[str]) -> None:
+        opts = ReconfigureOptions()
+        opts.uuid = quorum_id
+        opts.handles = handles
+        opts.timeout = self._timeout
+        self._pg.reconfigure(opts).wait()  # type: ignore[attr-defined]
+
+    def _async_quorum(
+        self,
+        allow_heal: bool,
+        shrink_only: bool,
+        quorum_timeout: timedelta,
+        curr_device: int,
+    ) -> None:
+        if curr_device >= 0 and _accelerator():
+            torch.accelerator.set_device_index(curr_device)
+
+        handle = ""
+        if hasattr(self._pg, "get_reconfigure_handle"):
+            handle = self._pg.get_reconfigure_handle()
+        quorum = self._client._quorum(
+            group_rank=self._group_rank,
+            step=self._step,
+            checkpoint_metadata=self._checkpoint_transport.metadata(),
+            shrink_only=shrink_only,
+            timeout=quorum_timeout,
+            init_sync=self._init_sync,
+            commit_failures=self._commit_failures,
+            reconfigure_handle=handle,
+        )
+
+        quorum_id = quorum.quorum_id
+        replica_rank = quorum.replica_rank
+        replica_world_size = quorum.replica_world_size
+        max_step = quorum.max_step
+        heal = quorum.heal
+
+        # Async: healing replicas are still recovering during this step and
+        # do not count.  Sync: recovery is done before the forward pass.
+        if self._use_async_quorum or not allow_heal:
+            rank, world = quorum.max_replica_rank, quorum.max_world_size
+        else:
+            rank, world = replica_rank, replica_world_size
+        if self._replica_world_size_mode == WorldSizeMode.FIXED_WITH_SPARES:
+            world = min(world, self._min_replica_size)
+            if rank is not None and rank >= self._min_replica_size:
+                rank = None
+        self._participating_replica_rank = rank
+        self._participating_replica_world_size = world
+
+        if quorum_id != self._quorum_id:
+            self.quorum_logger.info(
+                "",
+                extra={
+                    "job_id": os.environ.get("JOB_ID", "unknown"),
+                    "replica_id": self._replica_id,
+                    "rank": self._group_rank,
+                    "quorum_id": quorum_id,
+                    "step": max_step,
+                },
+            )
+            self._logger.info(f"reconfiguring for quorum_id={quorum_id}")
+            try:
+                self._quorum_id = quorum_id
+                if _accelerator():
+                    torch.accelerator.synchronize()
+                handles = list(quorum.reconfigure_handles)
+                if len(handles) == replica_world_size and all(handles):
+                    self._reconfigure_pg(quorum_id, handles)
+                else:
+                    # A manager that does not carry handles: meet on the
+                    # quorum's store, one namespace per quorum and group rank.
+                    ranks_in_quorum = [
+                        extract_trailing_digits(rid.split(":")[0]) * self._group_world_size
+                        + self._group_rank
+                        for rid in quorum.replica_ids
+                    ]
+                    self._pg.configure(  # type: ignore[attr-defined]
+                        f"{quorum.store_address}/torchft/{quorum_id}/{self._group_rank}",
+                        self._replica_id or "0",
+                        replica_rank,
+                        replica_world_size,
+                        quorum_id,
+                        self._group_rank,
+                        self._group_world_size,
+                        ranks_in_quorum,
+                    )
+                self._update_fr_path()
+                reset = getattr(torch._C._distributed_c10d, "_reset_fr_recording_nccl", None)
+                if reset is not None:
+                    reset()
+            except Exception as e:  # noqa: BLE001 - a failed step, not a crash
+                self._logger.exception(f"got exception in pg configure: {e}")
+                self.report_error(e)
+                return
+
+        if allow_heal:
+            with _stream_context(self._recovery_stream):
+                try:
+                    if quorum.recover_dst_replica_ranks:
+                        self._logger.info(
+                            f"peers need recovery from us {quorum.recover_dst_replica_ranks}"
+                        )
+                        self._checkpoint_transport.send_checkpoint(
+                            dst_ranks=quorum.recover_dst_replica_ranks,
+                            step=max_step,
+                            state_dict=self._manager_state_dict(),
+                            timeout=self._timeout,
+                        )
+                    if heal:
+                        self._healing = True
+                        src = quorum.recover_src_manager_address
+                        self._logger.info(
+                            f"healing required, fetching checkpoint metadata from {src} max_step={max_step}"
+                        )
+                        primary = ManagerClient(src, connect_timeout=self._connect_timeout)
+                        try:
+                            metadata = primary._checkpoint_metadata(
+                                self._group_rank, timeout=self._timeout
+                            )
+                        finally:
+                            primary.close()
+                        src_rank = quorum.recover_src_replica_rank
+                        assert src_rank is not None, "must have a recover rank when healing"
+                        self._logger.info(
+                            f"fetching checkpoint from replica {src_rank} with metadata {metadata}"
+                        )
+                        self._pending_state_dict = self._checkpoint_transport.recv_checkpoint(
+                            src_rank=src_rank,
+                            metadata=metadata,
+                            step=max_step,
+                            timeout=self._timeout,
+                        )
+                        self.load_state_dict(
+                            cast(Dict[str, int], self._pending_state_dict["torchft"])
+                        )
+                        self._step = max_step
+                except Exception as e:  # noqa: BLE001 - a failed step, not a crash
+                    self._logger.exception(f"got exception in recovery: {e}")
+                    self.report_error(e)
+                self._recovery_event = (
+                    torch.accelerator.current_stream().record_event()
+                    if self._recovery_stream is not None
+                    else None
+                )
+
+    def _update_fr_path(self) -> None:
+        """Points the flight recorder dump at a per-quorum folder."""
+        if self._original_fr_dump_temp_file is not None:
+            folder = f"{self._original_fr_dump_temp_file}_quorum_{self._quorum_id}"
+            os.makedirs(folder, exist_ok=True)
+            os.environ[TORCH_FR_DUMP_TEMP_FILE_ENV] = f"{folder}/{self._global_rank}"
+
+    def _apply_pending_state_dict(self) -> None:
+        assert self._healing, "must be in healing state"
+        assert self._quorum_future is not None, "must call step before should_commit"
+        self._quorum_future.result()
+        pending = self._pending_state_dict
+        if pending is None:
+            assert self.errored(), "checkpoint was not staged and no error occured"
+            return
+        self._logger.info("applying pending state dict")
+        assert len(self._load_state_dict_fns) > 0, "user load_state_dict is not initialized."
+        user = cast(Dict[str, object], pending["user"])
+        for key, load in self._load_state_dict_fns.items():
+            load(user[key])
+        self._pending_state_dict = None
+        self._logger.info("Loaded state dict.")
+
+    # -- commit ---------------------------------------------------------------
+
+    @torch.profiler.record_function("stepguard::manager::should_commit")
+    def should_commit(self, timeout: Optional[timedelta] = None) -> bool:
+        """Votes on this step with every rank of the replica group.
+
+        Call after the backward pass, before the optimizer step; step the
+        optimizer only if this returns True.  A healing replica loads the
+        received state here (async quorum).
+
+        Args:
+            timeout: deadline of the vote (default: the manager's timeout).
+
+        Returns:
+            True if every rank of the group is healthy and at least
+            ``min_replica_size`` replicas took part.
+
+        Raises:
+            RuntimeError: more than ``max_retries`` consecutive failures.
+        """
+        if self._recovery_event is not None:
+            self._recovery_event.synchronize()
+            self._recovery_event = None
+        if _accelerator():
+            torch.accelerator.current_stream().synchronize()
+
+        errored_fn = getattr(self._pg, "errored", None)
+        if errored_fn is not None:
+            err = errored_fn()
+            if err is not None:
+                self.report_error(err)
+
+        if self._healing:
+            self._apply_pending_state_dict()
+
+        enough_replicas = self.num_participants() >= self._min_replica_size
+        local_should_commit = enough_replicas and self._errored is None
+        should_commit = self._client.should_commit(
+            self._group_rank,
+            self._step,
+            local_should_commit,
+            timeout=timeout or self._timeout,
+        )
+        self._logger.info(
+            f"should_commit={should_commit} enough_replicas={enough_replicas}, errored={self._errored}"
+        )
+        self.commits_logger.info(
+            "",
+            extra={
+                "job_id": os.environ.get("JOB_ID", "unknown"),
+                "replica_id": self._replica_id,
+                "rank": self._group_rank,
+                "quorum_id": self._quorum_id,
+                "step": self._step,
+                "commit_result": should_commit,
+            },
+        )
+
+        self._checkpoint_transport.disallow_checkpoint()
+
+        if should_commit:
+            self._step += 1
+            self._batches_committed += self.num_participants()
+            self._commit_failures = 0
+        else:
+            self._commit_failures += 1
+            if self._max_retries is not None and self._commit_failures > self._max_retries:
+                msg = (
+                    f"should_commit failed {self._commit_failures} times consecutively, "
+                    f"exceeding max_retries={self._max_retries}"
+                )
+                self._logger.exception(msg)
+                raise RuntimeError(msg)
+        return should_commit
+
+    # -- manager state ----------------------------------------------------------
+
+    def load_state_dict(self, state_dict: Dict[str, int]) -> None:
+        """Restores the manager's own state (``step``,
+        ``batches_committed``) from a checkpoint."""
+        self._step = state_dict["step"]
+        self._batches_committed = state_dict["batches_committed"]
+
+    def _manager_state_dict(self) -> Dict[str, object]:
+        with self._state_dict_lock.r_lock():
+            assert len(self._user_state_dicts) > 0, "user state_dict is not initialized."
+            return {
+                "user": {key: fn() for key, fn in self._user_state_dicts.items()},
+                "torchft": self.state_dict(),
+            }
+
+    def state_dict(self) -> Dict[str, int]:
+        """The manager's own state, to save with periodic checkpoints."""
+        return {"step": self._step, "batches_committed": self._batches_committed}
+
+    def current_step(self) -> int:
+        """The number of committed steps (the step being computed)."""
+        return self._step
+
+    def batches_committed(self) -> int:
+        """The number of batches committed, summed over participants."""
+        return self._batches_committed
+
+    def participating_rank(self) -> Optional[int]:
+        """This replica's rank among the participants, None if it does not
+        participate (or no quorum was started).  Waits for the quorum."""
+        if self._quorum_future is None:
+            return None
+        self.wait_quorum()
+        return self._participating_replica_rank
+
+    def num_participants(self) -> int:
+        """The number of participating replicas (0 before the first
+        quorum).  Waits for the quorum."""
+        if self._quorum_future is None:
+            return 0
+        self.wait_quorum()
+        assert self._participating_replica_world_size >= 0, "internal error"
+        return self._participating_replica_world_size
+
+    def is_participating(self) -> bool:
+        """False for a spare or a replica that is healing this step."""
+        if self._participating_replica_rank is None:
+            return False
+        if self._healing:
+            assert self._use_async_quorum
+            return False
+        return True
+
+
+class _ManagerLogger:
+    """Log lines prefixed ``[replica_id/group_rank - step N]``."""
+
+    def __init__(self, manager: Manager, replica_id: str, group_rank: int) -> None:
+        self._logger: logging.Logger = logging.getLogger(__name__)
+        self._replica_id = replica_id
+        self._group_rank = group_rank
+        self._manager = manager
+
+    def prefix(self) -> str:
+        return f"[{self._replica_id}/{self._group_rank} - step {self._manager.current_step()}]"
+
+    def info(self, msg: str) -> None:
+        self._logger.info(f"{self.prefix()} {msg}")
+
+    def warn(self, msg: str) -> None:
+        self._logger.warning(f"{self.prefix()} {msg}")
+
+    def exception(self, msg: str) -> None:
+        self._logger.exception(f"{self.prefix()} {msg}")
+
+
+class _SimpleFuture(torch.futures.Future):
+    """A finished future holding ``value``: what each callback of a managed
+    work's chain receives."""
+
+    def __init__(self, value: object) -> None:
+        super().__init__()
+        self._value = value
+
+    def value(self) -> object:
+        return self._value
+
+    def then(self, callback: Callable[["_SimpleFuture"], S]) -> "_SimpleFuture":  # type: ignore[override]
+        return _SimpleFuture(callback(self))
+
+    def wait(self) -> object:
+        return self._value
+
+    def done(self) -> bool:
+        return True
+
+    def add_done_callback(self, callback: Callable[[torch.futures.Future], None]) -> None:
+        raise NotImplementedError("add_done_callback is not supported on _SimpleFuture")
+
+    def set_result(self, result: object) -> None:
+        raise NotImplementedError("set_result is not supported on _SimpleFuture")
+
+    def set_exception(self, result: object) -> None:
+        raise NotImplementedError("set_exception is not supported on _SimpleFuture")
+
+
+class _ManagedFuture(torch.futures.Future):
+    """One link of a managed work's callback chain.  ``then`` only records
+    the callback; the chain runs when the work is waited on."""
+
+    def __init__(self, managed_work: "weakref.ReferenceType[_ManagedWork]") -> None:
+        super().__init__()
+        self._managed_work = managed_work
+        self._next: Optional[_ManagedFuture] = None
+        self._callback: Optional[Callable[[_SimpleFuture], object]] = None
+        self._fut: Optional[torch.futures.Future[object]] = None
+
+    def then(self, callback: Callable[[torch.futures.Future], S]) -> "_ManagedFuture":  # type: ignore[override]
+        work = self._managed_work()
+        assert work is not None, "the managed work is gone"
+        assert self._next is None, "then() was already called on this future"
+        nxt = _ManagedFuture(self._managed_work)
+        nxt._callback = cast(Callable[[_SimpleFuture], object], callback)
+        self._next = nxt
+        work._tail = nxt
+        return nxt
+
+    def wait(self) -> object:
+        work = self._managed_work()
+        assert work is not None, "the managed work is gone"
+        work.wait()
+        assert self._fut is not None
+        return self._fut.wait()
+
+    def value(self) -> object:
+        raise NotImplementedError("value() is not supported on a managed future; wait() instead")
+
+    def done(self) -> bool:
+        raise NotImplementedError("done() is not supported on a managed future")
+
+    def add_done_callback(self, callback: Callable[[torch.futures.Future], None]) -> None:
+        raise NotImplementedError("add_done_callback is not supported on a managed future")
+
+    def set_result(self, result: object) -> None:
+        raise NotImplementedError("set_result is not supported on a managed future")
+
+    def set_exception(self, result: object) -> None:
+        raise NotImplementedError("set_exception is not supported on a managed future")
+
+
+class _ManagedWork(dist._Work):
+    """A process group work whose result goes through the manager: a
+    deadline and error swallowing (``wrap_future``) first, then the
+    callbacks added with ``get_future().then(...)``, run lazily on the
+    stream current at creation."""
+
+    def __init__(self, manager: Manager, work: Work, value: object) -> None:
+        super().__init__()
+        self._manager = manager
+        self._work = work
+        self._value = value
+        self._stream: Optional[torch.Stream] = (
+            torch.accelerator.current_stream() if _accelerator() else None
+        )
+        self._head = _ManagedFuture(weakref.ref(self))
+        self._tail = self._head
+        self._built = False
+
+    def _build(self) -> None:
+        if self._built:
+            return
+        self._built = True
+        fut: torch.futures.Future[object] = self._manager.wrap_future(
+            self._work.get_future(), self._value
+        )
+        node: Optional[_ManagedFuture] = self._head
+        node._fut = fut  # type: ignore[union-attr]
+        stream = self._stream
+        while node is not None and node._next is not None:
+            nxt = node._next
+            cb = nxt._callback
+            assert cb is not None
+
+            def run(f: torch.futures.Future[object], cb: Callable[[_SimpleFuture], object] = cb) -> object:
+                with _stream_context(stream):
+                    return cb(_SimpleFuture(f.value()))
+
+            fut = fut.then(run)
+            nxt._fut = fut
+            node = nxt
+
+    def _assert_same_stream(self) -> None:
+        if self._stream is not None:
+            assert self._stream == torch.accelerator.current_stream(), (
+                "a managed work must be waited on the stream it was created on"
+            )
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        """Waits for the operation and its callbacks; False (and the step
+        marked failed) if anything went wrong."""
+        self._assert_same_stream()
+        try:
+            if self._stream is not None:
+                self._work.wait()
+            self._build()
+            assert self._tail._fut is not None
+            self._tail._fut.wait()
+            return True
+        except Exception as e:  # noqa: BLE001 - a failed step, not a crash
+            self._manager._logger.exception(f"exception waiting for work: {e}")
+            self._manager.report_error(e)
+            return False
+
+    def block_current_stream(self, timeout: Optional[timedelta] = None) -> None:
+        """Makes the current stream wait for the operation and builds the
+        callback chain."""
+        self._assert_same_stream()
+        self._work.block_current_stream()
+        self._build()
+
+    def synchronize(self) -> None:
+        """Accelerator: ``block_current_stream``; else builds the chain."""
+        if self._stream is not None and torch.cuda.is_available():
+            self.block_current_stream()
+        else:
+            self._build()
+
+    def get_future(self) -> torch.futures.Future[object]:  # type: ignore[override]
+        """The tail of the callback chain (a :class:`_ManagedFuture`)."""
+        return self._tail

@@ -1119,6 +1119,148 @@ static void test_handshake_rejects(void **state) {
   assert_int_equal(sg_sock_registered_count(), 0);
 }
 
+/* fake_rank1: handshake with c0 as rank 1 of 2 over a raw socket. */
+static int fake_rank1(sg_comm_t *c0, uint64_t gen) {
+  uint8_t hello[SG__COMM_HELLO_MAX], reply[SG__COMM_REPLY_LEN];
+  int n = sg__comm_hello_encode(hello, gen, 1, 2, "job", "tok");
+  int fd = raw_client(c0, hello, (size_t)n);
+  size_t got = 0;
+  while (got < sizeof(reply)) {
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    assert_int_equal(poll(&p, 1, 5000), 1);
+    ssize_t m = recv(fd, reply + got, sizeof(reply) - got, 0);
+    assert_true(m > 0);
+    got += (size_t)m;
+  }
+  sg__comm_reply_t r;
+  assert_int_equal(sg__comm_reply_parse(reply, got, &r), SG__COMM_REPLY_LEN);
+  assert_int_equal(r.status, 0);
+  return fd;
+}
+
+struct bad_peer_case {
+  const char *name;
+  uint8_t bytes[64];
+  size_t len;
+  int close_after; /* then close: a peer that vanishes mid-frame */
+  int want;        /* rank 0's error */
+  const char *want_msg;
+};
+
+/* A peer that completed the handshake and then speaks wrongly: garbage, a
+ * frame of another operation, a length that does not match, a truncated
+ * frame, a peer that stalls.  Each fails rank 0's allreduce with the
+ * rank named; nothing crashes or hangs. */
+static void test_bad_peer_frames(void **state) {
+  struct bad_peer_case cases[6];
+  memset(cases, 0, sizeof(cases));
+  sg__comm_frame_t f = {
+      .type = SG__COMM_FRAME_OP, .kind = 1, .seq = 0, .bytes = 16};
+  cases[0] = (struct bad_peer_case){.name = "garbage",
+                                    .len = 24,
+                                    .want = SG_EPROTO,
+                                    .want_msg = "malformed frame"};
+  memset(cases[0].bytes, 'x', 24);
+  f.kind = 2; /* broadcast where an allreduce is expected */
+  sg__comm_frame_encode(cases[1].bytes, &f);
+  cases[1].len = 24;
+  cases[1].want = SG_EPROTO;
+  cases[1].want_msg = "another operation";
+  f.kind = 1;
+  f.bytes = (uint64_t)1 << 60; /* a huge length */
+  sg__comm_frame_encode(cases[2].bytes, &f);
+  cases[2].len = 24;
+  cases[2].want = SG_EPROTO;
+  cases[2].want_msg = "another operation";
+  f.bytes = 16;
+  f.seq = 5; /* out of order */
+  sg__comm_frame_encode(cases[3].bytes, &f);
+  cases[3].len = 24;
+  cases[3].want = SG_EPROTO;
+  cases[3].want_msg = "another operation";
+  f.seq = 0;
+  sg__comm_frame_encode(cases[4].bytes, &f); /* truncated payload, then EOF */
+  cases[4].len = 30;
+  cases[4].close_after = 1;
+  cases[4].want = SG_EPEER;
+  cases[4].want_msg = "rank 1";
+  cases[5].len = 0; /* says nothing: the deadline ends it */
+  cases[5].want = SG_ETIMEDOUT;
+  cases[5].want_msg = "rank 1";
+  for (size_t i = 0; i < 6; i++) {
+    sg_comm_t *c0 = mk(0, 2, 9, "tok");
+    char addr0[64];
+    snprintf(addr0, sizeof(addr0), "127.0.0.1:%d", sg_comm_port(c0));
+    const char *addrs[2] = {addr0, "127.0.0.1:1"};
+    struct one_conn a0 = {.c = c0, .addrs = addrs, .ms = 10000};
+    pthread_t th0;
+    pthread_create(&th0, NULL, one_connect, &a0);
+    int fd = fake_rank1(c0, 9);
+    pthread_join(th0, NULL);
+    assert_int_equal(a0.rc, 0);
+    if (cases[i].len)
+      assert_int_equal(send(fd, cases[i].bytes, cases[i].len, MSG_NOSIGNAL),
+                       (ssize_t)cases[i].len);
+    if (cases[i].close_after)
+      shutdown(fd, SHUT_WR);
+    int32_t v[4] = {1, 2, 3, 4};
+    struct done d;
+    done_init(&d);
+    assert_int_equal(sg_comm_allreduce(c0, v, 4, SG_COMM_I32, SG_COMM_SUM,
+                                       sg_deadline_in_ms(300), done_cb, &d,
+                                       NULL),
+                     0);
+    int rc = done_wait(&d, 10000);
+    if (rc != cases[i].want)
+      fprintf(stderr, "case %zu: %d %s\n", i, rc, d.msg);
+    assert_int_equal(rc, cases[i].want);
+    assert_non_null(strstr(d.msg, cases[i].want_msg));
+    assert_non_null(strstr(d.msg, "rank 1"));
+    assert_int_equal(sg_comm_error(c0, NULL), rc); /* poisoned */
+    done_destroy(&d);
+    sg_sock_close(fd);
+    sg_comm_free(c0);
+  }
+  assert_int_equal(sg_sock_registered_count(), 0);
+}
+
+/* Every allocation of creating a communicator and submitting to it may
+ * fail: each failure is an error return, never a crash, callback or leak
+ * (ASan checks the leaks). */
+static void test_alloc_failures(void **state) {
+  for (long nth = 1; nth < 40; nth++) {
+    sg_comm_opts_t o = {.rank = 0, .world_size = 1, .job = "j"};
+    sg_comm_t *c = NULL;
+    sg_test_fail_alloc(nth, 1);
+    int rc = sg_comm_new(&o, &c, NULL);
+    sg_test_fail_alloc(0, 0);
+    if (rc) {
+      assert_true(rc == SG_ENOMEM);
+      assert_null(c);
+      continue;
+    }
+    assert_int_equal(sg_comm_connect(c, NULL, sg_deadline_in_ms(1000), NULL),
+                     0);
+    float v = 1;
+    void *outs[1] = {&v};
+    size_t nb[1] = {4};
+    struct done d;
+    done_init(&d);
+    sg_test_fail_alloc(1, 1);
+    int r1 = sg_comm_allgather(c, &v, 4, outs, sg_deadline_in_ms(1000), done_cb,
+                               &d, NULL);
+    int r2 = sg_comm_alltoall(c, (const void *const *)outs, nb, outs, nb,
+                              sg_deadline_in_ms(1000), done_cb, &d, NULL);
+    sg_test_fail_alloc(0, 0);
+    assert_int_equal(r1, SG_ENOMEM);
+    assert_int_equal(r2, SG_ENOMEM);
+    assert_int_equal(d.fired, 0);
+    done_destroy(&d);
+    sg_comm_free(c);
+  }
+  assert_int_equal(sg_sock_registered_count(), 0);
+}
+
 /* Connect waits are bounded and abortable; bad arguments are refused. */
 static void test_connect_abort_and_args(void **state) {
   sg_comm_t *c0 = mk(0, 2, 1, NULL);
@@ -1309,6 +1451,8 @@ int main(void) {
       cmocka_unit_test(test_bye),
       cmocka_unit_test(test_handshake_rejects),
       cmocka_unit_test(test_connect_abort_and_args),
+      cmocka_unit_test(test_bad_peer_frames),
+      cmocka_unit_test(test_alloc_failures),
       cmocka_unit_test(test_sigkill_mid_allreduce),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

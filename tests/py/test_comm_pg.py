@@ -122,8 +122,8 @@ if scenario == "compare":
     ours.barrier().wait()
     res["size"] = [ours.size(), ours.getBackendName(), ours.errored() is None]
     ours.shutdown()
-elif scenario == "kill":
-    pg = tcp()
+elif scenario in ("kill", "hang"):
+    pg = tcp(timeout=timedelta(seconds=3) if scenario == "hang" else T)
     t = torch.zeros(4 << 20)
     print("ready", flush=True)
     t0 = None
@@ -264,6 +264,31 @@ def test_sigkill_names_the_rank(procs, tmp_path):
         assert f"rank {victim}" in res["msg"], res
         assert res["errored"] != "None"
         assert res["t"] - t_kill < 10.0  # seen from the connection, not the 20 s deadline
+
+
+def test_hung_peer_times_out(procs, tmp_path):
+    """A peer that stops (SIGSTOP) without closing anything: the others fail
+    at the 3 s deadline with TimeoutError naming it, and are poisoned."""
+    world, victim = 2, 1
+    store, ps, outs = _start(procs, tmp_path, world, "hang")
+    ready = [Path(str(o) + ".ready") for o in outs]
+    deadline = time.monotonic() + 60
+    while not all(r.exists() for r in ready):
+        assert time.monotonic() < deadline, "ranks never got going"
+        assert all(p.poll() is None for p in ps)
+        time.sleep(0.05)
+    t_stop = time.monotonic()
+    os.kill(ps[victim].pid, signal.SIGSTOP)
+    try:
+        ps[0].wait(timeout=60)
+    finally:
+        os.kill(ps[victim].pid, signal.SIGKILL)
+    assert ps[0].returncode == 0
+    res = json.loads(outs[0].read_text())
+    assert res["type"] == "TimeoutError", res
+    assert f"rank {victim}" in res["msg"], res
+    assert res["errored"] != "None"
+    assert res["t"] - t_stop < 30.0  # the 3 s deadline, loosely
 
 
 def test_abort_from_another_thread(procs, tmp_path):

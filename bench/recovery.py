@@ -6,6 +6,9 @@ For each state dict shape (few large tensors, many small ones) a child
 process serves the state and this process heals from it: the time is the
 healer's ``recv_checkpoint`` call, start to finish (allocation included),
 over ``--reps`` repetitions; GB/s are decimal (1e9 bytes per second).
+The first repetition is also shown alone: a replacement replica heals once,
+in a fresh process, into memory the allocator has never handed out, while
+later repetitions may get recycled memory.
 
 * ``stepguard``  NativeTransport, one source, ``--streams`` connections;
 * ``torchft-http`` HTTPTransport(num_chunks=0), the Manager's default;
@@ -17,13 +20,19 @@ Prints medians and the ratios the goals are stated in (stepguard against
 loopback and against torchft-http); the data goes to
 ``bench/results/recovery.json``.  Run ``.venv/bin/python bench/recovery.py``
 (64 MiB states, a minute or two) or add ``--big`` for 1 GiB states.
+
+``--shaped 1gbit`` (root) runs the sources in two network namespaces behind
+links shaped with tc tbf instead: stepguard from one source, striped over
+both, and torchft-http from one, to ``bench/results/recovery_shaped.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -33,6 +42,7 @@ from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = str(ROOT / "bench/results/recovery.json")
 STEP = 3
 TIMEOUT = timedelta(seconds=300)
 
@@ -59,7 +69,8 @@ def serve(kind: str, total: int, n: int, reps: int, arg: str) -> None:
     if kind == "stepguard":
         from stepguard.checkpointing.native_transport import NativeTransport
 
-        t = NativeTransport(TIMEOUT, hostname="127.0.0.1")
+        host = arg or "127.0.0.1"
+        t = NativeTransport(TIMEOUT, hostname=host, bind=f"{host}:0")
         t.send_checkpoint([1], STEP, sd, TIMEOUT)
         print(t.metadata(), flush=True)
         sys.stdin.read()
@@ -104,9 +115,12 @@ def serve(kind: str, total: int, n: int, reps: int, arg: str) -> None:
 # ---- the healing side -----------------------------------------------------
 
 
-def spawn(kind: str, total: int, n: int, reps: int, arg: str = "") -> tuple:
+def spawn(
+    kind: str, total: int, n: int, reps: int, arg: str = "", ns: str | None = None
+) -> tuple:
+    prefix = ["ip", "netns", "exec", ns] if ns else []
     p = subprocess.Popen(
-        [sys.executable, __file__, "--serve", kind, "--total", str(total),
+        prefix + [sys.executable, __file__, "--serve", kind, "--total", str(total),
          "--tensors", str(n), "--reps", str(reps), "--arg", arg],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         env={**os.environ, "STEPGUARD_LOG": "warn"},
@@ -149,35 +163,56 @@ class Runner:
 
 
 class Stepguard(Runner):
-    def __init__(self, total: int, n: int, reps: int, streams: int) -> None:
+    """NativeTransport striped over one source per entry of `where`
+    ((namespace, host) pairs; (None, "127.0.0.1") is plain loopback)."""
+
+    def __init__(
+        self, total: int, n: int, reps: int, streams: int, where: list
+    ) -> None:
         super().__init__(total, n, reps)
         self.streams = streams
+        self.where = where
+        self.ps: list = []
 
     def start(self) -> None:
         from stepguard.checkpointing.native_transport import NativeTransport
 
-        self.p, self.meta = spawn("stepguard", self.total, self.n, self.reps)
+        self.metas = []
+        for ns, host in self.where:
+            p, meta = spawn("stepguard", self.total, self.n, self.reps, host, ns)
+            self.ps.append(p)
+            self.metas.append(meta)
         self.t = NativeTransport(
             TIMEOUT, hostname="127.0.0.1", streams_per_source=self.streams
         )
 
     def one(self) -> float:
         t0 = time.perf_counter()
-        sd = self.t.recv_checkpoint(0, self.meta, STEP, TIMEOUT)
+        sd = self.t.recv_checkpoint_striped(self.metas, STEP, TIMEOUT)
         dt = time.perf_counter() - t0
         check(sd, self.total, self.n)
         return dt
 
     def stop(self) -> None:
         self.t.shutdown()
-        super().stop()
+        for p in self.ps:
+            finish(p)
+        self.ps = []
 
 
 class Http(Runner):
+    def __init__(self, total: int, n: int, reps: int, where=(None, None)) -> None:
+        super().__init__(total, n, reps)
+        self.ns, self.host = where
+
     def start(self) -> None:
         from torchft.checkpointing.http_transport import HTTPTransport
 
-        self.p, self.meta = spawn("torchft-http", self.total, self.n, self.reps)
+        self.p, self.meta = spawn(
+            "torchft-http", self.total, self.n, self.reps, ns=self.ns
+        )
+        if self.host:  # it advertises the host name; reach it by address
+            self.meta = re.sub(r"//[^/]+:(\d+)/", rf"//{self.host}:\1/", self.meta)
         self.t = HTTPTransport(TIMEOUT, num_chunks=0)
 
     def one(self) -> float:
@@ -250,6 +285,50 @@ class Loopback(Runner):
         return time.perf_counter() - t0
 
 
+class Net:
+    """Namespaces each linked to this one by a veth shaped with tc tbf
+    (what a source sends is limited to `rate`)."""
+
+    def __init__(self, count: int, rate: str) -> None:
+        self.names: list[str] = []
+        self.links: list[str] = []
+        self.where: list[tuple[str, str]] = []
+        base = (os.getpid() % 100) * 2 + 20
+        try:
+            for i in range(count):
+                ns, outer = f"sgbench{i}_{os.getpid()}", f"sgb{i}o{os.getpid() % 100000}"
+                net = f"10.214.{base + i}"
+                self._ip("netns", "add", ns)
+                self.names.append(ns)
+                self._ip("link", "add", outer, "type", "veth", "peer", "name", "sgbi")
+                self.links.append(outer)
+                self._ip("link", "set", "sgbi", "netns", ns)
+                self._ip("addr", "add", f"{net}.1/24", "dev", outer)
+                self._ip("link", "set", outer, "up")
+                self._ip("-n", ns, "addr", "add", f"{net}.2/24", "dev", "sgbi")
+                self._ip("-n", ns, "link", "set", "sgbi", "up")
+                self._ip("-n", ns, "link", "set", "lo", "up")
+                subprocess.run(
+                    ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "sgbi",
+                     "root", "tbf", "rate", rate, "burst", "512kb", "latency", "100ms"],
+                    check=True, capture_output=True,
+                )  # fmt: skip
+                self.where.append((ns, f"{net}.2"))
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    def close(self) -> None:
+        for link in self.links:
+            subprocess.run(["ip", "link", "del", link], capture_output=True)
+        for ns in self.names:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--serve", help=argparse.SUPPRESS)
@@ -260,7 +339,14 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=2, help="stepguard streams")
     ap.add_argument("--big", action="store_true", help="also 1 GiB states")
     ap.add_argument("--skip", default="", help="comma list of kinds to skip")
-    ap.add_argument("--out", default=str(ROOT / "bench/results/recovery.json"))
+    ap.add_argument(
+        "--shaped",
+        metavar="RATE",
+        help="instead: sources in network namespaces behind links shaped to "
+        "RATE (tc tbf, e.g. 1gbit; needs root): stepguard from one and from "
+        "two sources against torchft-http",
+    )
+    ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args()
     if args.serve:
         serve(args.serve, args.total, args.tensors, args.reps, args.arg)
@@ -270,17 +356,30 @@ def main() -> None:
     if args.big:
         shapes += [("1GiB x16", 1 << 30, 16), ("1GiB x16384", 1 << 30, 16384)]
     skip = set(filter(None, args.skip.split(",")))
+    net = Net(2, args.shaped) if args.shaped else None
+    if net:
+        atexit.register(net.close)
+        if args.out == DEFAULT_OUT:
+            args.out = str(ROOT / "bench/results/recovery_shaped.json")
     results = []
     for label, total, n in shapes:
         row: dict = {"shape": label, "bytes": total, "tensors": n}
         reps = args.reps
-        runners = {
-            "loopback": Loopback(total, n, reps),
-            "stepguard": Stepguard(total, n, reps, args.streams),
-            "stepguard-1stream": Stepguard(total, n, reps, 1),
-            "torchft-http": Http(total, n, reps),
-            "torchft-pg": Pg(total, n, reps),
-        }
+        local = [(None, "127.0.0.1")]
+        if net:
+            runners = {
+                "stepguard": Stepguard(total, n, reps, args.streams, net.where[:1]),
+                "stepguard-2src": Stepguard(total, n, reps, args.streams, net.where),
+                "torchft-http": Http(total, n, reps, net.where[0]),
+            }
+        else:
+            runners = {
+                "loopback": Loopback(total, n, reps),
+                "stepguard": Stepguard(total, n, reps, args.streams, local),
+                "stepguard-1stream": Stepguard(total, n, reps, 1, local),
+                "torchft-http": Http(total, n, reps),
+                "torchft-pg": Pg(total, n, reps),
+            }
         runners = {k: r for k, r in runners.items() if k not in skip}
         times: dict = {k: [] for k in runners}
         live = {}
@@ -305,11 +404,15 @@ def main() -> None:
             row[kind] = {"median_s": med, "gbps": total / med / 1e9, "times": ts}
             print(
                 f"{label:14s} {kind:18s} median {med * 1e3:8.1f} ms "
-                f"{total / med / 1e9:6.2f} GB/s",
+                f"{total / med / 1e9:6.2f} GB/s  (first {ts[0] * 1e3:7.1f} ms)",
                 flush=True,
             )
         ours = row.get("stepguard", {}).get("gbps")
         for other in ["loopback", "torchft-http", "torchft-pg"]:
+            if net and "stepguard-2src" in row and other in row:
+                ratio = row["stepguard-2src"]["gbps"] / row[other]["gbps"]
+                row[f"stepguard-2src/{other}"] = ratio
+                print(f"{label:14s} stepguard-2src / {other:8s} {ratio:6.2f}x")
             if ours and other in row:
                 ratio = ours / row[other]["gbps"]
                 row[f"stepguard/{other}"] = ratio
@@ -319,7 +422,7 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(
             {"reps": args.reps, "streams": args.streams, "cpus": os.cpu_count(),
-             "results": results},
+             "shaped": args.shaped, "results": results},
             f, indent=1,
         )  # fmt: skip
     print(f"wrote {args.out}")

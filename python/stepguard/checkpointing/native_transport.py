@@ -46,6 +46,7 @@ import warnings
 from datetime import timedelta
 from typing import Any, List, Sequence, Tuple, TypeVar
 
+import numpy
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -60,6 +61,7 @@ T = TypeVar("T")
 
 _SCHEME = "sgckpt://"
 _HEADER_VERSION = 1
+_MALLOC_MIN = 1 << 20  # staging at least this large comes from malloc
 
 
 def _seconds(t: timedelta | float | int) -> float:
@@ -317,14 +319,23 @@ class NativeTransport(CheckpointTransport[T]):
             _, dtype_name, shape, stride, span, _rg, _param, _dev = m
             dtype = getattr(torch, dtype_name)
             numel = math.prod(shape)
-            if span == numel:  # dense: allocate it in its final form
+            nbytes = span * dtype.itemsize
+            if nbytes >= _MALLOC_MIN:
+                # malloc'd through numpy: glibc recycles freed heap memory,
+                # where torch's aligned allocations come back as fresh
+                # mmap()ed pages to fault in and zero on every recovery
+                raw = torch.from_numpy(numpy.empty(nbytes, dtype=numpy.uint8))
+                buf = raw.view(dtype)
+                if span == numel:
+                    buf = buf.as_strided(shape, stride)
+            elif span == numel:  # dense: allocate it in its final form
                 buf = torch.empty_strided(shape, stride, dtype=dtype)
             else:  # gaps or overlaps: the span, viewed below
                 buf = torch.empty((span,), dtype=dtype)
             bufs.append(buf)
             leaves.append(None)
             ptrs.append(buf.data_ptr() if span else 0)
-            want.append(span * buf.element_size())
+            want.append(nbytes)
         if list(want) != list(lens):
             raise RuntimeError("checkpoint header and region table disagree")
         self.last_recv_bytes = fetch.data(

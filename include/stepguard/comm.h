@@ -27,6 +27,11 @@
  * A failure of any peer (reset, EOF, deadline, protocol error) fails the
  * operation with a message naming the peer's rank and poisons the
  * communicator: every later operation fails with the first error.
+ *
+ * Fork: in a child forked after sg_comm_new(), the communicator's sockets
+ * are /dev/null (base.h's fork rule); there, submissions fail with
+ * SG_ESTATE and sg_comm_abort() / sg_comm_free() do nothing (the copy is
+ * left, not freed: its thread did not survive the fork).
  */
 #ifndef STEPGUARD_COMM_H
 #define STEPGUARD_COMM_H

@@ -118,6 +118,7 @@ struct sg_comm_s {
   int thread_started;
   uint64_t gone_count; /* progress thread: peers seen gone so far */
   int clean;           /* progress thread ended with no error: BYE on close */
+  unsigned fork_gen;   /* sg_sock_fork_count() at creation */
 
   uint8_t *stage; /* progress thread only */
   size_t stage_cap;
@@ -149,6 +150,12 @@ static int stop_code(sg_comm_t *c) {
 static const char *stop_msg(sg_comm_t *c) {
   return atomic_load(&c->aborted) ? "communicator aborted"
                                   : "communicator closed";
+}
+
+/* forked: whether this is a child forked after c was created; its copy of
+ * c has no progress thread and its descriptors point to /dev/null. */
+static int forked(const sg_comm_t *c) {
+  return sg_sock_fork_count() != c->fork_gen;
 }
 
 int sg_comm_port(const sg_comm_t *c) { return c->port; }
@@ -201,9 +208,16 @@ int sg_comm_new(const sg_comm_opts_t *o, sg_comm_t **out, sg_err_t *err) {
   }
   for (int i = 0; i < c->world; i++)
     c->peers[i].fd = -1;
+  c->fork_gen = sg_sock_fork_count();
   c->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (c->wake_fd < 0) {
     rc = sg_err_set(err, -errno, "eventfd: %s", strerror(errno));
+    goto out;
+  }
+  /* a forked child gets /dev/null here, so it cannot wake our thread */
+  rc = sg_sock_register(c->wake_fd);
+  if (rc) {
+    sg_err_set(err, rc, "cannot register the wakeup descriptor");
     goto out;
   }
   rc = sg_sock_listen(o->bind_host, 0, 128, &c->listen_fd, &c->port, err);
@@ -213,8 +227,7 @@ int sg_comm_new(const sg_comm_opts_t *o, sg_comm_t **out, sg_err_t *err) {
   c = NULL;
 out:
   if (c) {
-    if (c->wake_fd >= 0)
-      close(c->wake_fd);
+    sg_sock_close(c->wake_fd);
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->cv);
     sg_free(c->job);
@@ -1355,6 +1368,11 @@ static void *progress_main(void *arg) {
  * its callback. */
 static int submit(sg_comm_t *c, struct op *op, sg_err_t *err) {
   int rc = 0;
+  if (forked(c)) {
+    op_free(op);
+    return sg_err_set(err, SG_ESTATE,
+                      "communicator belongs to the parent process");
+  }
   pthread_mutex_lock(&c->mu);
   if (c->err_code)
     rc = sg_err_set(err, c->err_code, "%s", c->err_msg);
@@ -1573,8 +1591,8 @@ int sg_comm_barrier(sg_comm_t *c, sg_deadline_t deadline, sg_comm_done_cb cb,
  */
 
 void sg_comm_abort(sg_comm_t *c) {
-  if (!c)
-    return;
+  if (!c || forked(c))
+    return; /* a forked child's copy has nothing running to abort */
   atomic_store(&c->aborted, 1);
   atomic_store(&c->stop, 1);
   wake(c);
@@ -1607,8 +1625,9 @@ static void close_peers(sg_comm_t *c, int bye) {
 }
 
 void sg_comm_free(sg_comm_t *c) {
-  if (!c)
-    return;
+  if (!c || forked(c))
+    return; /* a forked child's copy: no thread to join, locks may be held
+               by threads that did not survive the fork; leave it */
   pthread_mutex_lock(&c->mu);
   c->closing = 1;
   int started = c->thread_started;
@@ -1624,7 +1643,7 @@ void sg_comm_free(sg_comm_t *c) {
   /* no op was running (the queue drained) unless stop cut one */
   close_peers(c, started && c->clean && !atomic_load(&c->stop));
   sg_sock_close(c->listen_fd);
-  close(c->wake_fd);
+  sg_sock_close(c->wake_fd);
   pthread_mutex_destroy(&c->mu);
   pthread_cond_destroy(&c->cv);
   sg_free(c->job);

@@ -1300,6 +1300,46 @@ static void test_connect_abort_and_args(void **state) {
   assert_int_equal(sg_sock_registered_count(), 0);
 }
 
+/* A child forked from a process with a live communicator cannot use,
+ * abort or free it, and the parent's communicator keeps working (its
+ * wakeup descriptor was not disturbed). */
+static void test_fork_child_leaves_it_alone(void **state) {
+  struct group g;
+  group_start(&g, 2);
+  pid_t pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0) {
+    int32_t v = 1;
+    struct done d;
+    done_init(&d);
+    sg_err_t err;
+    int rc = sg_comm_allreduce(g.c[0], &v, 1, SG_COMM_I32, SG_COMM_SUM,
+                               sg_deadline_in_ms(1000), done_cb, &d, &err);
+    sg_comm_abort(g.c[0]);
+    sg_comm_free(g.c[0]);
+    sg_comm_free(g.c[1]);
+    _exit(rc == SG_ESTATE && !d.fired ? 0 : 1);
+  }
+  int st = 0;
+  assert_int_equal(waitpid(pid, &st, 0), pid);
+  assert_true(WIFEXITED(st));
+  assert_int_equal(WEXITSTATUS(st), 0);
+  assert_int_equal(sg_comm_error(g.c[0], NULL), 0);
+  int32_t v[2] = {1, 2};
+  struct done d[2];
+  for (int r = 0; r < 2; r++) {
+    done_init(&d[r]);
+    assert_int_equal(sg_comm_allreduce(g.c[r], &v[r], 1, SG_COMM_I32,
+                                       SG_COMM_SUM, sg_deadline_in_ms(10000),
+                                       done_cb, &d[r], NULL),
+                     0);
+  }
+  wait_all(&g, d);
+  assert_int_equal(v[0], 3);
+  assert_int_equal(v[1], 3);
+  group_stop(&g);
+}
+
 /* ---- real processes ---------------------------------------------------------
  */
 
@@ -1453,6 +1493,7 @@ int main(void) {
       cmocka_unit_test(test_connect_abort_and_args),
       cmocka_unit_test(test_bad_peer_frames),
       cmocka_unit_test(test_alloc_failures),
+      cmocka_unit_test(test_fork_child_leaves_it_alone),
       cmocka_unit_test(test_sigkill_mid_allreduce),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

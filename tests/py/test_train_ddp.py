@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from train_harness import IMPL, impl_has, job_factory, require_api  # noqa: F401
+from train_harness import IMPL, impl_has, job_factory, require_api, zygote  # noqa: F401
 
 require_api()
 

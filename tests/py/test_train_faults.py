@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from train_harness import IMPL, Job, job_factory, require_api, wait_for  # noqa: F401
+from train_harness import IMPL, Job, job_factory, require_api, zygote, wait_for  # noqa: F401
 
 require_api()
 
@@ -132,10 +132,13 @@ def test_recovery_source_killed_during_transfer(job_factory):
     job = job_factory(min_replicas=2)
     # torchft's recovery assignment makes the first up-to-date replica (in
     # replica id order) the source for group rank 0
-    job.start_group("train_0", 1, "--steps", "400", "--slow-send", "30", *PACE)
-    job.start_group("train_1", 1, "--steps", "400", *PACE)
+    # a short operation timeout: a peer whose step failed may leave the
+    # others' allreduce waiting for it that long
+    fast = ("--timeout", "4", *PACE)
+    job.start_group("train_0", 1, "--steps", "400", "--slow-send", "30", *fast)
+    job.start_group("train_1", 1, "--steps", "400", *fast)
     wait_for(lambda: job.all_committed(3), 60, "3 committed steps", job)
-    job.start_group("train_2", 1, "--steps", "400", *PACE)
+    job.start_group("train_2", 1, "--steps", "400", *fast)
     wait_for(lambda: job.events("train_0", ev="send_state"), 60,
              "train_0 to start serving its state to train_2", job)
     job.kill_group("train_0")

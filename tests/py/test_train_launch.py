@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from train_harness import IMPL, LIGHTHOUSE, job_factory, require_api, wait_for  # noqa: F401
+from train_harness import IMPL, LIGHTHOUSE, job_factory, require_api, zygote, wait_for  # noqa: F401
 
 require_api()
 

@@ -15,16 +15,18 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pytest
 
-from lighthouse_util import OURS_CODE, TORCHFT_LIGHTHOUSE_SCRIPT, LighthouseProc
+from lighthouse_util import LISTEN_RE, OURS_CODE, TORCHFT_LIGHTHOUSE_SCRIPT
 
 WORKER = str(Path(__file__).with_name("train_worker.py"))
+ZYGOTE = str(Path(__file__).with_name("train_zygote.py"))
 IMPL = os.environ.get("STEPGUARD_TRAIN_IMPL", "stepguard")
 LIGHTHOUSE = os.environ.get("STEPGUARD_TRAIN_LIGHTHOUSE", "ours")
 
@@ -74,6 +76,99 @@ def wait_for(pred: Callable[[], object], timeout: float, what: str,
         time.sleep(interval)
 
 
+def worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    tests_dir = str(Path(__file__).parent)
+    env["PYTHONPATH"] = tests_dir + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+class Zygote:
+    """A train_zygote.py process that forks trainers with torch already
+    imported (see that file); one per test module."""
+
+    def __init__(self, impl: str = IMPL) -> None:
+        self.popen = subprocess.Popen([sys.executable, ZYGOTE, impl], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, env=worker_env())
+        self._cv = threading.Condition()
+        self._pids: list[int] = []
+        self.rcs: dict[int, int] = {}
+        self._ready = False
+        self._eof = False
+        threading.Thread(target=self._read, daemon=True).start()
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._ready or self._eof, 120) or not self._ready:
+                self.close()
+                raise AssertionError("train_zygote.py did not start")
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            msg = json.loads(line)
+            with self._cv:
+                if "ready" in msg:
+                    self._ready = True
+                elif "pid" in msg:
+                    self._pids.append(msg["pid"])
+                elif "exit" in msg:
+                    self.rcs[msg["exit"]] = msg["rc"]
+                self._cv.notify_all()
+        with self._cv:
+            self._eof = True
+            self._cv.notify_all()
+
+    def spawn(self, argv: list[str], log: Path, lighthouse: bool = False) -> ZChild:
+        assert self.popen.stdin is not None
+        req = {"argv": argv, "log": str(log), "lighthouse": lighthouse}
+        with self._cv:
+            n = len(self._pids)
+            self.popen.stdin.write((json.dumps(req) + "\n").encode())
+            self.popen.stdin.flush()
+            if not self._cv.wait_for(lambda: len(self._pids) > n or self._eof, 30) \
+                    or len(self._pids) <= n:
+                raise AssertionError("train_zygote.py did not fork")
+            return ZChild(self, self._pids[n])
+
+    def wait_rc(self, pid: int, timeout: float | None) -> int | None:
+        with self._cv:
+            self._cv.wait_for(lambda: pid in self.rcs or self._eof, timeout)
+            return self.rcs.get(pid)
+
+    def close(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait(timeout=30)
+
+
+class ZChild:
+    """A forked trainer, with the parts of Popen's interface the Job uses."""
+
+    def __init__(self, zygote: Zygote, pid: int) -> None:
+        self.zygote = zygote
+        self.pid = pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.zygote.rcs.get(self.pid)
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        rc = self.zygote.wait_rc(self.pid, timeout)
+        if rc is None:
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0)
+        return rc
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 class Group:
     """One replica group: its rank processes (or one torchrun) of one incarnation."""
 
@@ -93,8 +188,10 @@ class Job:
 
     def __init__(self, tmp: Path, *, min_replicas: int = 1,
                  join_timeout_ms: int = 200, heartbeat_timeout_ms: int | None = None,
-                 impl: str = IMPL, lighthouse: str = LIGHTHOUSE) -> None:
+                 impl: str = IMPL, lighthouse: str = LIGHTHOUSE,
+                 zygote: Zygote | None = None) -> None:
         self.dir = tmp
+        self.zygote = zygote
         self.impl = impl
         (tmp / "events").mkdir(parents=True, exist_ok=True)
         (tmp / "logs").mkdir(exist_ok=True)
@@ -110,23 +207,21 @@ class Job:
                  "--join_timeout_ms", str(join_timeout_ms),
                  "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),
                  "--quorum_tick_ms", "20"]
-        if lighthouse == "torchft":
-            cmd = [str(TORCHFT_LIGHTHOUSE_SCRIPT), *flags]
+        self.lighthouse_log = tmp / "logs" / "lighthouse.log"
+        if lighthouse == "ours" and zygote is not None:
+            # forked with stepguard already imported: no torch import to wait for
+            p = zygote.spawn(flags, self.lighthouse_log, lighthouse=True)
         else:
-            cmd = [sys.executable, "-c", OURS_CODE, *flags]
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            cmd = ([str(TORCHFT_LIGHTHOUSE_SCRIPT)] if lighthouse == "torchft"
+                   else [sys.executable, "-c", OURS_CODE]) + flags
+            with open(self.lighthouse_log, "ab") as log:
+                p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         self._popens.append(p)
-        self.lighthouse = LighthouseProc(p)
-        self.addr = self.lighthouse.addr
+        m = wait_for(lambda: LISTEN_RE.search(_read_text(self.lighthouse_log)),
+                     60, "the lighthouse to listen")
+        self.addr = f"http://127.0.0.1:{m.group(1).rsplit(':', 1)[1].rstrip('/')}"
 
     # ---- processes --------------------------------------------------
-
-    def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        tests_dir = str(Path(__file__).parent)
-        env["PYTHONPATH"] = tests_dir + os.pathsep + env.get("PYTHONPATH", "")
-        return env
 
     def start_group(self, rid: str, ranks: int = 1, *args: str,
                     torchrun: bool = False) -> Group:
@@ -148,13 +243,18 @@ class Job:
                        f"--nproc-per-node={g.ranks}", "--monitor-interval=0.1",
                        WORKER, *common]
                 g.popens.append(subprocess.Popen(cmd, stdout=log, stderr=log,
-                                                 env=self._env()))
+                                                 env=worker_env()))
+            elif self.zygote is not None:
+                for r in range(g.ranks):
+                    g.popens.append(self.zygote.spawn(
+                        [*common, "--group-rank", str(r), "--group-world-size", str(g.ranks)],
+                        self.dir / "logs" / f"{g.rid}.i{g.incarnation}.log"))
             else:
                 for r in range(g.ranks):
                     cmd = [sys.executable, WORKER, *common, "--group-rank", str(r),
                            "--group-world-size", str(g.ranks)]
                     g.popens.append(subprocess.Popen(cmd, stdout=log, stderr=log,
-                                                     env=self._env()))
+                                                     env=worker_env()))
         finally:
             log.close()
         self._popens.extend(g.popens)
@@ -317,7 +417,8 @@ class Job:
             if logf.exists():
                 text = logf.read_text(errors="replace").splitlines()[-8:]
                 lines.extend("   | " + t for t in text)
-        lines.append("-- lighthouse: " + " / ".join(self.lighthouse.lines[-4:]))
+        lh = _read_text(self.lighthouse_log).splitlines()
+        lines.append("-- lighthouse: " + " / ".join(lh[-4:]))
         return "\n".join(lines)
 
 
@@ -325,8 +426,18 @@ class HardTimeout(BaseException):
     """Raised by SIGALRM when a scenario overruns its hard time limit."""
 
 
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[Zygote]:
+    """One fork server per test module (import it next to job_factory)."""
+    z = Zygote()
+    try:
+        yield z
+    finally:
+        z.close()
+
+
 @pytest.fixture
-def job_factory(tmp_path):
+def job_factory(tmp_path, zygote):
     """Makes Jobs under tmp_path and closes them all at teardown.  The first
     ``make(hard_timeout=S, ...)`` arms SIGALRM: the scenario fails after S
     seconds (default 120) whatever it is waiting for."""
@@ -341,6 +452,7 @@ def job_factory(tmp_path):
         if not limit[0]:
             limit[0] = hard_timeout
             signal.alarm(hard_timeout)
+        kw.setdefault("zygote", zygote)
         j = Job(tmp_path / f"job{len(jobs)}", **kw)
         jobs.append(j)
         return j
@@ -355,12 +467,21 @@ def job_factory(tmp_path):
             j.close()
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
 def _kill(pid: int) -> None:
-    """SIGKILLs pid if it still runs train_worker.py (a pid read from an event
-    file may have exited and been reused since)."""
+    """SIGKILLs pid if it still is a trainer (a pid read from an event file
+    may have exited and been reused since); forked ones show the zygote's
+    command line."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"train_worker.py" not in f.read():
+            cmdline = f.read()
+            if b"train_worker.py" not in cmdline and b"train_zygote.py" not in cmdline:
                 return
         os.kill(pid, signal.SIGKILL)
     except (ProcessLookupError, FileNotFoundError):

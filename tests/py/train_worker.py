@@ -75,7 +75,8 @@ def publish(path: str, text: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--impl", choices=("stepguard", "torchft"), required=True)
+    ap.add_argument("--impl", required=True,
+                    help="the package that provides the API: stepguard or torchft")
     ap.add_argument("--lighthouse", required=True)
     ap.add_argument("--replica-id", required=True)
     ap.add_argument("--dir", required=True)

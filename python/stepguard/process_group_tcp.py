@@ -141,6 +141,11 @@ class _Staged:
             dst.copy_(src)
 
 
+# How long wait() gives an operation past its own deadline before it gives
+# up on the progress thread's answer.
+_WAIT_MARGIN = timedelta(seconds=10)
+
+
 class _TCPWork(dist._Work):
     """The work of one call: completes when its C operations have.
 
@@ -195,11 +200,19 @@ class _TCPWork(dist._Work):
             self._future.set_result(self._result)
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        """Blocks until the operation is done (at most ``timeout``, else the
-        group's timeout; the operation has its own deadline too)."""
-        t = timeout if timeout is not None else self._pg._timeout
-        if not self._event.wait(max(t.total_seconds(), 0.0)):
-            raise TimeoutError(f"work did not complete within {t}")
+        """Blocks until the operation is done and raises its error.
+
+        Without ``timeout`` it relies on the operation's own deadline (the
+        group's timeout, enforced in C, which names the peer it waited
+        for), with a safety margin.  When ``timeout`` (or the margin)
+        expires first, the group is aborted: the members are out of step.
+        """
+        limit = timeout if timeout is not None else self._pg._timeout + _WAIT_MARGIN
+        if not self._event.wait(max(limit.total_seconds(), 0.0)):
+            exc = TimeoutError(f"work did not complete within {limit}")
+            self._pg._record_error(exc)
+            self._pg.abort()
+            raise exc
         if self._exc is not None:
             raise self._exc
         return True

@@ -171,6 +171,13 @@ elif scenario == "reconfigure":
         res["q2"] = t.tolist()
         res["size"] = pg.size()
     pg.shutdown()
+elif scenario == "stale":
+    # rank 1 still thinks it is in quorum 1; rank 0 is in quorum 2 (same prefix)
+    try:
+        tcp("q/same", 2 if rank == 0 else 1, timeout=timedelta(seconds=3))
+        res = {"type": None}
+    except Exception as e:
+        res = {"type": type(e).__name__, "msg": str(e)}
 elif scenario == "init":
     store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=T)
     dist.init_process_group(backend="stepguard_tcp", store=store, rank=rank,
@@ -309,6 +316,17 @@ def test_reconfigure_to_a_smaller_quorum(procs, tmp_path):
     for r in res[:2]:
         assert r["q2"] == [2.0] * 4
         assert r["size"] == 2
+
+
+def test_other_generation_is_refused(procs, tmp_path):
+    """A rank of another quorum id is refused at the handshake (it learns
+    why); the rank it tried to join times out waiting for the real one."""
+    store, ps, outs = _start(procs, tmp_path, 2, "stale")
+    res = _finish(ps, outs)
+    assert res[1]["type"] == "Error", res[1]
+    assert "rank 0" in res[1]["msg"] and "refused" in res[1]["msg"], res[1]
+    assert res[0]["type"] == "TimeoutError", res[0]
+    assert "rank" in res[0]["msg"] and "1" in res[0]["msg"], res[0]
 
 
 def test_init_process_group_backend(procs, tmp_path):

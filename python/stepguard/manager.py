@@ -81,12 +81,14 @@ T = TypeVar("T")
 S = TypeVar("S")
 
 
-def get_timeout(timeout_sec_env: Optional[str], default_timeout: timedelta) -> timedelta:
+def get_timeout(
+    timeout_sec_env: Optional[str], default_timeout_sec: timedelta
+) -> timedelta:
     """``timedelta(seconds=int(timeout_sec_env))`` if the variable was set,
-    else ``default_timeout``."""
+    else ``default_timeout_sec``."""
     if timeout_sec_env is not None and timeout_sec_env != "":
         return timedelta(seconds=int(timeout_sec_env))
-    return default_timeout
+    return default_timeout_sec
 
 
 def extract_trailing_digits(s: str) -> int:

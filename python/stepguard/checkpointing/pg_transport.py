@@ -162,8 +162,13 @@ class PGTransport(CheckpointTransport[T]):
         pass
 
     def send_checkpoint(
-        self, dst_ranks: List[int], step: int, state_dict: T, timeout: timedelta
+        self,
+        dst_ranks: List[int],
+        step: int,
+        state_dict: T,
+        timeout: Optional[timedelta] = None,
     ) -> None:
+        timeout = timeout or self._timeout
         with _timeit("preparing state_dict"):
             meta, buffers = _prepare_state_dict(state_dict, step, self._device)
         blob = pickle.dumps(meta)
@@ -186,8 +191,13 @@ class PGTransport(CheckpointTransport[T]):
                 w.wait(timeout)
 
     def recv_checkpoint(
-        self, src_rank: int, metadata: str, step: int, timeout: timedelta
+        self,
+        src_rank: int,
+        metadata: str,
+        step: int,
+        timeout: Optional[timedelta] = None,
     ) -> T:
+        timeout = timeout or self._timeout
         len_t = torch.zeros(1, dtype=torch.int64, device=self._device)
         self._pg.recv([len_t], src_rank, 1).wait(timeout)
         n = int(len_t.item())

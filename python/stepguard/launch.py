@@ -236,6 +236,9 @@ class LaunchConfig:
     heartbeat_timeout_ms: int = 5000
     omp_threads: int | None = None
     max_restarts: int = 100
+    # Give up on a group after this many incarnations in a row that failed
+    # on their own (no injected failure) before their first commit.
+    max_failed_starts: int = 3
     restart_delay: float = 0.0
     duration: float | None = None  # stop everything after this long
     failures: list[FailureSpec] = field(default_factory=list)
@@ -268,6 +271,9 @@ class _Group:
         self.restarts = 0
         self.launched_at = 0.0
         self.ready_at: float | None = None  # rank 0 reported "ready"
+        self.injected = False  # a failure was injected into this incarnation
+        self.failed_starts = 0  # consecutive incarnations that crashed early
+        self.bad_rank = 0  # the rank whose exit ended the last incarnation
         self.first_commit_seen = False
         self.last_quorum: tuple[Any, Any] | None = None
         self.stopped = False  # hang injection in effect
@@ -466,6 +472,7 @@ class Launcher:
         g.workers = []
         g.first_commit_seen = False
         g.ready_at = None
+        g.injected = False
         g.last_quorum = None
         g.stopped = False
         base = dict(os.environ)
@@ -550,6 +557,11 @@ class Launcher:
             codes = [w.returncode for w in g.workers]
             if any(rc not in (None, 0) for rc in codes):
                 bad = next(w for w in g.workers if w.returncode not in (None, 0))
+                g.bad_rank = bad.rank
+                if g.first_commit_seen or g.injected:
+                    g.failed_starts = 0
+                else:
+                    g.failed_starts += 1
                 self._say(f"group {g.gid} rank {bad.rank} exited with {bad.returncode}; "
                           "ending the group")
                 self._end_group(g, f"rank {bad.rank} exited with {bad.returncode}")
@@ -570,8 +582,19 @@ class Launcher:
                     g.state = "done"
                 elif g.restarts >= self.cfg.max_restarts:
                     g.state = "failed"
-                    self._record("give_up", group=g.gid, restarts=g.restarts)
+                    self._record("give_up", group=g.gid, restarts=g.restarts,
+                                 reason="out of restarts", **self._log_tail(g))
                     self._say(f"group {g.gid}: {g.restarts} restarts, giving up")
+                elif g.failed_starts >= self.cfg.max_failed_starts:
+                    g.state = "failed"
+                    tail = self._log_tail(g)
+                    self._record("give_up", group=g.gid, restarts=g.restarts,
+                                 reason=f"{g.failed_starts} incarnations in a row failed "
+                                 "before their first commit", **tail)
+                    self._say(f"group {g.gid}: {g.failed_starts} incarnations in a row "
+                              "failed before committing anything; giving up"
+                              + (f"; the end of {tail['log']}:\n{tail['tail']}"
+                                 if tail else ""))
                 else:
                     g.restarts += 1
                     g.state = "restart_wait"
@@ -580,6 +603,20 @@ class Launcher:
             g.state = "done"
         if g.state == "restart_wait" and now >= g.restart_at:
             self._launch(g)
+
+    def _log_tail(self, g: _Group, limit: int = 3000) -> dict[str, str]:
+        """The end of the output of the rank that ended the group, if logged."""
+        if not self.cfg.log_dir:
+            return {}
+        path = Path(self.cfg.log_dir) / f"group{g.gid}.rank{g.bad_rank}.inc{g.incarnation}.log"
+        try:
+            with open(path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - limit))
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            return {}
+        return {"log": str(path), "tail": text}
 
     # -- worker events --
 
@@ -700,6 +737,7 @@ class Launcher:
         self._failure_seq += 1
         fid = self._failure_seq
         now = time.time()
+        g.injected = True
         if s.kind == "kill":
             alive = [w for w in g.workers if w.returncode is None]
             if s.rank is not None:
@@ -1020,6 +1058,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="OMP_NUM_THREADS for every rank (default: CPUs / ranks)")
     p.add_argument("--max-restarts", type=int, default=100,
                    help="restarts per group before giving up (default 100)")
+    p.add_argument("--max-failed-starts", type=int, default=3,
+                   help="give up on a group after this many incarnations in a row "
+                   "fail on their own before their first commit (default 3)")
     p.add_argument("--restart-delay", type=float, default=0.0, metavar="SECONDS")
     p.add_argument("--term-grace", type=float, default=2.0, metavar="SECONDS",
                    help="SIGTERM to SIGKILL when ending a group (default 2)")
@@ -1063,6 +1104,7 @@ def main(argv: list[str] | None = None) -> int:
         min_replicas=args.min_replicas, join_timeout_ms=args.join_timeout_ms,
         quorum_tick_ms=args.quorum_tick_ms, heartbeat_timeout_ms=args.heartbeat_timeout_ms,
         omp_threads=args.omp_threads, max_restarts=args.max_restarts,
+        max_failed_starts=args.max_failed_starts,
         restart_delay=args.restart_delay, duration=args.duration, failures=failures,
         timeline=args.timeline, log_dir=args.log_dir, stop_file=args.stop_file,
         master_addr=args.master_addr, quiet=args.quiet, term_grace=args.term_grace,

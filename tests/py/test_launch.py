@@ -37,6 +37,7 @@ if os.environ.get("FAKE_CHILD"):
 if os.environ.get("FAKE_IGNORE_TERM") and rank == 0:
     import signal
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    open(os.environ["FAKE_IGNORE_TERM"], "w").close()  # tell rank 1
 if os.environ.get("FAKE_GARBAGE"):
     fd = int(os.environ["STEPGUARD_EVENTS_FD"])
     for junk in (b"not json\n", b"[1, 2]\n", b'{"event": 5}\n', b"\xff\xfe\n",
@@ -54,6 +55,10 @@ die_at = None
 if die:
     r, i, s = die.split(":")
     if int(r) == rank and int(i) == inc:
+        flag = os.environ.get("FAKE_IGNORE_TERM")
+        deadline = time.monotonic() + 30
+        while flag and not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.01)  # rank 0 must ignore SIGTERM before this rank dies
         die_at = time.monotonic() + float(s)
 steps = int(os.environ.get("FAKE_STEPS", "0"))
 step = 0
@@ -186,13 +191,29 @@ def test_group_restarts_when_one_rank_dies(tmp_path: Path) -> None:
 def test_rank_ignoring_sigterm_is_killed(tmp_path: Path) -> None:
     """A rank that ignores SIGTERM is SIGKILLed after the grace period."""
     cfg = _config(tmp_path, groups=1, nproc_per_group=2, term_grace=0.5,
-                  env={"FAKE_DIE": "1:0:0.3", "FAKE_IGNORE_TERM": "1", "FAKE_STEPS": "40"})
+                  env={"FAKE_DIE": "1:0:0.3", "FAKE_STEPS": "40",
+                       "FAKE_IGNORE_TERM": str(tmp_path / "ignoring")})
     assert Launcher(cfg).run() == 0
     tl = _timeline(tmp_path / "tl.jsonl")
     by_rank = {e["rank"]: e for e in _of(tl, "exit", incarnation=0)}
     assert by_rank[1]["returncode"] == 3
     assert by_rank[0]["signal"] == "SIGKILL"
     assert _of(tl, "group_done", incarnation=1)
+
+
+def test_crash_loop_gives_up_with_the_log(tmp_path: Path) -> None:
+    """A group whose every incarnation fails before committing is given up
+    after max_failed_starts, with the end of its log; run() returns 1."""
+    cfg = _config(tmp_path, groups=1, max_failed_starts=2,
+                  env={"FAKE_DIE": "0:0:0", "FAKE_STEPS": "1000"})
+    cfg.cmd = [sys.executable, "-c", "import sys; print('boom: bad config'); sys.exit(7)"]
+    assert Launcher(cfg).run() == 1
+    tl = _timeline(tmp_path / "tl.jsonl")
+    assert len(_of(tl, "launch")) == 1 and len(_of(tl, "restart")) == 1
+    give = _of(tl, "give_up")
+    assert len(give) == 1 and "before their first commit" in give[0]["reason"]
+    assert "boom: bad config" in give[0]["tail"]
+    assert give[0]["log"].endswith("group0.rank0.inc1.log")
 
 
 def test_garbage_events_are_dropped(tmp_path: Path) -> None:
@@ -221,13 +242,21 @@ def test_kill_injection_on_schedule(tmp_path: Path) -> None:
     """kill:every=1s,count=2 SIGKILLs two ranks about 1 s apart; each
     victim group restarts and the survivor's next commit is a recovery."""
     spec = parse_failure_spec("kill:every=1s,count=2,seed=4")
-    rejoins: list[dict] = []
+    kills: list[dict] = []
+    rejoined: set[tuple[int, int]] = set()
+
+    def wanted() -> set[tuple[int, int]]:
+        # the incarnation after each victim's, unless it was killed in turn
+        hit = {(k["group"], k["incarnation"]) for k in kills}
+        return {(g, i + 1) for g, i in hit if (g, i + 1) not in hit}
 
     def on_event(rec: dict) -> None:
+        if rec["event"] == "inject":
+            kills.append(rec)
         if rec["event"] == "recovery" and rec["kind"] == "rejoin":
-            rejoins.append(rec)
-            if len(rejoins) == 2:
-                launcher.finish(step=0)
+            rejoined.add((rec["group"], rec["incarnation"]))
+        if len(kills) == 2 and wanted() <= rejoined:
+            launcher.finish(step=0)
 
     cfg = _config(tmp_path, groups=2, failures=[spec], stop_file=str(tmp_path / "stop"))
     launcher = Launcher(cfg, on_event=on_event)
@@ -245,7 +274,8 @@ def test_kill_injection_on_schedule(tmp_path: Path) -> None:
     assert {s["failure"] for s in surv} == {1, 2}
     for s in surv:
         assert s["group"] != s["victim"] and s["duration_s"] > 0
-    assert len(_of(tl, "recovery", kind="rejoin")) == 2
+    assert {(r["group"], r["incarnation"]) for r in _of(tl, "recovery", kind="rejoin")} \
+        == wanted()
     assert _of(tl, "quorum_change")
 
 

@@ -164,7 +164,8 @@ class _TCPWork(dist._Work):
         self._left = nops
         self._exc: Optional[BaseException] = None
         self._event = threading.Event()
-        self._future: Future[object] = Future()
+        self._future: Optional[Future[object]] = None  # made on request
+        self._settled = False
         self._lock = threading.Lock()
 
     # -- runs on the communicator's progress thread, with the GIL --
@@ -174,9 +175,15 @@ class _TCPWork(dist._Work):
                 self._exc = _exception(rc, msg)
             self._left -= 1
             last = self._left == 0
-        if last:
-            if not self._staged.writebacks:
-                self._release()  # nothing to copy: wake waiters now
+        if not last:
+            return
+        if self._staged.writebacks:
+            self._pg._completions.put(self)  # copy back off this thread
+            return
+        self._release()  # nothing to copy: wake waiters now
+        with self._lock:
+            wanted = self._future is not None
+        if wanted:
             self._pg._completions.put(self)
 
     def _release(self) -> None:
@@ -184,8 +191,9 @@ class _TCPWork(dist._Work):
             self._pg._record_error(self._exc)
         self._event.set()
 
-    # -- runs on the group's completion thread (futures' callbacks run
-    # there, never on the progress thread) --
+    # -- runs on the group's completion thread: futures' callbacks run
+    # there (or in the thread asking for a finished work's future), never
+    # on the progress thread --
     def _finish(self) -> None:
         if not self._event.is_set():
             if self._exc is None:
@@ -194,10 +202,18 @@ class _TCPWork(dist._Work):
                 except Exception as e:  # noqa: BLE001 - reported to the waiter
                     self._exc = e
             self._release()
+        self._settle()
+
+    def _settle(self) -> None:
+        with self._lock:
+            fut = self._future
+            if fut is None or self._settled:
+                return
+            self._settled = True
         if self._exc is not None:
-            self._future.set_exception(self._exc)
+            fut.set_exception(self._exc)
         else:
-            self._future.set_result(self._result)
+            fut.set_result(self._result)
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         """Blocks until the operation is done and raises its error.
@@ -227,7 +243,15 @@ class _TCPWork(dist._Work):
         return self._exc
 
     def get_future(self) -> Future[object]:
-        return self._future
+        """A future of the result; made on first request (so works that are
+        only waited on cost no future)."""
+        with self._lock:
+            if self._future is None:
+                self._future = Future()
+            fut = self._future
+        if self._event.is_set():
+            self._settle()
+        return fut
 
 
 def _exception(rc: int, msg: str) -> Exception:

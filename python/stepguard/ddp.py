@@ -6,7 +6,8 @@ marks the step failed instead of breaking ``backward()``.  The initial
 parameter broadcast is left to the Manager (it heals replicas at step 0).
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: torch checks the comm
+# hook's `bucket` annotation at run time against dist.GradBucket.
 
 from typing import TYPE_CHECKING, Any, cast
 

@@ -1,0 +1,293 @@
+"""The rest of the training API: deadlines (futures.py), the sampler, the
+optimizer wrapper, DDP through the Manager, and a torchft-style training
+script run with ``import stepguard as torchft``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from datetime import timedelta
+from typing import List
+from unittest.mock import MagicMock
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed import TCPStore
+from torch.utils.data import Dataset
+
+from stepguard.coordination import LighthouseServer
+from stepguard.data import DistributedSampler
+from stepguard.ddp import DistributedDataParallel, PureDistributedDataParallel
+from stepguard.futures import context_timeout, future_timeout, future_wait, stream_timeout
+from stepguard.manager import Manager
+from stepguard.optim import OptimizerWrapper
+from stepguard.process_group import ProcessGroupGloo
+
+TD = timedelta(seconds=20)
+
+
+# -- futures ----------------------------------------------------------------
+
+
+def test_future_timeout_fires_and_passes_results() -> None:
+    never: torch.futures.Future[int] = torch.futures.Future()
+    with pytest.raises(TimeoutError, match="did not complete within"):
+        future_timeout(never, timedelta(milliseconds=50)).wait()
+    ok: torch.futures.Future[int] = torch.futures.Future()
+    fut = future_timeout(ok, timedelta(seconds=30))
+    ok.set_result(5)
+    assert fut.wait() == 5
+    bad: torch.futures.Future[int] = torch.futures.Future()
+    fut = future_timeout(bad, timedelta(seconds=30))
+    bad.set_exception(ValueError("x"))
+    with pytest.raises(ValueError):
+        fut.wait()
+    # Completing after the deadline does not disturb the timed-out future.
+    late: torch.futures.Future[int] = torch.futures.Future()
+    fut = future_timeout(late, timedelta(milliseconds=20))
+    with pytest.raises(TimeoutError):
+        fut.wait()
+    late.set_result(1)
+    m = MagicMock()
+    assert future_timeout(m, timedelta(seconds=1)) is m
+
+
+def test_future_wait() -> None:
+    f: torch.futures.Future[int] = torch.futures.Future()
+    with pytest.raises(TimeoutError):
+        future_wait(f, timedelta(milliseconds=50))
+    threading.Timer(0.05, lambda: f.set_result(3)).start()
+    assert future_wait(f, timedelta(seconds=30)) == 3
+    assert future_wait(f, timedelta(seconds=0)) == 3
+
+
+def test_context_timeout_fires_only_when_late() -> None:
+    fired = threading.Event()
+    with context_timeout(fired.set, timedelta(milliseconds=30)):
+        assert fired.wait(10)
+    quiet = threading.Event()
+    with context_timeout(quiet.set, timedelta(milliseconds=200)):
+        pass
+    time.sleep(0.4)
+    assert not quiet.is_set()
+
+
+def test_blocking_callback_does_not_delay_other_deadlines() -> None:
+    release = threading.Event()
+    second = threading.Event()
+    with context_timeout(lambda: release.wait(30), timedelta(milliseconds=10)):
+        time.sleep(0.05)
+    # The first callback is blocked; the next deadline still fires.
+    with context_timeout(second.set, timedelta(milliseconds=10)):
+        assert second.wait(10)
+    release.set()
+
+
+def test_stream_timeout_without_accelerator_is_inert() -> None:
+    if torch.accelerator.is_available():
+        pytest.skip("this check is for CPU-only machines")
+    called = threading.Event()
+    stream_timeout(called.set, timedelta(milliseconds=1))
+    time.sleep(0.1)
+    assert not called.is_set()
+
+
+def test_timer_is_fresh_after_fork() -> None:
+    code = textwrap.dedent(
+        """
+        import os, sys, threading, time
+        from datetime import timedelta
+        from stepguard.futures import context_timeout
+        with context_timeout(lambda: None, timedelta(milliseconds=1)):
+            time.sleep(0.05)
+        pid = os.fork()
+        if pid == 0:
+            ev = threading.Event()
+            with context_timeout(ev.set, timedelta(milliseconds=10)):
+                ok = ev.wait(10)
+            os._exit(0 if ok else 3)
+        _, status = os.waitpid(pid, 0)
+        sys.exit(os.waitstatus_to_exitcode(status))
+        """
+    )
+    p = subprocess.run([sys.executable, "-c", code], timeout=60)
+    assert p.returncode == 0
+
+
+# -- sampler ------------------------------------------------------------------
+
+
+class Numbers(Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def test_sampler_shards_over_all_groups() -> None:
+    s = DistributedSampler(Numbers(1000), replica_rank=1, num_replica_groups=2,
+                           group_rank=3, num_replicas=4, shuffle=False)
+    assert s.global_rank == 7 and s.global_world_size == 8
+    assert list(s)[:3] == [7, 15, 23] and len(s) == 125
+    seen: List[int] = []
+    for rr in range(3):
+        for gr in range(2):
+            seen += list(DistributedSampler(Numbers(60), replica_rank=rr, num_replica_groups=3,
+                                            group_rank=gr, num_replicas=2, shuffle=False))
+    assert sorted(seen) == list(range(60))
+    shuffled = list(DistributedSampler(Numbers(1000), 1, 2, group_rank=3, num_replicas=4))
+    assert sorted(shuffled) != shuffled and len(shuffled) == 125
+
+
+# -- optimizer wrapper ------------------------------------------------------
+
+
+def test_optimizer_wrapper_steps_only_on_commit() -> None:
+    p = nn.Parameter(torch.ones(2))
+    inner = torch.optim.SGD([p], lr=1.0)
+    manager = MagicMock()
+    opt = OptimizerWrapper(manager, inner)
+    p.grad = torch.ones(2)
+    opt.zero_grad()
+    manager.start_quorum.assert_called_once()
+    assert p.grad is None
+    p.grad = torch.ones(2)
+    manager.should_commit.return_value = False
+    opt.step()
+    assert torch.equal(p.detach(), torch.ones(2))
+    manager.should_commit.return_value = True
+    opt.step()
+    assert torch.equal(p.detach(), torch.zeros(2))
+    assert opt.param_groups is inner.param_groups
+    opt.load_state_dict(opt.state_dict())
+    with pytest.raises(AssertionError):
+        opt.step(lambda: 0.0)
+
+
+# -- DDP and a whole training step -------------------------------------------
+
+
+def make_manager(lh: LighthouseServer, idx: int, pg: object, model: nn.Module) -> Manager:
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    m = Manager(pg, model.load_state_dict, model.state_dict,  # type: ignore[arg-type]
+                min_replica_size=1, rank=0, world_size=1, store_addr="127.0.0.1",
+                store_port=store.port, lighthouse_addr=lh.address(),
+                replica_id=f"ddp_{idx}", timeout=TD, quorum_timeout=TD,
+                # Same initial weights: no healing at step 0, so both
+                # replicas contribute gradients from the first step.
+                init_sync=False,
+                connect_timeout=TD, hostname="127.0.0.1")
+    m._test_store = store  # type: ignore[attr-defined]
+    return m
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "pure"])
+def test_ddp_averages_gradients_over_replicas(wrapper: str) -> None:
+    lh = LighthouseServer("127.0.0.1:0", 2, join_timeout_ms=100)
+    torch.manual_seed(0)
+    models = [nn.Linear(3, 2) for _ in range(2)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    managers = [make_manager(lh, i, ProcessGroupGloo(timeout=TD), models[i]) for i in range(2)]
+    grads: List[List[torch.Tensor]] = [[], []]
+    reference = nn.Linear(3, 2)
+    reference.load_state_dict(models[0].state_dict())
+    xs = [torch.randn(4, 3) for _ in range(2)]
+
+    def replica(i: int) -> None:
+        m = managers[i]
+        net = (DistributedDataParallel(m, models[i]) if wrapper == "ddp"
+               else PureDistributedDataParallel(m, models[i]))
+        opt = OptimizerWrapper(m, torch.optim.SGD(models[i].parameters(), lr=0.1))
+        for _ in range(2):
+            opt.zero_grad()
+            net(xs[i]).sum().backward()
+            grads[i] = [p.grad.clone() for p in models[i].parameters()]
+            opt.step()
+
+    ths = [threading.Thread(target=replica, args=(i,), daemon=True) for i in range(2)]
+    try:
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join(90)
+            assert not t.is_alive()
+        # The expected gradient of the last step: the mean of both replicas'
+        # gradients at the shared weights of the second step.
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        for _ in range(2):
+            ref_opt.zero_grad()
+            per = []
+            for x in xs:
+                reference.zero_grad()
+                reference(x).sum().backward()
+                per.append([p.grad.clone() for p in reference.parameters()])
+            mean = [(a + b) / 2 for a, b in zip(*per)]
+            for p, g in zip(reference.parameters(), mean):
+                p.grad = g
+            ref_opt.step()
+        for i in range(2):
+            for g, e in zip(grads[i], mean):
+                assert torch.allclose(g, e, atol=1e-6)
+            for p, r in zip(models[i].parameters(), reference.parameters()):
+                assert torch.allclose(p, r, atol=1e-6)
+        assert [m.current_step() for m in managers] == [2, 2]
+    finally:
+        for m in managers:
+            m.shutdown(wait=False)
+        lh.shutdown()
+
+
+def test_torchft_style_script_runs_with_stepguard(tmp_path) -> None:
+    """A training loop written against torchft's API, with torchft's import
+    names pointing at stepguard, runs to completion in a child process."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(
+        """
+        import sys
+        import stepguard, stepguard.process_group, stepguard.manager
+        sys.modules["torchft"] = stepguard
+        sys.modules["torchft.process_group"] = stepguard.process_group
+        sys.modules["torchft.manager"] = stepguard.manager
+        from datetime import timedelta
+        import torch
+        from torch import nn
+        from torch.distributed import TCPStore
+        import torchft
+        from torchft import (DistributedDataParallel, Manager, Optimizer,
+                             ProcessGroupGloo)
+        from stepguard.coordination import LighthouseServer
+
+        lh = LighthouseServer("127.0.0.1:0", 1, join_timeout_ms=50)
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        m = nn.Linear(4, 1)
+        manager = Manager(pg=ProcessGroupGloo(), min_replica_size=1,
+                          load_state_dict=m.load_state_dict, state_dict=m.state_dict,
+                          replica_id="train_ddp_0", lighthouse_addr=lh.address(),
+                          rank=0, world_size=1, store_addr="127.0.0.1",
+                          store_port=store.port, hostname="127.0.0.1",
+                          timeout=timedelta(seconds=20))
+        model = DistributedDataParallel(manager, m)
+        optimizer = Optimizer(manager, torch.optim.AdamW(m.parameters()))
+        while manager.current_step() < 5:
+            optimizer.zero_grad()
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+        print("done", manager.current_step(), manager.batches_committed())
+        manager.shutdown()
+        lh.shutdown()
+        """))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "TORCHFT_LIGHTHOUSE": ""})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "done 5 5" in p.stdout

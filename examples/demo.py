@@ -71,6 +71,7 @@ class Progress:
         self.commits = 0
         self.discards = 0
         self.running: set[int] = set()
+        self.gave_up: dict[str, Any] | None = None
 
     def on_event(self, rec: dict[str, Any]) -> None:
         ev = rec["event"]
@@ -87,6 +88,12 @@ class Progress:
             self.running.discard(rec["group"])
             print(f"[{rec['elapsed']:6.1f}s] >>> killed replica group {rec['group']} "
                   f"(pid {rec['pid']})", flush=True)
+        elif ev == "give_up":
+            self.gave_up = rec
+            print(f"[{rec['elapsed']:6.1f}s] !!! replica group {rec['group']} keeps failing "
+                  f"on its own ({rec['reason']}); stopping the demo", flush=True)
+            if rec.get("tail"):
+                print(f"--- end of {rec['log']} ---\n{rec['tail'].rstrip()}\n---", flush=True)
         elif ev in ("launch", "restart"):
             self.running.add(rec["group"])
         elif ev == "recovery":
@@ -308,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_tick(launcher: Launcher) -> None:
         el = launcher.elapsed()
+        if progress.gave_up is not None:
+            launcher.stop()
+            return
         progress.tick(el)
         if not phase["quiet"] and el >= args.duration - args.quiet_tail:
             phase["quiet"] = True
@@ -329,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     if rc == 130:
         print("demo: interrupted; everything it started has been stopped")
         return rc
+    if progress.gave_up is not None:
+        print(f"demo: failed: the trainer ({impl}) does not run; see {out / 'logs'}/")
+        return 1
     tl = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
     identical = compare_params(params, args.groups)
     s = summarize(tl, args.groups, identical, impl, lh_impl)

@@ -861,7 +861,8 @@ class Launcher:
 
         Returns:
             0 when all groups finished or the duration ended, 1 when a group
-            ran out of restarts, 130 on SIGINT, 143 on SIGTERM.
+            was given up (out of restarts, or crash-looping), 130 on SIGINT,
+            143 on SIGTERM.
         """
         c = self.cfg
         rc = 0
@@ -901,6 +902,7 @@ class Launcher:
                     break
                 if deadline is not None and time.monotonic() >= deadline:
                     self._record("duration_reached")
+                    rc = 1 if any(g.state == "failed" for g in self.groups) else 0
                     break
                 time.sleep(0.05)
         except KeyboardInterrupt:

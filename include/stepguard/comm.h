@@ -103,7 +103,7 @@ typedef void (*sg_comm_done_cb)(void *ud, int rc, const char *msg);
 SG_EXPORT int sg_comm_new(const sg_comm_opts_t *opts, sg_comm_t **out,
                           sg_err_t *err);
 
-/* sg_comm_port: the port sg_comm_new() bound. */
+/* sg_comm_port: the port sg_comm_new() bound (closed once connected). */
 SG_EXPORT int sg_comm_port(const sg_comm_t *c);
 
 /* sg_comm_rank / sg_comm_size: from the options. */

@@ -546,6 +546,10 @@ int sg_comm_connect(sg_comm_t *c, const char *const *addrs,
   if (rc == 0 && pthread_create(&c->thread, NULL, progress_main, c) != 0)
     rc = sg_err_set(err, SG_ENOMEM, "cannot start the progress thread");
 out:
+  if (rc == 0) { /* the mesh is complete: nobody else may connect */
+    sg_sock_close(c->listen_fd);
+    c->listen_fd = -1;
+  }
   pthread_mutex_lock(&c->mu);
   if (rc == 0) {
     c->thread_started = 1;

@@ -1098,7 +1098,13 @@ static void test_handshake_rejects(void **state) {
                    0);
   pthread_join(th0, NULL);
   assert_int_equal(a0.rc, 0);
-  /* a duplicate rank 1 after the mesh is complete finds nobody accepting */
+  /* once the mesh is complete nobody listens: a late or duplicate rank 1
+   * is refused by the kernel */
+  sg_comm_t *late = mk(1, 2, 5, "tok");
+  assert_int_equal(sg_comm_connect(late, addrs, sg_deadline_in_ms(300), &err),
+                   SG_ETIMEDOUT);
+  assert_non_null(strstr(err.msg, "rank 0"));
+  sg_comm_free(late);
   int32_t v0 = 1, v1 = 2;
   struct done d0, d1;
   done_init(&d0);

@@ -86,6 +86,10 @@ def many_dtypes_state() -> dict:
             "stepped": base[::2, 1::3],
             "expanded": torch.randn(1, 4, generator=g).expand(5, 4),
             "offset_view": base[3:, 2:5],
+            # over 1 MiB: staged in malloc'd memory, viewed the same way
+            "big_transposed": torch.randn(1024, 600, generator=g).t(),
+            "big_stepped": torch.randn(2048, 600, generator=g)[::2, 1:],
+            "big_bf16": torch.randn(3, 1 << 19, generator=g).to(torch.bfloat16),
             "empty": torch.empty(0, 3),
             "empty_strided": torch.empty_strided((0, 4), (1, 0)),
             "param": torch.nn.Parameter(torch.randn(3, 3, generator=g)),

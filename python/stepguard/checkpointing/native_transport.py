@@ -61,7 +61,8 @@ T = TypeVar("T")
 
 _SCHEME = "sgckpt://"
 _HEADER_VERSION = 1
-_MALLOC_MIN = 1 << 20  # staging at least this large comes from malloc
+_MALLOC_MIN = 1 << 20  # staging in [MIN, MAX] bytes comes from malloc
+_MALLOC_MAX = 32 << 20
 
 
 def _seconds(t: timedelta | float | int) -> float:
@@ -320,10 +321,13 @@ class NativeTransport(CheckpointTransport[T]):
             dtype = getattr(torch, dtype_name)
             numel = math.prod(shape)
             nbytes = span * dtype.itemsize
-            if nbytes >= _MALLOC_MIN:
-                # malloc'd through numpy: glibc recycles freed heap memory,
-                # where torch's aligned allocations come back as fresh
-                # mmap()ed pages to fault in and zero on every recovery
+            if _MALLOC_MIN <= nbytes <= _MALLOC_MAX:
+                # malloc'd through numpy: glibc recycles freed heap memory up
+                # to its largest mmap threshold (32 MiB), where torch's
+                # aligned allocations of that size come back as fresh mmap()
+                # pages to fault in and zero on every heal.  Larger buffers
+                # are fresh pages either way; torch's avoid numpy's
+                # huge-page advice, whose compaction stalled first heals.
                 raw = torch.from_numpy(numpy.empty(nbytes, dtype=numpy.uint8))
                 buf = raw.view(dtype)
                 if span == numel:

@@ -117,6 +117,17 @@ if scenario == "compare":
         ours.send([torch.arange(6, dtype=torch.float32)], world - 1, 0).wait()
     if rank == world - 1:
         r = torch.zeros(6); ours.recv([r], 0, 0).wait(); res["recv"] = r.tolist()
+    c1, c2 = torch.ones(3), torch.full((5,), 2, dtype=torch.int32)
+    ours.allreduce_coalesced([c1, c2], dist.AllreduceCoalescedOptions()).wait()
+    res["coalesced"] = [c1.tolist(), c2.tolist()]
+    flat_in = torch.arange(3 * world, dtype=torch.float64) + rank
+    flat_out = torch.zeros(3, dtype=torch.float64)
+    o = dist.ReduceScatterOptions(); o.reduceOp = ReduceOp.MAX
+    ours.reduce_scatter_tensor_coalesced([flat_out], [flat_in], o).wait()
+    res["rs_flat"] = flat_out.tolist()
+    one = torch.full((4,), float(rank))
+    ours.broadcast_one(one, world - 1).wait()
+    res["bcast_one"] = one.tolist()
     fut = ours.allreduce([torch.ones(3)], ReduceOp.SUM).get_future()
     res["future"] = fut.wait()[0].tolist()
     ours.barrier().wait()
@@ -243,6 +254,11 @@ def test_matches_gloo(procs, tmp_path, world):
         assert r["reduce_scatter"][0] == r["reduce_scatter"][1]
         assert r["noncontig"][0] == r["noncontig"][1]
         assert r["future"] == [float(world)] * 3
+        assert r["coalesced"] == [[float(world)] * 3, [2 * world] * 5]
+        assert r["bcast_one"] == [float(world - 1)] * 4
+    for rank, r in enumerate(res):
+        # MAX over members q of (3 * rank + i + q): the last member's
+        assert r["rs_flat"] == [float(3 * rank + i + world - 1) for i in range(3)]
         assert r["size"] == [world, "stepguard-tcp", True]
     assert res[-1]["recv"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
 

@@ -394,3 +394,38 @@ def test_fetches_from_a_torchft_http_peer() -> None:
     finally:
         peer.shutdown()
         b.shutdown()
+
+
+_CTRL_C = r"""
+import socket, sys, time
+from datetime import timedelta
+from stepguard.checkpointing.native_transport import NativeTransport
+silent = socket.socket()
+silent.bind(("127.0.0.1", 0))
+silent.listen(4)
+t = NativeTransport(timedelta(seconds=5), hostname="127.0.0.1")
+print("ready", flush=True)
+t0 = time.monotonic()
+try:
+    t.recv_checkpoint(0, "sgckpt://127.0.0.1:%d" % silent.getsockname()[1], 1,
+                      timedelta(seconds=600))
+except KeyboardInterrupt:
+    print("interrupted after %.1f" % (time.monotonic() - t0), flush=True)
+    t.shutdown()
+    sys.exit(0)
+sys.exit(2)
+"""
+
+
+def test_ctrl_c_stops_a_fetch(procs) -> None:
+    import signal
+    import subprocess
+
+    p = procs.spawn(_CTRL_C, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    out, _ = p.communicate(timeout=30)
+    assert p.returncode == 0, out
+    assert out.startswith("interrupted after"), out
+    assert float(out.split()[-1]) < 10.0, out  # not the 600 s deadline

@@ -431,3 +431,53 @@ def test_quorum_logs(lighthouse, caplog) -> None:
     finally:
         r.manager.shutdown(wait=False)
         lh1.shutdown()
+
+
+@pytest.mark.parametrize("torchft_index", [0, 1])
+def test_mixed_job_with_a_torchft_manager(lighthouse, torchft_index: int) -> None:
+    """A torchft Manager (its own process group and HTTP transport) and a
+    stepguard Manager train in one quorum: they rebuild one Gloo group from
+    the handles the lighthouse carries, and the one that is behind heals
+    from the other (index 0 is the source: replica ranks follow ids)."""
+    tfm = pytest.importorskip("torchft.manager")
+    tfp = pytest.importorskip("torchft.process_group")
+    import stepguard.manager as sgm
+    import stepguard.process_group as sgp
+
+    kinds = [(sgm, sgp), (sgm, sgp)]
+    kinds[torchft_index] = (tfm, tfp)
+    stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(2)]
+    ws = [torch.full((3,), float(10 * i)) for i in range(2)]
+    managers: List[object] = [None, None]
+
+    def make(i: int) -> None:
+        mod, pgmod = kinds[i]
+        managers[i] = mod.Manager(
+            pgmod.ProcessGroupGloo(timeout=TD), lambda sd, i=i: ws[i].copy_(sd["w"]),
+            lambda i=i: {"w": ws[i]}, min_replica_size=1, rank=0, world_size=1,
+            store_addr="127.0.0.1", store_port=stores[i].port,
+            lighthouse_addr=lighthouse.address(), replica_id=f"mixed_{i}", timeout=TD,
+            quorum_timeout=TD, connect_timeout=TD, hostname="127.0.0.1")
+
+    def train(i: int) -> list:
+        m = managers[i]
+        out = []
+        for _ in range(3):
+            m.start_quorum()  # type: ignore[attr-defined]
+            g = torch.full((3,), float(i + 1))
+            m.allreduce(g).wait()  # type: ignore[attr-defined]
+            committed = m.should_commit()  # type: ignore[attr-defined]
+            if committed:
+                ws[i].add_(g)
+            out.append((committed, g[0].item()))
+        return out
+
+    run_threads([lambda i=i: make(i) for i in range(2)])
+    try:
+        got = run_threads([lambda i=i: train(i) for i in range(2)])
+        assert got[0] == got[1] == [(True, 0.5), (True, 1.5), (True, 1.5)]
+        assert torch.equal(ws[0], ws[1]) and ws[0][0].item() == pytest.approx(3.5)
+    finally:
+        for m in managers:
+            if m is not None:
+                m.shutdown(wait=False)  # type: ignore[attr-defined]

@@ -182,6 +182,25 @@ elif scenario == "reconfigure":
         res["q2"] = t.tolist()
         res["size"] = pg.size()
     pg.shutdown()
+elif scenario == "fork":
+    import gc
+    pg = tcp()
+    t = torch.ones(8); pg.allreduce([t], ReduceOp.SUM).wait()
+    pid = os.fork()
+    if pid == 0:  # a DataLoader-style worker drops its copy of the group
+        try:
+            pg.allreduce([torch.ones(1)], ReduceOp.SUM)
+            code = 3  # must not be usable here
+        except Exception:
+            code = 0
+        pg.abort(); pg.shutdown(); del pg; gc.collect()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    res["child"] = os.waitstatus_to_exitcode(status)
+    t = torch.ones(8); pg.allreduce([t], ReduceOp.SUM).wait()
+    res["after"] = t.tolist()
+    res["errored"] = pg.errored() is None
+    pg.shutdown()
 elif scenario == "stale":
     # rank 1 still thinks it is in quorum 1; rank 0 is in quorum 2 (same prefix)
     try:
@@ -343,6 +362,14 @@ def test_other_generation_is_refused(procs, tmp_path):
     assert "rank 0" in res[1]["msg"] and "refused" in res[1]["msg"], res[1]
     assert res[0]["type"] == "TimeoutError", res[0]
     assert "rank" in res[0]["msg"] and "1" in res[0]["msg"], res[0]
+
+
+def test_forked_child_leaves_the_group_alone(procs, tmp_path):
+    store, ps, outs = _start(procs, tmp_path, 2, "fork")
+    for r in _finish(ps, outs):
+        assert r["child"] == 0
+        assert r["after"] == [2.0] * 8
+        assert r["errored"]
 
 
 def test_init_process_group_backend(procs, tmp_path):

@@ -620,6 +620,26 @@ static void test_source_dies_mid_stream(void **unused) {
   assert_memory_equal(d.mem, st.mem, st.total);
   bad_stop(&bad);
 
+  /* a source at another step is dropped; the one at ours delivers */
+  sg_ckpt_server_t *other = start_server(NULL, 0);
+  serve(other, 7, &st);
+  char ao[64];
+  addr_of(other, ao);
+  const char *mixed[] = {ao, ag};
+  memset(d.mem, 0, d.total);
+  rc = sg_ckpt_fetch_data(f, mixed, 2, NULL, 8, layout, d.regs, d.n, &o,
+                          sg_deadline_in_ms(30000), bytes, &err);
+  if (rc)
+    fail_msg("%s", err.msg);
+  assert_int_equal(bytes[0], 0);
+  assert_int_equal(bytes[1], st.total);
+  assert_memory_equal(d.mem, st.mem, st.total);
+  sg_ckpt_server_stats_t os;
+  sg_ckpt_server_stats(other, &os);
+  assert_int_equal(os.bytes_sent, 0);
+  assert_true(os.refused >= 1);
+  sg_ckpt_server_stop(other);
+
   /* garbage answers are a protocol error */
   bad_start(&bad, BAD_GARBAGE);
   sprintf(ab, "127.0.0.1:%d", bad.port);

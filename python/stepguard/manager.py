@@ -309,6 +309,7 @@ class Manager:
         self._participating_replica_rank: Optional[int] = None
         self._participating_replica_world_size: int = 0
         self._is_state_dict_read_allowed = True
+        self._warned_quantize = False
 
         self._global_rank: int = (
             self._group_rank
@@ -421,7 +422,8 @@ class Manager:
             pg_reduce_op = reduce_op
 
         try:
-            if should_quantize:
+            if should_quantize and not self._warned_quantize:
+                self._warned_quantize = True
                 self._logger.warn("quantized allreduce is not available; not quantizing")
             opts = AllreduceOptions()
             opts.reduceOp = pg_reduce_op

@@ -481,3 +481,32 @@ def test_mixed_job_with_a_torchft_manager(lighthouse, torchft_index: int) -> Non
         for m in managers:
             if m is not None:
                 m.shutdown(wait=False)  # type: ignore[attr-defined]
+
+
+def test_managed_process_group_goes_through_the_manager() -> None:
+    from torch.distributed.distributed_c10d import AllreduceOptions
+
+    from stepguard.process_group import ManagedProcessGroup
+
+    lh1 = LighthouseServer("127.0.0.1:0", 1, join_timeout_ms=50)
+    r = Replica(lh1, 0, pg=ProcessGroupDummy(0, 1), min_replica_size=1)
+    m = r.manager
+    try:
+        mpg = ManagedProcessGroup(m)
+        assert mpg.getBackendName() == "torchft-dummy"
+        assert mpg.size() == 0  # no quorum yet
+        m.start_quorum()
+        assert mpg.size() == 1
+        t = torch.full((2,), 3.0)
+        assert mpg.allreduce([t], ReduceOp.SUM).wait() is True
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.AVG
+        assert mpg.allreduce([t], opts).wait() is True
+        assert torch.equal(t, torch.full((2,), 3.0))
+        with pytest.raises(AssertionError):
+            mpg.allreduce([t, t], ReduceOp.SUM)
+        m.report_error(RuntimeError("x"))
+        assert isinstance(mpg.allreduce([t], ReduceOp.SUM), _DummyWork)
+    finally:
+        m.shutdown(wait=False)
+        lh1.shutdown()

@@ -550,7 +550,12 @@ class Manager:
 
         handle = ""
         if hasattr(self._pg, "get_reconfigure_handle"):
-            handle = self._pg.get_reconfigure_handle()
+            try:
+                handle = self._pg.get_reconfigure_handle()
+            except Exception as e:  # noqa: BLE001 - fall back to the quorum's store
+                # Without our handle no replica gets a full handle list, so
+                # every one meets on the quorum's store instead.
+                self._logger.exception(f"no reconfigure handle, using the quorum store: {e}")
         quorum = self._client._quorum(
             group_rank=self._group_rank,
             step=self._step,

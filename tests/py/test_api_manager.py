@@ -510,3 +510,33 @@ def test_managed_process_group_goes_through_the_manager() -> None:
     finally:
         m.shutdown(wait=False)
         lh1.shutdown()
+
+
+def test_store_rendezvous_when_a_replica_has_no_handle(lighthouse) -> None:
+    """One replica cannot produce a reconfigure handle: every replica then
+    meets on the quorum's store (the path for managers that carry no
+    handles) and training goes on."""
+
+    reconfigures: List[int] = []
+
+    class Counting(ProcessGroupGloo):
+        def reconfigure(self, opts):  # type: ignore[no-untyped-def, override]
+            reconfigures.append(1)
+            return super().reconfigure(opts)
+
+    class NoHandle(Counting):
+        def get_reconfigure_handle(self) -> str:
+            raise OSError("no address")
+
+    rs = run_threads([lambda i=i: Replica(lighthouse, i, min_replica_size=1,
+                                          pg=(NoHandle if i == 0 else Counting)(timeout=TD))
+                      for i in range(2)])
+    try:
+        got = run_threads([lambda r=r: [r.step(1.0) for _ in range(2)] for r in rs])
+        assert got[0] == got[1] == [(True, True, 0.5, 2), (True, True, 1.0, 2)]
+        # The group was built by configure() on the quorum store.
+        assert reconfigures == []
+        assert rs[1].pg._world_size == 2 and rs[1].pg._global_ranks == [0, 1]  # type: ignore[attr-defined]
+        assert torch.equal(rs[0].w, rs[1].w)
+    finally:
+        shutdown_all(rs)  # type: ignore[arg-type]

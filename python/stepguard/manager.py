@@ -40,7 +40,6 @@ from datetime import timedelta
 from enum import Enum
 from typing import (
     TYPE_CHECKING,
-    Any,
     Callable,
     ContextManager,
     Dict,

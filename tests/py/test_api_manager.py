@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from datetime import timedelta
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 from unittest.mock import MagicMock
 
 import pytest

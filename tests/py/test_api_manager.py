@@ -540,3 +540,51 @@ def test_store_rendezvous_when_a_replica_has_no_handle(lighthouse) -> None:
         assert torch.equal(rs[0].w, rs[1].w)
     finally:
         shutdown_all(rs)  # type: ignore[arg-type]
+
+
+def test_two_groups_of_two_ranks_vote_per_group(lighthouse) -> None:
+    """Two replica groups of two ranks each (four Managers on threads):
+    group rank r of each group shares a process group, and a failure on one
+    rank fails the commit of both ranks of its group only."""
+    stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(2)]
+    pgs = {(g, r): FakeProcessGroupWrapper(ProcessGroupGloo(timeout=TD))
+           for g in range(2) for r in range(2)}
+    ws = {k: torch.full((2,), float(10 * k[0] + k[1])) for k in pgs}
+    managers: Dict[tuple, Manager] = {}
+
+    def make(g: int, r: int) -> None:
+        managers[(g, r)] = Manager(
+            pgs[(g, r)], lambda sd, k=(g, r): ws[k].copy_(sd["w"]),
+            lambda k=(g, r): {"w": ws[k]}, min_replica_size=1, rank=r, world_size=2,
+            store_addr="127.0.0.1", store_port=stores[g].port,
+            lighthouse_addr=lighthouse.address(), replica_id=f"group_{g}", timeout=TD,
+            quorum_timeout=TD, connect_timeout=TD, hostname="127.0.0.1")
+
+    def step(k: tuple, fail: bool) -> bool:
+        m = managers[k]
+        m.start_quorum()
+        if fail:
+            pgs[k].report_future_error(RuntimeError("rank failure"))
+        g = torch.full((2,), 1.0)
+        m.allreduce(g).wait()
+        committed = m.should_commit()
+        if committed:
+            ws[k].add_(g)
+        return committed
+
+    keys = sorted(pgs)
+    run_threads([lambda k=k: make(*k) for k in keys])
+    try:
+        assert run_threads([lambda k=k: step(k, False) for k in keys]) == [True] * 4
+        # Group 0's rank 1 fails: group 0 (both ranks) discards the step.
+        got = run_threads([lambda k=k: step(k, k == (0, 1)) for k in keys])
+        assert dict(zip(keys, got)) == {(0, 0): False, (0, 1): False, (1, 0): True, (1, 1): True}
+        assert [managers[k].current_step() for k in keys] == [1, 1, 2, 2]
+        # Next step group 0 heals from group 1, rank by rank.
+        assert run_threads([lambda k=k: step(k, False) for k in keys]) == [True] * 4
+        for r in range(2):
+            assert torch.equal(ws[(0, r)], ws[(1, r)])
+        assert ws[(1, 0)][0].item() != ws[(1, 1)][0].item()  # ranks hold their own shard
+    finally:
+        for m in managers.values():
+            m.shutdown(wait=False)

@@ -17,9 +17,10 @@ launcher's timeline it measures:
 
 Configurations: ``plain`` (torch DDP, no fault tolerance), ``torchft``
 (torchft's trainer and lighthouse), ``stepguard`` (stepguard's trainer and
-lighthouse; only when stepguard provides the training API), and
-``sg-lighthouse`` (torchft's trainer under stepguard's lighthouse, which
-isolates what the lighthouse changes).  Medians, maxima and ratios go to
+lighthouse, with ProcessGroupGloo like torchft; only when stepguard provides
+the training API), ``stepguard-tcp`` (the same with stepguard's native
+ProcessGroupTCP), and ``sg-lighthouse`` (torchft's trainer under stepguard's
+lighthouse, which isolates what the lighthouse changes).  Medians, maxima and ratios go to
 ``bench/results/e2e.md``.
 
 Run with ``.venv/bin/python bench/e2e.py`` (about five minutes on two
@@ -55,13 +56,14 @@ def stepguard_has_trainer() -> bool:
 
 def run_config(name: str, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
     """Runs one configuration; returns its timeline."""
-    trainer, lh = {
-        "plain": ("plain", "stepguard"),
-        "torchft": ("torchft", "torchft"),
-        "stepguard": ("stepguard", "stepguard"),
-        "sg-lighthouse": ("torchft", "stepguard"),
+    trainer, lh, pg = {
+        "plain": ("plain", "stepguard", "gloo"),
+        "torchft": ("torchft", "torchft", "gloo"),
+        "stepguard": ("stepguard", "stepguard", "gloo"),
+        "stepguard-tcp": ("stepguard", "stepguard", "tcp"),
+        "sg-lighthouse": ("torchft", "stepguard", "gloo"),
     }[name]
-    train_args = ["--device", "cpu", *args.train_args]
+    train_args = ["--device", "cpu", "--pg", pg, *args.train_args]
     failures = []
     if trainer == "plain":
         train_args += ["--plain", "--steps", str(args.plain_steps)]
@@ -77,7 +79,7 @@ def run_config(name: str, args: argparse.Namespace, out: Path) -> list[dict[str,
         timeline=str(out / f"{name}.jsonl"), log_dir=str(out / f"logs-{name}"), quiet=True,
         max_restarts=1000,
     )
-    print(f"e2e: {name}: trainer {trainer}, lighthouse {lh}, "
+    print(f"e2e: {name}: trainer {trainer}, lighthouse {lh}, process group {pg}, "
           f"{'%d ranks of plain DDP' % nproc if trainer == 'plain' else '%d groups' % groups}",
           flush=True)
     t0 = time.monotonic()
@@ -139,9 +141,9 @@ def ratio(a: float | None, b: float | None) -> str:
 
 
 def table(res: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
-    cols = [c for c in ("plain", "torchft", "stepguard", "sg-lighthouse") if c in res]
-    fast = "stepguard" if "stepguard" in res else ("sg-lighthouse" if "sg-lighthouse" in res
-                                                   else None)
+    cols = [c for c in ("plain", "torchft", "stepguard", "stepguard-tcp", "sg-lighthouse")
+            if c in res]
+    fast = next((c for c in ("stepguard-tcp", "stepguard", "sg-lighthouse") if c in res), None)
     head = "| metric | " + " | ".join(cols) + (f" | torchft / {fast} |" if fast else " |")
     sep = "|---" * (len(cols) + 1 + (1 if fast else 0)) + "|"
     rows = []
@@ -187,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plain-steps", type=int, default=40)
     p.add_argument("--omp-threads", type=int, default=1)
     p.add_argument("--warmup", type=int, default=3, help="steps per incarnation not timed")
-    p.add_argument("--configs", default="plain,torchft,stepguard,sg-lighthouse")
+    p.add_argument("--configs", default="plain,torchft,stepguard,stepguard-tcp,sg-lighthouse")
     p.add_argument("--out", default=str(ROOT / "build" / "bench-e2e"))
     p.add_argument("--results", default=str(ROOT / "bench" / "results" / "e2e.md"))
     p.add_argument("train_args", nargs="*", help="extra train_llama.py arguments (after --)")
@@ -196,12 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     notes = []
-    if "stepguard" in configs and not stepguard_has_trainer():
-        configs.remove("stepguard")
+    if not stepguard_has_trainer():
+        configs = [c for c in configs if c not in ("stepguard", "stepguard-tcp")]
         notes.append("stepguard's training API (Manager, DDP, Optimizer, ProcessGroupGloo) "
-                     "was not available in this build, so the `stepguard` column is absent; "
-                     "`sg-lighthouse` runs torchft's trainer under stepguard's lighthouse.")
+                     "was not available in this build, so the stepguard columns are absent.")
         print("e2e: " + notes[-1], flush=True)
+    notes.append("`stepguard` uses ProcessGroupGloo like torchft; `stepguard-tcp` uses "
+                 "stepguard's native ProcessGroupTCP; `sg-lighthouse` runs torchft's "
+                 "trainer under stepguard's lighthouse.  The ratio column is torchft over "
+                 "the first of stepguard-tcp, stepguard, sg-lighthouse present.")
     res = {}
     for c in configs:
         tl = run_config(c, args, out)

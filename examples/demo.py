@@ -276,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--impl", choices=("auto", "stepguard", "torchft"), default="auto")
     p.add_argument("--lighthouse-impl", choices=("stepguard", "torchft"), default=None,
                    help="default: stepguard's (wire-compatible with both)")
+    p.add_argument("--pg", choices=("auto", "gloo", "tcp"), default="auto",
+                   help="cross-replica process group (auto: stepguard's native "
+                   "ProcessGroupTCP with stepguard, ProcessGroupGloo with torchft)")
     p.add_argument("--groups", type=int, default=3)
     p.add_argument("--duration", type=float, default=180.0, help="training time in seconds")
     p.add_argument("--kill-every", type=float, default=20.0)
@@ -291,13 +294,14 @@ def main(argv: list[str] | None = None) -> int:
 
     impl = pick_impl(args.impl)
     lh_impl = args.lighthouse_impl or "stepguard"
+    pg = args.pg if args.pg != "auto" else ("tcp" if impl == "stepguard" else "gloo")
     out = Path(args.out)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     params = out / "params"
     cmd = [sys.executable, str(HERE / "train_llama.py"), "--impl", impl,
-           "--device", "cpu", "--save-dir", str(params), *args.train_args]
+           "--device", "cpu", "--pg", pg, "--save-dir", str(params), *args.train_args]
     kill = parse_failure_spec(f"kill:every={args.kill_every}s,seed={args.seed}")
     cfg = LaunchConfig(
         cmd=cmd, groups=args.groups, lighthouse_impl=lh_impl, min_replicas=1,
@@ -307,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         env={"TORCHFT_QUORUM_TIMEOUT_SEC": "120"},
     )
     print(f"demo: {args.groups} replica groups train a small Llama on CPU with "
-          f"{impl}'s API and the {lh_impl} lighthouse for about {args.duration:.0f} s; "
+          f"{impl}'s API ({pg} process group) and the {lh_impl} lighthouse for about "
+          f"{args.duration:.0f} s; "
           f"a replica is killed every {args.kill_every:.0f} s (none in the last "
           f"{args.quiet_tail:.0f} s)", flush=True)
     progress = Progress(args.groups, args.progress_every)
@@ -344,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     tl = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
     identical = compare_params(params, args.groups)
-    s = summarize(tl, args.groups, identical, impl, lh_impl)
+    s = summarize(tl, args.groups, identical, f"{impl} ({pg} process group)", lh_impl)
     s["wall_s"] = round(time.monotonic() - t0, 1)
     text = summary_text(s)
     (out / "summary.txt").write_text(text + "\n")

@@ -58,6 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="manager timeout in seconds (commit, recovery, collectives)")
     p.add_argument("--quorum-timeout", type=float, default=60.0)
     p.add_argument("--pg-timeout", type=float, default=10.0)
+    p.add_argument("--pg", choices=("gloo", "tcp"), default="gloo",
+                   help="cross-replica process group: gloo (torchft's "
+                   "ProcessGroupGloo), or tcp (stepguard's native ProcessGroupTCP, "
+                   "which notices a dead peer at once; stepguard only)")
     p.add_argument("--save-dir", default=None,
                    help="write the final parameters to SAVE_DIR/params_g{group}_r{rank}.pt")
     return p.parse_args(argv)
@@ -116,7 +120,13 @@ def main(argv: list[str] | None = None) -> int:
         def save_state() -> dict:
             return {"model": model.state_dict(), "optim": inner.state_dict()}
 
-        if use_cuda:
+        if args.pg == "tcp":
+            if args.impl != "stepguard":
+                raise SystemExit("--pg tcp needs --impl stepguard")
+            from stepguard.process_group import ProcessGroupTCP
+
+            pg = ProcessGroupTCP(timeout=timedelta(seconds=args.pg_timeout))
+        elif use_cuda:
             pg = ft.ProcessGroupNCCL(timeout=timedelta(seconds=args.pg_timeout))
         else:
             pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=args.pg_timeout))

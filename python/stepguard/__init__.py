@@ -4,35 +4,61 @@ The coordination core (lighthouse, manager, collectives, checkpoint serving)
 is the C library libstepguard; this package is its torch-facing API.  Module
 paths and names mirror torchft's, so ``import stepguard as torchft`` serves
 torchft training scripts.
+
+The training names below are imported on first use, so tools that need only
+``stepguard.coordination`` (the lighthouse CLI) do not pay for importing
+torch.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from stepguard import _C
-from stepguard.data import DistributedSampler
-from stepguard.ddp import DistributedDataParallel
-from stepguard.manager import Manager
-from stepguard.optim import OptimizerWrapper as Optimizer
-from stepguard.process_group import (
-    ProcessGroupBabyNCCL,
-    ProcessGroupBabyXCCL,
-    ProcessGroupGloo,
-    ProcessGroupNCCL,
-    ProcessGroupXCCL,
-)
 
 __version__: str = _C.version()
 
 Error = _C.Error
 
-__all__ = [
-    "DistributedDataParallel",
-    "DistributedSampler",
-    "Error",
-    "Manager",
-    "Optimizer",
-    "ProcessGroupBabyNCCL",
-    "ProcessGroupBabyXCCL",
-    "ProcessGroupGloo",
-    "ProcessGroupNCCL",
-    "ProcessGroupXCCL",
-    "__version__",
-]
+# name -> (module, attribute)
+_LAZY = {
+    "DistributedDataParallel": ("stepguard.ddp", "DistributedDataParallel"),
+    "DistributedSampler": ("stepguard.data", "DistributedSampler"),
+    "Manager": ("stepguard.manager", "Manager"),
+    "Optimizer": ("stepguard.optim", "OptimizerWrapper"),
+    "ProcessGroupBabyNCCL": ("stepguard.process_group", "ProcessGroupBabyNCCL"),
+    "ProcessGroupBabyXCCL": ("stepguard.process_group", "ProcessGroupBabyXCCL"),
+    "ProcessGroupGloo": ("stepguard.process_group", "ProcessGroupGloo"),
+    "ProcessGroupNCCL": ("stepguard.process_group", "ProcessGroupNCCL"),
+    "ProcessGroupXCCL": ("stepguard.process_group", "ProcessGroupXCCL"),
+}
+
+__all__ = sorted(_LAZY) + ["Error", "__version__"]
+
+if TYPE_CHECKING:
+    from stepguard.data import DistributedSampler
+    from stepguard.ddp import DistributedDataParallel
+    from stepguard.manager import Manager
+    from stepguard.optim import OptimizerWrapper as Optimizer
+    from stepguard.process_group import (
+        ProcessGroupBabyNCCL,
+        ProcessGroupBabyXCCL,
+        ProcessGroupGloo,
+        ProcessGroupNCCL,
+        ProcessGroupXCCL,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'stepguard' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -135,3 +135,19 @@ def test_backend_names_match() -> None:
         assert getattr(ours, cls)().getBackendName() == getattr(theirs, cls)().getBackendName()
     assert ours.ProcessGroupDummy(0, 1).getBackendName() == \
         theirs.ProcessGroupDummy(0, 1).getBackendName()
+
+
+def test_coordination_does_not_import_torch() -> None:
+    """The lighthouse CLI imports stepguard.coordination: it must not pay
+    for torch; the training names load on first use."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, stepguard, stepguard.coordination\n"
+        "assert 'torch' not in sys.modules, 'torch imported eagerly'\n"
+        "from stepguard import Manager\n"
+        "assert 'torch' in sys.modules and Manager.__module__ == 'stepguard.manager'\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]

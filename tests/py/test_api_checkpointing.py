@@ -340,3 +340,40 @@ def test_rwlock() -> None:
     lock.w_release()
     th.join(5)
     assert len(waiter) == 1
+
+
+@pytest.mark.parametrize("body", [b"garbage" * 100, b"", "truncated"])
+def test_http_bad_source_fails_cleanly(transports, body) -> None:
+    """A source that answers 200 with garbage, nothing, or a cut-off
+    checkpoint makes recv_checkpoint raise (not hang, not return junk)."""
+    if body == "truncated":
+        src = transports()
+        src.send_checkpoint([1], 1, state(1), TD)
+        port = urllib.parse.urlparse(src.metadata()).port
+        full = raw(port, b"GET /checkpoint/1/full HTTP/1.0\r\n\r\n")
+        head, _, payload = full.partition(b"\r\n\r\n")
+        body = payload[: len(payload) // 2]
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    port = srv.getsockname()[1]
+
+    def serve() -> None:
+        try:
+            conn, _ = srv.accept()
+            with conn:
+                conn.settimeout(5)
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.0 200 OK\r\nContent-type: application/octet-stream\r\n\r\n" + body)
+        except OSError:
+            pass
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    dst = transports()
+    t0 = time.monotonic()
+    with pytest.raises(Exception):
+        dst.recv_checkpoint(0, f"http://127.0.0.1:{port}/checkpoint/", 1, timedelta(seconds=5))
+    assert time.monotonic() - t0 < 8
+    th.join(10)
+    srv.close()

@@ -1390,4 +1390,7 @@ try:
 
     __all__.append("ProcessGroupTCP")
 except ImportError as _e:
-    logger.debug("ProcessGroupTCP is not available: %s", _e)
+    if isinstance(_e, ModuleNotFoundError) and _e.name == "stepguard.process_group_tcp":
+        logger.debug("ProcessGroupTCP is not available: %s", _e)
+    else:  # the module is there but broken: say so
+        logger.warning("ProcessGroupTCP failed to import: %s", _e)

@@ -32,6 +32,7 @@ import os
 import queue
 import socket
 import threading
+import time
 import zlib
 from datetime import timedelta
 from typing import Callable, List, Optional, Sequence, Tuple, Union
@@ -276,6 +277,8 @@ class ProcessGroupTCP(ProcessGroup):
             timeout = timedelta(seconds=timeout)
         self._timeout = timeout
         self._comm: Optional[_C.Comm] = None
+        self._connecting: Optional[_C.Comm] = None  # being built by configure
+        self._aborts = 0  # abort() calls so far: a configure watches it
         self._rank = 0
         self._world_size = 0
         self._quorum_id: Optional[int] = None
@@ -344,21 +347,45 @@ class ProcessGroupTCP(ProcessGroup):
             job.encode()[-256:].decode(errors="ignore"),
             token,
         )
+        with self._lock:
+            self._connecting = comm
+            aborts = self._aborts
         try:
             addr = f"{_advertise_host(store_host)}:{comm.port()}"
             keys = [f"stepguard_comm/{r}" for r in range(world_size)]
             store.set(keys[rank], addr)
-            store.wait(keys, self._timeout)
+            self._wait_keys(store, keys, aborts)
             addrs = [store.get(k).decode() for k in keys]
             comm.connect(addrs, self._timeout.total_seconds())
         except BaseException:
+            with self._lock:
+                self._connecting = None
             comm.close()
             raise
         with self._lock:
+            self._connecting = None
             self._comm = comm
             self._rank = rank
             self._world_size = world_size
             self._errored = None
+
+    def _wait_keys(self, store: Store, keys: List[str], aborts: int) -> None:
+        """Waits for every key like ``store.wait``, in short slices so that
+        ``abort()`` stops it."""
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        pause = 0.001
+        while not store.check(keys):
+            if self._aborts != aborts:
+                raise RuntimeError("configure aborted while waiting for peers")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [k for k in keys if not store.check([k])]
+                raise TimeoutError(
+                    f"timed out after {self._timeout} waiting for peers to "
+                    f"publish {missing}"
+                )
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.05)
 
     def _drop_comm(self) -> None:
         with self._lock:
@@ -370,14 +397,16 @@ class ProcessGroupTCP(ProcessGroup):
     # -- lifecycle ----------------------------------------------------------------
 
     def abort(self) -> None:
-        """Fails every operation in flight (within 100 ms) and refuses new
-        ones until the next ``configure``."""
+        """Fails every operation in flight (within 100 ms), and a
+        ``configure`` in progress, and refuses new operations until the
+        next ``configure``."""
         with self._lock:
-            comm = self._comm
+            self._aborts += 1
+            comms = [c for c in (self._comm, self._connecting) if c is not None]
             if self._errored is None:
                 self._errored = RuntimeError("aborted")
-        if comm is not None:
-            comm.abort()
+        for comm in comms:
+            comm.abort()  # a configure in progress fails at once too
 
     def shutdown(self) -> None:
         """Cancels queued operations and closes the communicator."""

@@ -165,6 +165,14 @@ elif scenario == "abort":
             res["after"] = None
         except Exception as e:
             res["after"] = str(e)
+        # an abort also stops a configure that waits for absent peers
+        threading.Timer(0.3, pg.abort).start()
+        t0 = time.monotonic()
+        try:
+            pg.configure(f"{ADDR}/q/nobody", "replica", 0, 2, quorum_id=9)
+            res["configure_abort"] = None
+        except Exception as e:
+            res["configure_abort"] = [type(e).__name__, str(e), time.monotonic() - t0]
         # a new configuration makes it usable again
         pg.configure(f"{ADDR}/q/2", "replica", 0, 1, quorum_id=2)
         t = torch.ones(3); pg.allreduce([t], ReduceOp.SUM).wait()
@@ -341,6 +349,9 @@ def test_abort_from_another_thread(procs, tmp_path):
     assert res["errored"]
     assert res["after"] is not None
     assert res["reconfigured"] == [1.0, 1.0, 1.0]
+    kind, msg, elapsed = res["configure_abort"]
+    assert "abort" in msg, res["configure_abort"]
+    assert elapsed < 30.0  # not the 60 s timeout
 
 
 def test_reconfigure_to_a_smaller_quorum(procs, tmp_path):

@@ -263,3 +263,23 @@ def test_nccl_abort_marks_errored() -> None:
     assert pg.errored() is None
     pg.abort()
     assert isinstance(pg.errored(), RuntimeError)
+
+
+def test_register_presents_the_group_to_c10d(store) -> None:
+    """register() makes the reconfigurable group usable through
+    torch.distributed calls (as a world of one to c10d)."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        pg = ProcessGroupGloo(timeout=TD)
+        pg.configure(f"127.0.0.1:{store.port}/reg", "0", 0, 1)
+        group = pg.register("api_test_dp")
+        t = torch.full((2,), 4.0)
+        dist.all_reduce(t, group=group)
+        assert t.tolist() == [4.0, 4.0]
+        assert dist.get_backend(group) == "torchft-gloo:api_test_dp"
+        pg.unregister()
+    finally:
+        dist.destroy_process_group()

@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     tl = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
     identical = compare_params(params, args.groups)
-    s = summarize(tl, args.groups, identical, f"{impl} ({pg} process group)", lh_impl)
+    s = summarize(tl, args.groups, identical, f"{impl} with the {pg} process group", lh_impl)
     s["wall_s"] = round(time.monotonic() - t0, 1)
     text = summary_text(s)
     (out / "summary.txt").write_text(text + "\n")

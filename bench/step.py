@@ -104,13 +104,17 @@ def worker(a: argparse.Namespace) -> int:
     data = [(torch.randn(a.batch, 256, generator=gen), torch.randint(0, 10, (a.batch,), generator=gen))
             for _ in range(8)]
     times = []
+    phases: dict[str, list[float]] = {"zero_grad": [], "forward": [], "backward": [], "step": []}
     committed = 0
     for i in range(a.warmup + a.steps):
         x, y = data[i % len(data)]
         t0 = time.perf_counter()
         opt.zero_grad()
+        ta = time.perf_counter()
         loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        tb = time.perf_counter()
         loss.backward()
+        tc = time.perf_counter()
         before = manager.current_step() if manager else 0
         opt.step()
         t1 = time.perf_counter()
@@ -118,7 +122,11 @@ def worker(a: argparse.Namespace) -> int:
             committed += 1
         if i >= a.warmup:
             times.append(t1 - t0)
+            for k, v in (("zero_grad", ta - t0), ("forward", tb - ta),
+                         ("backward", tc - tb), ("step", t1 - tc)):
+                phases[k].append(v)
     result = {"kind": a.kind, "rank": a.rank, "world": a.world, "times": times,
+              "phases": phases,
               "committed": committed if manager else len(times) + a.warmup,
               "participants": manager.num_participants() if manager else a.world}
     tmp = a.out + ".tmp"
@@ -221,6 +229,10 @@ def run_once(kind: str, n: int, a: argparse.Namespace) -> dict:
             raise RuntimeError(f"{kind} with {n} replicas: only {res['committed']}/{total} "
                                f"steps committed, {res['participants']} participants")
     return {"median_ms": 1e3 * statistics.median(results[0]["times"]),
+            # where replica 0's step goes: zero_grad (the quorum starts),
+            # forward, backward (the allreduce, after the quorum), step (the vote)
+            "phase_median_ms": {k: 1e3 * statistics.median(v)
+                                for k, v in results[0]["phases"].items()},
             "p90_ms": 1e3 * statistics.quantiles(results[0]["times"], n=10)[-1],
             "all_replicas_median_ms": 1e3 * statistics.median(
                 t for res in results for t in res["times"])}
@@ -260,8 +272,10 @@ def main() -> int:
             for k in order:
                 r = run_once(k, n, a)
                 runs[n][k].append(r)
+                ph = " ".join(f"{p} {v:.2f}" for p, v in r["phase_median_ms"].items())
                 print(f"round {rnd + 1}/{a.rounds} replicas {n} {k:9s} "
-                      f"median {r['median_ms']:7.2f} ms  p90 {r['p90_ms']:7.2f} ms", flush=True)
+                      f"median {r['median_ms']:7.2f} ms  p90 {r['p90_ms']:7.2f} ms  ({ph})",
+                      flush=True)
 
     summary: dict[str, dict] = {}
     print(f"\nmedian step time over {a.rounds} rounds (ms), MLP 256-{a.width}-{a.width}-10, "
@@ -270,11 +284,14 @@ def main() -> int:
           + "  stepguard/plain  torchft/plain  stepguard/torchft")
     for n in counts:
         med = {k: statistics.median(r["median_ms"] for r in runs[n][k]) for k in kinds}
+        phase_med = {k: {p: statistics.median(r["phase_median_ms"][p] for r in runs[n][k])
+                         for p in runs[n][k][0]["phase_median_ms"]} for k in kinds}
         ratios = {}
         for num, den in (("stepguard", "plain"), ("torchft", "plain"), ("stepguard", "torchft")):
             if num in med and den in med:
                 ratios[f"{num}/{den}"] = med[num] / med[den]
-        summary[str(n)] = {"median_ms": med, "ratios": ratios, "runs": runs[n]}
+        summary[str(n)] = {"median_ms": med, "phase_median_ms": phase_med, "ratios": ratios,
+                           "runs": runs[n]}
         print(f"{n:>8} " + " ".join(f"{med[k]:10.2f}" for k in kinds) + "  "
               + "  ".join(f"{ratios.get(key, float('nan')):>15.3f}"
                           for key in ("stepguard/plain", "torchft/plain", "stepguard/torchft")))

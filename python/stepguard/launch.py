@@ -288,15 +288,16 @@ class _Injector:
         self.next_at: float | None = spec.first_at()
         self.done = 0
 
-    def advance(self) -> None:
+    def advance(self, now: float) -> None:
+        """Schedules the next injection, measured from this one (``now``),
+        so a late injection never brings the next one closer."""
         self.done += 1
         s = self.spec
         if (s.count is not None and self.done >= s.count) or s.every is None:
             self.next_at = None
             return
         gap = s.every * (self.rng.uniform(0.5, 1.5) if s.random else 1.0)
-        assert self.next_at is not None
-        self.next_at += gap
+        self.next_at = now + gap
 
 
 class Launcher:
@@ -943,7 +944,7 @@ class Launcher:
                 continue
             if self._injecting:
                 self._inject(inj)
-            inj.advance()
+            inj.advance(el)
         if self.on_tick is not None:
             self.on_tick(self)
 

@@ -11,8 +11,10 @@
  *                every SNIFF_RETRY_MS (the poll is level-triggered, so we
  *                stop it rather than spin) until sniff_timeout_ms
  *   connection   read -> sg__h2s_recv -> flush; flush pulls bytes from the
- *                engine, writes them with uv_try_write first and queues
- *                only the rest (one uv_write in flight, one pending buffer)
+ *                engine into a shared scratch buffer, writes them with
+ *                uv_try_write and copies only what the socket refused into
+ *                the connection (one uv_write in flight, one pending buffer
+ *                of about OUT_BATCH bytes; the rest waits in the engine)
  *   deadlines    one server-wide binary min-heap of calls keyed by deadline
  *                and one uv_timer armed for the earliest; no per-call timers
  *   deferred     a respond from outside the engine (a timer, another
@@ -35,17 +37,17 @@
 #include "rpc/h2s.h"
 
 /* Budgets and limits (bounded work per wakeup, bounded memory per peer). */
-#define ACCEPT_BUDGET 32           /* accepts per listener wakeup */
-#define ACCEPT_RETRY_MS 100        /* pause after EMFILE and the like */
-#define LISTEN_BACKLOG 1024        /* listen(2) backlog */
-#define READ_CHUNK 65536           /* one read; libuv reads <= 32 per wakeup */
-#define FLUSH_BUDGET (256 * 1024)  /* bytes uv_try_write()n per flush */
-#define OUT_HIGH ((size_t)1 << 20) /* queued output: stop pulling/reading */
-#define OUT_MAX (OUT_HIGH * 2)     /* hard cap of one output buffer */
-#define OUT_KEEP 65536             /* free a drained buffer larger than this */
-#define EXPIRE_BUDGET 256          /* deadlines handled per timer firing */
-#define DIRTY_BUDGET 64            /* connections flushed per idle callback */
-#define SNIFF_RETRY_MS 5           /* re-peek interval for partial bytes */
+#define ACCEPT_BUDGET 32          /* accepts per listener wakeup */
+#define ACCEPT_RETRY_MS 100       /* pause after EMFILE and the like */
+#define LISTEN_BACKLOG 1024       /* listen(2) backlog */
+#define READ_CHUNK 65536          /* one read; libuv reads <= 32 per wakeup */
+#define FLUSH_BUDGET (256 * 1024) /* bytes uv_try_write()n per flush */
+#define OUT_BATCH 32768           /* output gathered per write; queued: pause */
+#define OUT_MAX ((size_t)4 << 20) /* hard cap of one output buffer */
+#define OUT_KEEP 16384            /* free a drained buffer larger than this */
+#define EXPIRE_BUDGET 256         /* deadlines handled per timer firing */
+#define DIRTY_BUDGET 64           /* connections flushed per idle callback */
+#define SNIFF_RETRY_MS 5          /* re-peek interval for partial bytes */
 #define NS_PER_MS INT64_C(1000000)
 
 typedef enum conn_state_e {
@@ -104,6 +106,8 @@ struct sg_rpc_server_s {
   int start_failed; /* freed without closed_cb */
   void (*closed_cb)(void *ud);
   void *closed_ud;
+  sg_buf_t scratch;      /* gathered output on its way to uv_try_write (shared:
+                            flushes run one at a time on the loop) */
   char rbuf[READ_CHUNK]; /* shared: reads are processed synchronously */
 };
 
@@ -300,6 +304,7 @@ static void srv_maybe_done(sg_rpc_server_t *s) {
     return;
   if (!s->start_failed && s->closed_cb)
     s->closed_cb(s->closed_ud);
+  sg_buf_free(&s->scratch);
   sg_free(s->heap);
   sg_free(s);
 }
@@ -450,51 +455,95 @@ static void write_cb(uv_write_t *req, int status) {
 }
 
 /*
- * conn_flush: move the engine's output to the socket.  Frames are gathered
- * into one buffer (up to OUT_HIGH, after which we stop pulling from the
- * engine and stop reading the peer) and handed to the kernel with a single
- * uv_try_write, so a burst of small frames costs one system call, not one
- * each.  While the socket takes everything we go round again, up to
- * FLUSH_BUDGET bytes per call; what is left is queued with uv_write.  Closes
- * the connection on error, on a pending close, or when the session is over.
+ * conn_pull: append the engine's next frames to `b` until it holds
+ * OUT_BATCH bytes or the engine has nothing more.  Returns 1 when the engine
+ * may have more, 0 when it is drained, or a negative error code.
+ */
+static int conn_pull(conn_t *c, sg_buf_t *b) {
+  while (b->len < OUT_BATCH) {
+    const uint8_t *p;
+    ssize_t n = sg__h2s_send(&c->h2, &p);
+    if (n <= 0)
+      return (int)n;
+    int rc = sg_buf_append(b, p, (size_t)n);
+    if (rc)
+      return rc;
+  }
+  return 1;
+}
+
+/* conn_try_write: uv_try_write `b`'s bytes and consume what the socket took;
+ * returns the count (0 when the socket is full) or a negative libuv code. */
+static int conn_try_write(conn_t *c, sg_buf_t *b) {
+  uv_buf_t ub = uv_buf_init((char *)sg_buf_head(b), (unsigned)b->len);
+  int w = uv_try_write((uv_stream_t *)&c->tcp, &ub, 1);
+  if (w == UV_EAGAIN)
+    return 0;
+  if (w > 0) {
+    sg_buf_consume(b, (size_t)w);
+    c->last_write_ns = sg_now_ns();
+  }
+  return w;
+}
+
+/*
+ * conn_flush: move the engine's output to the socket.  While nothing is
+ * queued, frames are gathered into the server's scratch buffer (OUT_BATCH
+ * at a time) and handed to the kernel with one uv_try_write, so a burst of
+ * small frames costs one system call, not one each; only what the socket
+ * does not take is copied into the connection's pending buffer.  Once bytes
+ * are queued, the engine is pulled only until OUT_BATCH bytes wait behind
+ * the write in flight: the rest of a response stays in the engine (often a
+ * blob shared by many calls) instead of being copied per connection, and
+ * reading the peer pauses until its socket drains.  Writes up to
+ * FLUSH_BUDGET bytes per call.  Closes the connection on error, on a
+ * pending close, or when the session is over.
  */
 static void conn_flush(conn_t *c) {
   if (c->state != CONN_H2)
     return;
   dirty_unlink(c);
   c->busy++;
+  sg_buf_t *scratch = &c->srv->scratch;
   size_t budget = FLUSH_BUDGET;
   int err = 0;
-  for (;;) {
+  while (budget > 0) {
+    if (c->writing) { /* queue behind the write in flight */
+      int more = conn_pull(c, &c->pending);
+      err = more < 0 ? more : 0;
+      break;
+    }
+    sg_buf_t *b = c->pending.len ? &c->pending : scratch;
     int more = 1;
-    while (c->pending.len < OUT_HIGH) {
-      const uint8_t *p;
-      ssize_t n = sg__h2s_send(&c->h2, &p);
-      if (n <= 0) {
-        err = (int)n;
-        more = 0;
+    if (b == scratch) {
+      more = conn_pull(c, scratch);
+      if (more < 0) {
+        err = more;
         break;
       }
-      err = sg_buf_append(&c->pending, p, (size_t)n);
-      if (err)
+      if (scratch->len == 0)
         break;
     }
-    if (err || c->writing || c->pending.len == 0 || budget == 0)
-      break;
-    uv_buf_t b =
-        uv_buf_init((char *)sg_buf_head(&c->pending), (unsigned)c->pending.len);
-    int w = uv_try_write((uv_stream_t *)&c->tcp, &b, 1);
-    if (w == UV_EAGAIN)
-      break;
+    int w = conn_try_write(c, b);
     if (w < 0) {
       err = w;
       break;
     }
-    sg_buf_consume(&c->pending, (size_t)w);
-    c->last_write_ns = sg_now_ns();
     budget = (size_t)w >= budget ? 0 : budget - (size_t)w;
-    if (c->pending.len > 0 || !more)
-      break; /* the socket is full, or the engine has nothing more */
+    if (b->len > 0) { /* the socket is full: keep the rest */
+      if (b == scratch) {
+        err = sg_buf_append(&c->pending, sg_buf_head(scratch), scratch->len);
+        sg_buf_consume(scratch, scratch->len);
+      }
+      break;
+    }
+    if (!more)
+      break; /* the engine has nothing more */
+  }
+  sg_buf_consume(scratch, scratch->len); /* after an error, too */
+  if (!err && budget == 0 && !c->writing && c->pending.len == 0) {
+    int more = conn_pull(c, &c->pending); /* uv_write carries on */
+    err = more < 0 ? more : 0;
   }
   if (c->pending.len == 0 && c->pending.cap > OUT_KEEP)
     sg_buf_free(&c->pending);
@@ -514,7 +563,7 @@ static void conn_flush(conn_t *c) {
     c->close_pending = 1;
   }
   if (!c->close_pending)
-    conn_reading(c, c->pending.len + c->inflight.len < OUT_HIGH);
+    conn_reading(c, c->pending.len + c->inflight.len < OUT_BATCH);
   if (c->close_pending)
     conn_close(c);
 }
@@ -855,6 +904,7 @@ int sg_rpc_server_start(uv_loop_t *loop, const sg_rpc_server_opts_t *o,
     s->o.default_deadline_ms = SG_RPC_DEFAULT_DEADLINE_MS;
   s->loop = loop;
   s->timer_due = INT64_MAX;
+  sg_buf_init(&s->scratch, OUT_MAX);
   rc = sg_sock_listen(host, port, LISTEN_BACKLOG, &fd, &s->port, err);
   if (rc) {
     sg_free(s);

@@ -54,9 +54,9 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp, TCPStore
 from torch.distributed.distributed_c10d import AllreduceOptions, Work
 
-from stepguard.checkpointing import CheckpointTransport, HTTPTransport
+from stepguard.checkpointing import CheckpointTransport, NativeTransport
 from stepguard.checkpointing._rwlock import RWLock
-from stepguard.coordination import ManagerClient, ManagerServer
+from stepguard.coordination import ManagerClient, ManagerServer, QuorumResult
 from stepguard.futures import future_timeout
 from stepguard.process_group import ReconfigureOptions, _env
 from stepguard.work import _DummyWork
@@ -165,7 +165,10 @@ class Manager:
         hostname: group rank 0: the host name to advertise.
         heartbeat_interval: manager -> lighthouse heartbeat period.
         checkpoint_transport: moves state to healing replicas (default
-            ``HTTPTransport(timeout, num_chunks=0)``).
+            ``NativeTransport(timeout)``: zero-copy serving, and a healer
+            fetches striped across every up-to-date replica; torchft's
+            default is ``HTTPTransport(timeout, num_chunks=0)``, which a
+            job mixing torchft and stepguard replicas must use).
         init_sync: heal replicas from each other at step 0 too.
         max_retries: consecutive failed commits allowed before
             ``should_commit`` raises (None: no limit).
@@ -245,8 +248,8 @@ class Manager:
         self._min_replica_size = min_replica_size
 
         if checkpoint_transport is None:
-            checkpoint_transport = HTTPTransport[Dict[str, T]](
-                timeout=self._timeout, num_chunks=0
+            checkpoint_transport = NativeTransport[Dict[str, T]](
+                timeout=self._timeout
             )
         self._checkpoint_transport: CheckpointTransport[Dict[str, T]] = (
             checkpoint_transport
@@ -634,7 +637,7 @@ class Manager:
         if allow_heal:
             with _stream_context(self._recovery_stream):
                 try:
-                    if quorum.recover_dst_replica_ranks:
+                    if quorum.recover_dst_replica_ranks or self._serves_stripes(quorum):
                         self._logger.info(
                             f"peers need recovery from us {quorum.recover_dst_replica_ranks}"
                         )
@@ -650,24 +653,29 @@ class Manager:
                         self._logger.info(
                             f"healing required, fetching checkpoint metadata from {src} max_step={max_step}"
                         )
-                        primary = ManagerClient(src, connect_timeout=self._connect_timeout)
-                        try:
-                            metadata = primary._checkpoint_metadata(
-                                self._group_rank, timeout=self._timeout
-                            )
-                        finally:
-                            primary.close()
+                        metadata = self._peer_checkpoint_metadata(src)
                         src_rank = quorum.recover_src_replica_rank
                         assert src_rank is not None, "must have a recover rank when healing"
-                        self._logger.info(
-                            f"fetching checkpoint from replica {src_rank} with metadata {metadata}"
-                        )
-                        self._pending_state_dict = self._checkpoint_transport.recv_checkpoint(
-                            src_rank=src_rank,
-                            metadata=metadata,
-                            step=max_step,
-                            timeout=self._timeout,
-                        )
+                        sources = self._stripe_sources(quorum, src, metadata)
+                        if len(sources) > 1:
+                            self._logger.info(
+                                f"fetching checkpoint striped over {len(sources)} replicas: {sources}"
+                            )
+                            self._pending_state_dict = (
+                                self._checkpoint_transport.recv_checkpoint_striped(  # type: ignore[attr-defined]
+                                    sources, step=max_step, timeout=self._timeout
+                                )
+                            )
+                        else:
+                            self._logger.info(
+                                f"fetching checkpoint from replica {src_rank} with metadata {metadata}"
+                            )
+                            self._pending_state_dict = self._checkpoint_transport.recv_checkpoint(
+                                src_rank=src_rank,
+                                metadata=metadata,
+                                step=max_step,
+                                timeout=self._timeout,
+                            )
                         self.load_state_dict(
                             cast(Dict[str, int], self._pending_state_dict["torchft"])
                         )
@@ -680,6 +688,55 @@ class Manager:
                     if self._recovery_stream is not None
                     else None
                 )
+
+    def _stripes(self) -> bool:
+        """Whether the transport fetches from several sources at once."""
+        return hasattr(self._checkpoint_transport, "recv_checkpoint_striped")
+
+    def _serves_stripes(self, quorum: QuorumResult) -> bool:
+        """An up-to-date replica of a quorum where someone heals serves too,
+        not only when it is the assigned source, so that healers can stripe
+        their fetch across every up-to-date replica (stepguard; torchft
+        serves from the assigned source only)."""
+        up_to_date = quorum.up_to_date_manager_addresses
+        return (
+            self._stripes()
+            and not quorum.heal
+            and 0 < len(up_to_date) < quorum.replica_world_size
+        )
+
+    def _peer_checkpoint_metadata(self, manager_address: str) -> str:
+        """This group rank's transport metadata at a peer's manager."""
+        client = ManagerClient(manager_address, connect_timeout=self._connect_timeout)
+        try:
+            return client._checkpoint_metadata(self._group_rank, timeout=self._timeout)
+        finally:
+            client.close()
+
+    def _stripe_sources(
+        self, quorum: QuorumResult, src_address: str, src_metadata: str
+    ) -> List[str]:
+        """The transport metadata of every up-to-date replica, the assigned
+        source first; just the assigned source when the transport cannot
+        stripe or a peer does not speak its protocol (a torchft replica).
+        A peer whose metadata cannot be had is left out: the assigned
+        source alone still heals us."""
+        if not self._stripes():
+            return [src_metadata]
+        scheme = src_metadata.split("://", 1)[0]
+        sources = [src_metadata]
+        for address in quorum.up_to_date_manager_addresses:
+            if address == src_address:
+                continue
+            try:
+                meta = self._peer_checkpoint_metadata(address)
+            except Exception as e:  # noqa: BLE001 - striping is an optimisation
+                self._logger.warning(f"no checkpoint metadata from {address}: {e}")
+                continue
+            if meta.split("://", 1)[0] != scheme:
+                return [src_metadata]
+            sources.append(meta)
+        return sources
 
     def _update_fr_path(self) -> None:
         """Points the flight recorder dump at a per-quorum folder."""

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch.distributed import ReduceOp, TCPStore
 
+from stepguard.checkpointing import HTTPTransport
 from stepguard.coordination import LighthouseServer
 from stepguard.manager import (
     ExceptionWithTraceback,
@@ -452,12 +453,15 @@ def test_mixed_job_with_a_torchft_manager(lighthouse, torchft_index: int) -> Non
 
     def make(i: int) -> None:
         mod, pgmod = kinds[i]
+        # torchft heals over HTTP in its own format: a stepguard replica in a
+        # mixed job serves that format too.
+        extra = {} if mod is tfm else {"checkpoint_transport": HTTPTransport(TD, 0)}
         managers[i] = mod.Manager(
             pgmod.ProcessGroupGloo(timeout=TD), lambda sd, i=i: ws[i].copy_(sd["w"]),
             lambda i=i: {"w": ws[i]}, min_replica_size=1, rank=0, world_size=1,
             store_addr="127.0.0.1", store_port=stores[i].port,
             lighthouse_addr=lighthouse.address(), replica_id=f"mixed_{i}", timeout=TD,
-            quorum_timeout=TD, connect_timeout=TD, hostname="127.0.0.1")
+            quorum_timeout=TD, connect_timeout=TD, hostname="127.0.0.1", **extra)
 
     def train(i: int) -> list:
         m = managers[i]

@@ -158,8 +158,11 @@ def test_tensor_data_is_not_in_the_header(pair) -> None:
 
 def test_refusals(pair) -> None:
     a, b = pair
+    # a source that serves nothing yet is waited for until the deadline
+    t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="serving -1 but got step=3"):
-        b.recv_checkpoint(0, a.metadata(), 3, T5)
+        b.recv_checkpoint(0, a.metadata(), 3, timedelta(seconds=0.5))
+    assert time.monotonic() - t0 >= 0.45
     a.send_checkpoint([1], 3, {"w": torch.ones(4)}, T60)
     with pytest.raises(RuntimeError, match="serving 3 but got step=4"):
         b.recv_checkpoint(0, a.metadata(), 4, T5)
@@ -177,7 +180,7 @@ def test_refusals(pair) -> None:
     a.disallow_checkpoint()
     a.disallow_checkpoint()  # idempotent
     with pytest.raises(RuntimeError, match="serving -1"):
-        b.recv_checkpoint(0, a.metadata(), 4, T5)
+        b.recv_checkpoint(0, a.metadata(), 4, timedelta(seconds=0.2))
     assert a.stats()["refused"] >= 4
 
 
@@ -429,3 +432,16 @@ def test_ctrl_c_stops_a_fetch(procs) -> None:
     assert p.returncode == 0, out
     assert out.startswith("interrupted after"), out
     assert float(out.split()[-1]) < 10.0, out  # not the 600 s deadline
+
+
+def test_a_source_that_starts_serving_late_is_waited_for(pair) -> None:
+    """Like torchft's HTTP server, which holds a request until serving is
+    allowed: a healer whose source has not announced the step yet waits."""
+    a, b = pair
+    timer = threading.Timer(0.3, a.send_checkpoint, ([1], 5, {"w": torch.ones(8)}, T60))
+    timer.start()
+    try:
+        got = b.recv_checkpoint(0, a.metadata(), 5, T5)
+    finally:
+        timer.cancel()
+    assert torch.equal(got["w"], torch.ones(8))

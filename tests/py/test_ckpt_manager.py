@@ -96,3 +96,101 @@ def test_heal_through_native_transport() -> None:
     for (_, pa), (_, pb) in zip(a, b):
         for x, y in zip(pa, pb):
             assert torch.equal(x, y)
+
+
+def _striping_replica(
+    idx: int, lighthouse: str, gate: threading.Event, reached: threading.Event,
+    out: dict, errors: list,
+) -> None:
+    """Trains to step 6; replica 2 starts only once the others are at step 2,
+    so it heals from both of them (the Manager's default transport)."""
+    try:
+        if not gate.wait(120):
+            raise TimeoutError("never let in")
+        torch.manual_seed(200 + idx)
+        model = torch.nn.Linear(1024, 1024)  # 4 MiB: several chunks
+        inner = torch.optim.SGD(model.parameters(), lr=0.01)
+        store = torch.distributed.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False
+        )
+        manager = manager_mod.Manager(
+            pg=pg_mod.ProcessGroupGloo(timeout=timedelta(seconds=20)),
+            load_state_dict=lambda sd: model.load_state_dict(sd),
+            state_dict=lambda: model.state_dict(),
+            min_replica_size=2,
+            timeout=timedelta(seconds=20),
+            quorum_timeout=timedelta(seconds=30),
+            connect_timeout=timedelta(seconds=20),
+            rank=0,
+            world_size=1,
+            store_addr="127.0.0.1",
+            store_port=store.port,
+            lighthouse_addr=lighthouse,
+            replica_id=f"stripe_{idx}",
+            port=0,
+            hostname="127.0.0.1",
+        )
+        transport = manager._checkpoint_transport
+        assert isinstance(transport, NativeTransport)  # the default
+        healed_from: list = []
+        try:
+            while manager.current_step() < 6:
+                if manager.current_step() >= 2:
+                    reached.set()
+                gen = torch.Generator().manual_seed(manager.current_step())
+                x = torch.randn(8, 1024, generator=gen)
+                manager.start_quorum()
+                inner.zero_grad()
+                model(x).square().mean().backward()
+                for p in model.parameters():
+                    manager.allreduce(p.grad).wait()
+                if manager.should_commit():
+                    inner.step()
+                if transport.last_recv_bytes and not healed_from:
+                    healed_from = list(transport.last_recv_bytes)
+            out[idx] = {
+                "params": [p.detach().clone() for p in model.parameters()],
+                "sent": transport.stats()["bytes_sent"],
+                "healed_from": healed_from,
+            }
+        finally:
+            manager.shutdown(wait=False)
+    except BaseException as e:  # noqa: BLE001 - reported by the test
+        errors.append(e)
+
+
+def test_late_replica_heals_striped_across_both_up_to_date_peers() -> None:
+    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=100)
+    out: dict = {}
+    errors: list = []
+    go, reached = threading.Event(), threading.Event()
+    go.set()
+    late = threading.Event()
+    try:
+        threads = [
+            threading.Thread(
+                target=_striping_replica,
+                args=(i, lh.address(), go if i < 2 else late, reached, out, errors),
+            )
+            for i in range(3)
+        ]
+        for t in threads:
+            t.start()
+        assert reached.wait(120), "the first two replicas did not reach step 2"
+        late.set()
+        for t in threads:
+            t.join(timeout=180)
+        assert not any(t.is_alive() for t in threads), "replicas hung"
+    finally:
+        late.set()
+        lh.shutdown()
+    assert not errors, errors
+    assert sorted(out) == [0, 1, 2]
+    # the late replica fetched from two sources, a share from each, and both
+    # early replicas served bytes
+    got = out[2]["healed_from"]
+    assert len(got) == 2 and all(n > 0 for n in got), got
+    assert out[0]["sent"] > 0 and out[1]["sent"] > 0, (out[0]["sent"], out[1]["sent"])
+    for a, b in ((0, 1), (0, 2)):
+        for x, y in zip(out[a]["params"], out[b]["params"]):
+            assert torch.equal(x, y)

@@ -63,6 +63,7 @@ _SCHEME = "sgckpt://"
 _HEADER_VERSION = 1
 _MALLOC_MIN = 1 << 20  # staging in [MIN, MAX] bytes comes from malloc
 _MALLOC_MAX = 32 << 20
+_STRIPE_GRACE_S = 1.0  # how long other sources may lag the first one
 
 
 def _seconds(t: timedelta | float | int) -> float:
@@ -285,22 +286,7 @@ class NativeTransport(CheckpointTransport[T]):
         addrs = parse_sources(native)
         deadline = time.monotonic() + _seconds(timeout)
         fetch = _C.CkptFetch()
-        header = None
-        errors = []
-        for addr in addrs:  # the header from the first source that answers
-            try:
-                header, lens, layout = fetch.info(
-                    addr, self._token, step, max(deadline - time.monotonic(), 0.0)
-                )
-                break
-            except TimeoutError:
-                raise
-            except RuntimeError as e:
-                errors.append(f"{addr}: {e}")
-        if header is None:
-            raise RuntimeError(
-                f"no source serves checkpoint step {step}: " + "; ".join(errors)
-            )
+        header, lens, layout, addrs = self._wait_for_sources(fetch, addrs, step, deadline)
         with warnings.catch_warnings():
             # a pickled TreeSpec (custom node types) warns on load in torch 2.13
             warnings.simplefilter("ignore", FutureWarning)
@@ -366,6 +352,61 @@ class NativeTransport(CheckpointTransport[T]):
                 t.requires_grad_(True)
             leaves[i] = t
         return tree_unflatten(leaves, meta["spec"])
+
+    def _wait_for_sources(
+        self, fetch: Any, addrs: List[str], step: int, deadline: float
+    ) -> Tuple[bytes, List[int], int, List[str]]:
+        """The header from the first source, and the sources that serve
+        ``step``.
+
+        A source whose quorum returned at the same moment as ours may not
+        have started serving yet ("serving -1"): like torchft's HTTP server,
+        which holds a request until serving is allowed, we wait for it, the
+        first to answer up to the deadline and the others up to
+        ``_STRIPE_GRACE_S`` after it; a source that refuses
+        for any other reason, or is not ready by then, is left out.
+        """
+        header = None
+        lens: List[int] = []
+        layout = 0
+        ready: dict = {}
+        failed: dict = {}
+        grace_end = deadline
+        pause = 0.005
+        waiting: dict = {}  # the last "not serving yet" refusal of each
+        while True:
+            for addr in addrs:
+                left = deadline - time.monotonic()
+                if addr in ready or addr in failed or left <= 0:
+                    continue
+                try:
+                    h, ls, lay = fetch.info(addr, self._token, step, left)
+                except TimeoutError:
+                    raise
+                except RuntimeError as e:
+                    if "serving -1 " in str(e):
+                        waiting[addr] = str(e)
+                    else:
+                        failed[addr] = str(e)
+                    continue
+                ready[addr] = True
+                if header is None:
+                    header, lens, layout = h, ls, lay
+                    grace_end = min(deadline, time.monotonic() + _STRIPE_GRACE_S)
+            pending = [a for a in addrs if a not in ready and a not in failed]
+            now = time.monotonic()
+            if not pending or now >= grace_end:
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
+        if header is None:
+            errors = [f"{a}: {failed.get(a) or waiting.get(a)}" for a in addrs]
+            raise RuntimeError(
+                f"no source serves checkpoint step {step}: " + "; ".join(errors)
+            )
+        for addr, why in failed.items():
+            logger.warning("checkpoint source %s left out: %s", addr, why)
+        return header, lens, layout, [a for a in addrs if a in ready]
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop serving and close the server (idempotent)."""

@@ -1,6 +1,9 @@
 """Type stubs for stepguard._C, the thin binding over libstepguard."""
 
+from collections.abc import Sequence
 from typing import Any, Callable
+
+from typing_extensions import Buffer
 
 OK: int
 EINVAL: int
@@ -125,3 +128,97 @@ class ManagerClient:
     def kill(self, msg: str, timeout_s: float = 10.0) -> None: ...
     def abort(self) -> None: ...
     def close(self) -> None: ...
+
+# ---- collectives (comm.c) ----------------------------------------------------
+
+COMM_F32: int
+COMM_F64: int
+COMM_F16: int
+COMM_BF16: int
+COMM_I8: int
+COMM_U8: int
+COMM_I32: int
+COMM_I64: int
+COMM_SUM: int
+COMM_AVG: int
+COMM_MIN: int
+COMM_MAX: int
+COMM_PRODUCT: int
+
+_Done = Callable[[int, str], object]
+
+class Comm:
+    """One rank of a communicator; buffers are passed by address and must
+    stay alive until ``done(code, message)`` runs (on the progress thread)."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        generation: int = 0,
+        job: str | None = None,
+        auth_token: str | None = None,
+        bind_host: str | None = None,
+        small_max: int = 0,
+    ) -> None: ...
+    def port(self) -> int: ...
+    def connect(self, addrs: Sequence[str], timeout_s: float) -> None: ...
+    def allreduce(
+        self, ptr: int, count: int, dtype: int, op: int, timeout_s: float, done: _Done
+    ) -> None: ...
+    def broadcast(
+        self, ptr: int, nbytes: int, root: int, timeout_s: float, done: _Done
+    ) -> None: ...
+    def allgather(
+        self, in_ptr: int, nbytes: int, out_ptrs: Sequence[int], timeout_s: float,
+        done: _Done,
+    ) -> None: ...
+    def reduce_scatter(
+        self, in_ptrs: Sequence[int], out_ptr: int, count: int, dtype: int, op: int,
+        timeout_s: float, done: _Done,
+    ) -> None: ...
+    def alltoall(
+        self, in_ptrs: Sequence[int], in_bytes: Sequence[int], out_ptrs: Sequence[int],
+        out_bytes: Sequence[int], timeout_s: float, done: _Done,
+    ) -> None: ...
+    def send(self, ptr: int, nbytes: int, dst: int, timeout_s: float, done: _Done) -> None: ...
+    def recv(self, ptr: int, nbytes: int, src: int, timeout_s: float, done: _Done) -> None: ...
+    def barrier(self, timeout_s: float, done: _Done) -> None: ...
+    def abort(self) -> None: ...
+    def error(self) -> tuple[int, str] | None: ...
+    def close(self) -> None: ...
+
+# ---- checkpoint serving and fetch (ckpt.c) -------------------------------------
+
+class CkptServer:
+    def __init__(
+        self,
+        bind: str | None = ...,
+        auth_token: str | None = ...,
+        max_conns: int = ...,
+        request_timeout_s: float = ...,
+        stall_timeout_s: float = ...,
+    ) -> None: ...
+    def port(self) -> int: ...
+    def serve(self, step: int, header: bytes, ptrs: Buffer, lens: Buffer) -> None: ...
+    def disallow(self, timeout_s: float) -> bool: ...
+    def stats(self) -> dict[str, int]: ...
+    def shutdown(self) -> None: ...
+
+class CkptFetch:
+    def info(
+        self, addr: str, token: str | None, step: int, timeout_s: float
+    ) -> tuple[bytes, list[int], int]: ...
+    def data(
+        self,
+        addrs: Sequence[str],
+        token: str | None,
+        step: int,
+        layout: int,
+        ptrs: Buffer,
+        lens: Buffer,
+        streams: int,
+        timeout_s: float,
+        min_chunk: int = ...,
+    ) -> list[int]: ...
+    def abort(self) -> None: ...

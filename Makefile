@@ -8,7 +8,7 @@ FUZZ    := build/fuzz
 FUZZ_SECONDS ?= 30
 CFILES   = $(shell git ls-files '*.c' '*.h')
 
-.PHONY: all bootstrap build test test-c test-py demo bench sanitize fuzz format format-check clean
+.PHONY: all bootstrap build test test-c test-py demo demo-lighthouse bench sanitize fuzz format format-check clean
 
 all: build
 
@@ -35,14 +35,25 @@ test-py: build
 
 test: format-check test-c test-py
 
+# the main job: three replica groups train a small Llama for about three
+# minutes while one is killed every ~20 s; writes demo-out/
 demo: build
+	$(PY) examples/demo.py
+
+# the smaller demonstrations: a kill under both lighthouses, fork safety
+demo-lighthouse: build
 	$(PY) examples/lighthouse_demo.py
 	$(PY) examples/fork_safety_demo.py
 
-# stepguard's lighthouse against torchft's in the same run (about 40 s;
-# writes bench/results/)
+# every benchmark, each against its competitor in the same run (torchft,
+# torch Gloo, the loopback limit); each writes bench/results/
 bench: build
 	$(PY) bench/lighthouse.py --build-dir $(NATIVE)
+	$(PY) bench/manager.py
+	$(PY) bench/collectives.py
+	$(PY) bench/recovery.py
+	$(PY) bench/step.py
+	$(PY) bench/e2e.py
 
 sanitize: bootstrap $(ASAN)/build.ninja $(TSAN)/build.ninja
 	$(MESON) test -C $(ASAN) --print-errorlogs

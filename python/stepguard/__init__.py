@@ -32,6 +32,8 @@ _LAZY = {
     "ProcessGroupGloo": ("stepguard.process_group", "ProcessGroupGloo"),
     "ProcessGroupNCCL": ("stepguard.process_group", "ProcessGroupNCCL"),
     "ProcessGroupXCCL": ("stepguard.process_group", "ProcessGroupXCCL"),
+    # stepguard's own: the native collectives with deadlines and abort
+    "ProcessGroupTCP": ("stepguard.process_group_tcp", "ProcessGroupTCP"),
 }
 
 __all__ = sorted(_LAZY) + ["Error", "__version__"]
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
         ProcessGroupNCCL,
         ProcessGroupXCCL,
     )
+    from stepguard.process_group_tcp import ProcessGroupTCP
 
 
 def __getattr__(name: str) -> Any:

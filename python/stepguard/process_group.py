@@ -1385,12 +1385,14 @@ class ProcessGroupBabyXCCL(ProcessGroupBaby, ProcessGroupXCCL):
         return "torchft-baby-xccl"
 
 
-try:
-    from stepguard.process_group_tcp import ProcessGroupTCP  # noqa: F401
+__all__.append("ProcessGroupTCP")
 
-    __all__.append("ProcessGroupTCP")
-except ImportError as _e:
-    if isinstance(_e, ModuleNotFoundError) and _e.name == "stepguard.process_group_tcp":
-        logger.debug("ProcessGroupTCP is not available: %s", _e)
-    else:  # the module is there but broken: say so
-        logger.warning("ProcessGroupTCP failed to import: %s", _e)
+
+def __getattr__(name: str) -> Any:
+    # ProcessGroupTCP lives in its own module, which imports this one: load
+    # it on first use so that either module may be imported first.
+    if name == "ProcessGroupTCP":
+        from stepguard.process_group_tcp import ProcessGroupTCP
+
+        return ProcessGroupTCP
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

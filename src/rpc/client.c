@@ -17,10 +17,11 @@
  * Threading.  One I/O thread per channel runs a private uv loop; only it
  * touches sockets, timers and the nghttp2 session.  Caller threads share
  * with it a mutex `mu` that protects the submission queue, every call's
- * completion fields and a few channel flags, and one condition variable
- * (CLOCK_MONOTONIC) that is broadcast whenever a call completes or the
- * connection comes up.  A call has two references: the caller's and the
- * I/O thread's.  Whoever sets `done` first (under `mu`) completes it,
+ * completion fields and a few channel flags.  Condition variables
+ * (CLOCK_MONOTONIC): the channel's is broadcast when the connection comes
+ * up; each call has its own, signalled when it completes, so a response
+ * wakes its own caller only.  A call has two references: the caller's and
+ * the I/O thread's.  Whoever sets `done` first (under `mu`) completes it,
  * exactly once: the I/O thread on a response or connection loss, the caller
  * itself on its deadline, abort() on abort.  A call completed by its caller
  * is marked `cancelled`; the I/O thread then resets its stream (CANCEL) or
@@ -60,7 +61,8 @@
 #define BACKOFF_MAX_MS 10000
 #define BACKOFF_JITTER_MS 100
 #define READ_BUDGET 32             /* reads per readable event */
-#define WRITE_BUDGET 64            /* frames written per flush */
+#define WRITE_BUDGET 64            /* sends per flush */
+#define GATHER_MAX 32768           /* frame bytes gathered per send */
 #define READ_CHUNK 32768           /* bytes per read */
 #define WBUF_MAX ((size_t)4 << 20) /* unsent bytes held for one conn */
 #define STREAM_WINDOW (1 << 20)    /* our SETTINGS_INITIAL_WINDOW_SIZE */
@@ -136,9 +138,11 @@ typedef struct call_s {
   int cancelled; /* completed by caller/abort: the I/O thread drops it */
   int on_wire;   /* its HEADERS were submitted on a connection */
   int rc;
-  int grpc_status; /* -1 when none came */
-  char msg[256];   /* error detail */
-  uint8_t *resp;   /* response message (owned until the caller takes it) */
+  pthread_cond_t cv; /* its caller waits here; signalled when it completes */
+  int cv_init;       /* cv was initialised */
+  int grpc_status;   /* -1 when none came */
+  char msg[256];     /* error detail */
+  uint8_t *resp;     /* response message (owned until the caller takes it) */
   size_t resp_len;
 
   /* I/O thread only. */
@@ -164,7 +168,7 @@ struct conn_s {
   nghttp2_session *h2;      /* NULL while TCP connects and after drop */
   unsigned events;          /* uv_poll events currently requested */
   link_t streams;           /* calls with an open (or pending) stream */
-  sg_buf_t wbuf;            /* bytes nghttp2 produced that the socket refused */
+  sg_buf_t wbuf;            /* gathered frames; what the socket refused */
   int got_settings;         /* the server's first SETTINGS frame arrived */
   int goaway;               /* the server sent GOAWAY */
   uint32_t sent_goaway_err; /* our GOAWAY's error code (protocol error) */
@@ -351,6 +355,8 @@ static void call_free(call_t *c) {
   sg_free(c->resp);
   sg_free(c->body);
   sg_free(c->path);
+  if (c->cv_init)
+    pthread_cond_destroy(&c->cv);
   sg_free(c);
 }
 
@@ -378,6 +384,9 @@ static int finish_locked(call_t *c, int rc, int grpc_status, uint8_t *resp,
   c->resp = resp;
   c->resp_len = resp_len;
   snprintf(c->msg, sizeof(c->msg), "%s", msg ? msg : "");
+  /* under mu, so the caller cannot have freed the call yet; only its own
+   * caller is woken, not every waiter of the channel */
+  pthread_cond_signal(&c->cv);
   return 1;
 }
 
@@ -385,10 +394,8 @@ static int finish_locked(call_t *c, int rc, int grpc_status, uint8_t *resp,
 static void io_finish(sg_rpc_channel_t *ch, call_t *c, int rc, int grpc_status,
                       uint8_t *resp, size_t resp_len, const char *msg) {
   pthread_mutex_lock(&ch->mu);
-  int woke = finish_locked(c, rc, grpc_status, resp, resp_len, msg);
+  finish_locked(c, rc, grpc_status, resp, resp_len, msg);
   pthread_mutex_unlock(&ch->mu);
-  if (woke)
-    pthread_cond_broadcast(&ch->cv);
 }
 
 /* I/O thread: unlink `c` from its I/O list and drop the I/O reference. */
@@ -462,55 +469,51 @@ static int conn_set_events(conn_t *conn, unsigned events) {
 }
 
 /*
- * conn_flush: write what nghttp2 has to send: buffered bytes first, then
- * frames from nghttp2_session_mem_send, until the socket is full, nothing is
- * left, or WRITE_BUDGET frames went out.  Waits for writability only when
- * something is left.  Returns 0 or an SG_E* code (the caller drops the
- * connection).
+ * conn_flush: write what nghttp2 has to send.  Frames from
+ * nghttp2_session_mem_send are gathered into the connection's buffer (up to
+ * GATHER_MAX bytes) and go out with one send(), so a request's HEADERS and
+ * DATA leave as one segment and wake the server once; repeats until the
+ * socket is full, nothing is left, or WRITE_BUDGET sends went out.  Waits
+ * for writability only when something is left.  Returns 0 or an SG_E* code
+ * (the caller drops the connection).
  */
 static int conn_flush(conn_t *conn) {
   int more = 0;
   for (int i = 0; i < WRITE_BUDGET; i++) {
-    if (conn->wbuf.len) {
-      ssize_t n = send(conn->fd, sg_buf_head(&conn->wbuf), conn->wbuf.len,
-                       MSG_NOSIGNAL);
-      if (n < 0) {
-        if (errno == EINTR)
-          continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) {
-          more = 1;
-          break;
-        }
-        return -errno;
+    int drained = 0;
+    while (conn->h2 && conn->wbuf.len < GATHER_MAX) {
+      const uint8_t *p;
+      ssize_t len = nghttp2_session_mem_send(conn->h2, &p);
+      if (len < 0)
+        return len == NGHTTP2_ERR_NOMEM ? SG_ENOMEM : SG_EPROTO;
+      if (len == 0) {
+        drained = 1;
+        break;
       }
-      sg_buf_consume(&conn->wbuf, (size_t)n);
-      if (conn->wbuf.len) {
+      int rc = sg_buf_append(&conn->wbuf, p, (size_t)len);
+      if (rc)
+        return rc;
+    }
+    if (conn->wbuf.len == 0)
+      break;
+    ssize_t n =
+        send(conn->fd, sg_buf_head(&conn->wbuf), conn->wbuf.len, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR)
+        continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
         more = 1;
         break;
       }
-      continue;
+      return -errno;
     }
-    if (!conn->h2)
-      break;
-    const uint8_t *p;
-    ssize_t len = nghttp2_session_mem_send(conn->h2, &p);
-    if (len < 0)
-      return len == NGHTTP2_ERR_NOMEM ? SG_ENOMEM : SG_EPROTO;
-    if (len == 0)
-      break;
-    ssize_t n = send(conn->fd, p, (size_t)len, MSG_NOSIGNAL);
-    if (n < 0) {
-      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
-        return -errno;
-      n = 0;
-    }
-    if (n < len) {
-      int rc = sg_buf_append(&conn->wbuf, p + n, (size_t)(len - n));
-      if (rc)
-        return rc;
+    sg_buf_consume(&conn->wbuf, (size_t)n);
+    if (conn->wbuf.len) {
       more = 1;
       break;
     }
+    if (drained || !conn->h2)
+      break;
     if (i == WRITE_BUDGET - 1)
       more = 1; /* budget spent: come back when writable */
   }
@@ -1508,7 +1511,13 @@ int sg_rpc_channel_call(sg_rpc_channel_t *ch, const char *path,
   c->path = sg_strdup(path);
   c->body_len = SG_GRPC_PREFIX_LEN + req_len;
   c->body = sg_malloc(c->body_len);
-  if (!c->path || !c->body) {
+  pthread_condattr_t ca;
+  if (c->path && c->body && pthread_condattr_init(&ca) == 0) {
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC); /* as deadline_ts */
+    c->cv_init = pthread_cond_init(&c->cv, &ca) == 0;
+    pthread_condattr_destroy(&ca);
+  }
+  if (!c->path || !c->body || !c->cv_init) {
     call_free(c);
     return sg_err_set(err, SG_ENOMEM, "out of memory");
   }
@@ -1534,7 +1543,7 @@ int sg_rpc_channel_call(sg_rpc_channel_t *ch, const char *path,
   struct timespec ts = deadline_ts(deadline);
   pthread_mutex_lock(&ch->mu);
   while (!c->done) {
-    if (pthread_cond_timedwait(&ch->cv, &ch->mu, &ts) != ETIMEDOUT)
+    if (pthread_cond_timedwait(&c->cv, &ch->mu, &ts) != ETIMEDOUT)
       continue;
     if (c->done)
       break;

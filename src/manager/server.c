@@ -126,7 +126,9 @@ struct sg_mgr_server_s {
 
   /* shared: guarded by mu */
   pthread_mutex_t mu;
-  pthread_cond_t cv; /* job posted, stop or leave (CLOCK_MONOTONIC) */
+  pthread_cond_t cv;     /* stop or leave (CLOCK_MONOTONIC) */
+  pthread_cond_t job_cv; /* job posted, or stop: the quorum worker only, so
+                            posting a job does not wake the heartbeat one */
   int stopping;
   int job_ready;
   struct job job;
@@ -459,7 +461,7 @@ static void maybe_start_round(sg_mgr_server_t *s) {
   pthread_mutex_lock(&s->mu);
   s->job = j;
   s->job_ready = 1;
-  pthread_cond_broadcast(&s->cv);
+  pthread_cond_signal(&s->job_cv);
   pthread_mutex_unlock(&s->mu);
 }
 
@@ -1000,7 +1002,7 @@ static void *quorum_main(void *arg) {
   pthread_mutex_lock(&s->mu);
   for (;;) {
     while (!s->job_ready && !s->stopping)
-      pthread_cond_wait(&s->cv, &s->mu);
+      pthread_cond_wait(&s->job_cv, &s->mu);
     if (s->stopping)
       break;
     struct job j = s->job;
@@ -1118,6 +1120,7 @@ static void server_free(sg_mgr_server_t *s) {
   sg_free(s->bind);
   sg_free(s->address);
   pthread_cond_destroy(&s->cv);
+  pthread_cond_destroy(&s->job_cv);
   pthread_mutex_destroy(&s->mu);
   sg_free(s);
 }
@@ -1215,6 +1218,7 @@ int sg_mgr_server_start(const sg_mgr_server_opts_t *o, sg_mgr_server_t **out,
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
   pthread_cond_init(&s->cv, &ca);
+  pthread_cond_init(&s->job_cv, &ca);
   pthread_condattr_destroy(&ca);
   sg_map_init(&s->conns);
   atomic_init(&s->left, 0);
@@ -1353,6 +1357,7 @@ void sg_mgr_server_stop(sg_mgr_server_t *s) {
   pthread_mutex_lock(&s->mu);
   s->stopping = 1;
   pthread_cond_broadcast(&s->cv);
+  pthread_cond_broadcast(&s->job_cv);
   pthread_mutex_unlock(&s->mu);
   sg_rpc_channel_abort(s->lh);
   if (s->q_started)

@@ -22,9 +22,9 @@ Figures, per server:
 Every replica heartbeats every 100 ms through the quorum rounds, as
 torchft's ManagerServer does, over 16 connections of their own; the Quorum
 calls use 16 connections at N=100 and 64 at N=1,000 (about 16 waiting calls
-per connection: sg_rpc_channel wakes every waiter of a connection on each
-completion, and the servers' per-connection output buffering shows in RSS,
-so the connection count matters).  Client and servers share this machine's
+per connection: each answer to N=1,000 is ~100 KB, so a server that copies
+its queued output per connection shows it in RSS, and the connection count
+matters).  Client and servers share this machine's
 cores, so treat single numbers with care and compare medians.
 """
 

@@ -31,23 +31,40 @@ IMPL = os.environ.get("STEPGUARD_TRAIN_IMPL", "stepguard")
 LIGHTHOUSE = os.environ.get("STEPGUARD_TRAIN_LIGHTHOUSE", "ours")
 
 
-def impl_has(*attr_paths: str) -> bool:
-    """True if every ``IMPL.attr_path`` exists (``Manager``,
-    ``process_group.ProcessGroupTCP``), checked in a child process so that
-    the test process never imports torch."""
+def impl_missing(*attr_paths: str) -> list[str]:
+    """The ``IMPL.attr_path`` names (``Manager``,
+    ``process_group.ProcessGroupTCP``) that do not exist, checked in a child
+    process so that the test process never imports torch.  A module that
+    fails to import for another reason than being absent raises, after one
+    retry (the editable build may be rebuilding)."""
     checks = []
     for path in attr_paths:
         mod, _, attr = path.rpartition(".")
         checks.append((f"{IMPL}.{mod}" if mod else IMPL, attr))
-    code = ("import importlib,sys\n"
+    code = ("import importlib,json\n"
+            "missing = []\n"
             f"for m, a in {checks!r}:\n"
-            "    if not hasattr(importlib.import_module(m), a): sys.exit(1)\n")
-    try:
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                           timeout=120)
-    except subprocess.TimeoutExpired:
-        return False
-    return r.returncode == 0
+            "    try:\n"
+            "        mod = importlib.import_module(m)\n"
+            "    except ModuleNotFoundError as e:\n"
+            "        if e.name is None or not m.startswith(e.name):\n"
+            "            raise\n"
+            "        mod = None\n"
+            "    if not hasattr(mod, a): missing.append(m + '.' + a)\n"
+            "print(json.dumps(missing))\n")
+    err = ""
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=300)
+        if r.returncode == 0:
+            return json.loads(r.stdout.strip().splitlines()[-1])
+        err = r.stderr[-3000:]
+        time.sleep(5)
+    raise RuntimeError(f"importing {IMPL} failed:\n{err}")
+
+
+def impl_has(*attr_paths: str) -> bool:
+    return not impl_missing(*attr_paths)
 
 
 # what train_worker.py uses from the implementation
@@ -57,8 +74,9 @@ API = ("Manager", "DistributedDataParallel", "Optimizer", "ProcessGroupGloo",
 
 def require_api() -> None:
     """Skips the calling test module (with the reason) if IMPL lacks the API."""
-    if not impl_has(*API):
-        pytest.skip(f"{IMPL} does not have the training API yet (one of {', '.join(API)})",
+    missing = impl_missing(*API)
+    if missing:
+        pytest.skip(f"{IMPL} does not have the training API yet: no {', '.join(missing)}",
                     allow_module_level=True)
 
 

@@ -154,6 +154,13 @@ class Zygote:
             return self.rcs.get(pid)
 
     def close(self) -> None:
+        """Closes its stdin (it kills its own children) and then kills it."""
+        assert self.popen.stdin is not None
+        try:
+            self.popen.stdin.close()
+            self.popen.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
         if self.popen.poll() is None:
             self.popen.kill()
         self.popen.wait(timeout=30)
@@ -235,8 +242,12 @@ class Job:
             with open(self.lighthouse_log, "ab") as log:
                 p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         self._popens.append(p)
-        m = wait_for(lambda: LISTEN_RE.search(_read_text(self.lighthouse_log)),
-                     60, "the lighthouse to listen")
+        try:
+            m = wait_for(lambda: LISTEN_RE.search(_read_text(self.lighthouse_log)),
+                         60, "the lighthouse to listen")
+        except BaseException:
+            self.close()
+            raise
         self.addr = f"http://127.0.0.1:{m.group(1).rsplit(':', 1)[1].rstrip('/')}"
 
     # ---- processes --------------------------------------------------

@@ -9,8 +9,8 @@ Reads one JSON request per line on stdin, ``{"argv": [...], "log": PATH}``
 of a trainer), and writes one JSON line per event on stdout: ``{"pid": P}`` for each fork
 (in request order) and ``{"exit": P, "rc": RC}`` when a child ends (RC is
 negative for a signal, like Popen.returncode).  It stays single-threaded so
-that forking is safe, and exits when stdin closes (after killing nothing:
-the harness kills every trainer by pid).
+that forking is safe.  When stdin closes (the harness is done or died) it
+SIGKILLs every child of its own that still runs, by pid, and exits.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import importlib
 import json
 import os
 import select
+import signal
 import sys
 import traceback
 
@@ -53,7 +54,7 @@ def child(argv: list[str], log: str, lighthouse: bool = False) -> None:
             os._exit(rc)
 
 
-def reap(out) -> None:
+def reap(out, children: set[int]) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -61,6 +62,7 @@ def reap(out) -> None:
             return
         if pid == 0:
             return
+        children.discard(pid)
         rc = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
         out.write(json.dumps({"exit": pid, "rc": rc}) + "\n")
         out.flush()
@@ -85,13 +87,19 @@ def main() -> int:
     out.flush()
     stdin = sys.stdin.buffer
     buf = b""
+    children: set[int] = set()
     while True:
         r, _, _ = select.select([stdin], [], [], 0.05)
-        reap(out)
+        reap(out, children)
         if not r:
             continue
         chunk = os.read(stdin.fileno(), 65536)
         if not chunk:
+            for pid in children:  # not reaped yet, so the pid is still theirs
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             return 0
         buf += chunk
         while b"\n" in buf:
@@ -100,6 +108,7 @@ def main() -> int:
             pid = os.fork()
             if pid == 0:
                 child(req["argv"], req["log"], req.get("lighthouse", False))
+            children.add(pid)
             out.write(json.dumps({"pid": pid}) + "\n")
             out.flush()
 

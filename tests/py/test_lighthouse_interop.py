@@ -368,7 +368,8 @@ def test_differential_sanity_scenarios_are_not_trivial():
     assert [m[0] for m in quorums[-1][1]] == ["a", "b", "d"]
 
 
-MANAGER_CHILD = LOAD_TORCHFT_CODE + """
+# RUST_LOG=warn: torchft's info lines share the pipe and could split ours
+MANAGER_CHILD = "import os\nos.environ['RUST_LOG'] = 'warn'\n" + LOAD_TORCHFT_CODE + """
 import time
 from datetime import timedelta
 m = torchft_c.ManagerServer(sys.argv[2], sys.argv[1], "localhost", "[::]:0", "x:1", 1,

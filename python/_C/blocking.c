@@ -7,6 +7,11 @@
  * raises (KeyboardInterrupt), the call is aborted through its own abort
  * function, still waited for (it ends promptly with SG_EABORTED), and the
  * exception propagates.
+ *
+ * Only the main thread runs signal handlers, so a call from any other
+ * thread (the Manager's quorum executor, for one) has nothing to watch
+ * for: it runs right there with the GIL released, without the helper
+ * thread, whose creation and scheduling cost milliseconds on a busy host.
  */
 #include "module.h"
 
@@ -32,6 +37,12 @@ static void *blocking_thread(void *p) {
 }
 
 int sg_py_blocking(void (*fn)(void *), void (*abort_fn)(void *), void *arg) {
+  if (!_PyOS_IsMainThread()) {
+    Py_BEGIN_ALLOW_THREADS
+    fn(arg);
+    Py_END_ALLOW_THREADS
+    return 0;
+  }
   struct blocking b = {.fn = fn, .arg = arg};
   pthread_t th;
   pthread_mutex_init(&b.mu, NULL);

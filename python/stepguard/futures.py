@@ -57,16 +57,20 @@ class _Timer:
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> _TimerHandle:
         """Runs ``fn`` on its own thread after ``delay_s`` seconds."""
         handle = _TimerHandle()
+        entry = (time.monotonic() + delay_s, next(self._seq), handle, fn)
         with self._cond:
-            heapq.heappush(
-                self._heap, (time.monotonic() + delay_s, next(self._seq), handle, fn)
-            )
+            heapq.heappush(self._heap, entry)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="stepguard-timer", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify()
+            # The thread sleeps until the earliest deadline, so it only
+            # needs waking when this one is earlier.  Every collective arms
+            # a deadline: waking the thread for each would cost a context
+            # switch per allreduce on a busy host.
+            if self._heap[0] is entry:
+                self._cond.notify()
         return handle
 
     def _run(self) -> None:

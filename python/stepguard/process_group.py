@@ -49,6 +49,7 @@ from typing import (
     List,
     Optional,
     Set,
+    Tuple,
     TypeVar,
     Union,
     cast,
@@ -283,6 +284,7 @@ class ProcessGroup(BaseProcessGroup):
         self._reconfigure_id: str = uuid.uuid4().hex
         self._rendezvous_store: Optional[TCPStore] = None
         self._handle_lock = threading.Lock()
+        self._handle_cache: Optional[Tuple[Tuple[str, str, int, Optional[int]], str]] = None
         self._replica_id: Optional[str] = None
         self._group_rank: Optional[int] = None
         self._group_world_size: Optional[int] = None
@@ -455,13 +457,15 @@ class ProcessGroup(BaseProcessGroup):
                     wait_for_workers=False,
                 )
             port = self._rendezvous_store.port
-        return json.dumps(
-            {
-                "id": self._handle_id(),
-                "store": f"{socket.gethostname()}:{port}",
-                "global_rank": self._global_rank,
-            }
-        )
+            # Asked for at every quorum, on the quorum thread, which holds
+            # the GIL the training loop needs: encode it once per identity.
+            key = (self._handle_id(), socket.gethostname(), port, self._global_rank)
+            if self._handle_cache is None or self._handle_cache[0] != key:
+                handle = json.dumps(
+                    {"id": key[0], "store": f"{key[1]}:{key[2]}", "global_rank": key[3]}
+                )
+                self._handle_cache = (key, handle)
+            return self._handle_cache[1]
 
     def reconfigure(self, opts: ReconfigureOptions) -> Work:
         """Rebuilds the group from the ordered handles in ``opts``: this

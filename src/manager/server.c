@@ -98,6 +98,7 @@ static void job_clear(struct job *j) {
 struct sg_mgr_server_s {
   /* options (strings owned) */
   char *replica_id, *name, *lighthouse_addr, *store_addr, *auth_token, *bind;
+  int64_t logged_qid; /* quorum id last logged at info (quorum worker) */
   char *address;
   int64_t world_size, hb_interval_ms, connect_timeout_ms, quorum_retries,
       grace_ms;
@@ -583,7 +584,10 @@ static void deliver(sg_mgr_server_t *s, int rc, const char *msg,
                                       w->group_rank, w->init_sync, &r, &e);
     if (crc == 0) {
       if (!logged) {
-        sg_log(SG_LOG_INFO, LOG,
+        /* info when the quorum changes or we heal; every step is debug */
+        int level = qid != s->logged_qid || r.heal ? SG_LOG_INFO : SG_LOG_DEBUG;
+        s->logged_qid = qid;
+        sg_log(level, LOG,
                "[Replica %s] quorum %lld: replica_rank %lld of %lld, "
                "max_step %lld, heal %s",
                s->name, (long long)qid, (long long)r.replica_rank,
@@ -1231,6 +1235,7 @@ int sg_mgr_server_start(const sg_mgr_server_opts_t *o, sg_mgr_server_t **out,
                       ? dup_opt(o->auth_token, "", &fail)
                       : NULL;
   s->name = dup_opt(o->replica_id, "", &fail);
+  s->logged_qid = INT64_MIN;
   s->world_size = o->world_size;
   s->ranks = sg_calloc((size_t)o->world_size, sizeof(*s->ranks));
   if (fail || !s->ranks) {

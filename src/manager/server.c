@@ -585,7 +585,8 @@ static void deliver(sg_mgr_server_t *s, int rc, const char *msg,
     if (crc == 0) {
       if (!logged) {
         /* info when the quorum changes or we heal; every step is debug */
-        int level = qid != s->logged_qid || r.heal ? SG_LOG_INFO : SG_LOG_DEBUG;
+        sg_log_level_t level =
+            qid != s->logged_qid || r.heal ? SG_LOG_INFO : SG_LOG_DEBUG;
         s->logged_qid = qid;
         sg_log(level, LOG,
                "[Replica %s] quorum %lld: replica_rank %lld of %lld, "

@@ -291,3 +291,39 @@ def test_torchft_style_script_runs_with_stepguard(tmp_path) -> None:
                        timeout=120, env={**os.environ, "TORCHFT_LIGHTHOUSE": ""})
     assert p.returncode == 0, p.stderr[-3000:]
     assert "done 5 5" in p.stdout
+
+
+def test_ddp_bucket_failure_fails_the_step_not_backward() -> None:
+    """A bucket's allreduce that fails (its future raises) while backward
+    goes on: backward still returns, the manager records the error, the
+    step is not committed, and the next step is clean."""
+    from stepguard.process_group import FakeProcessGroupWrapper
+
+    lh = LighthouseServer("127.0.0.1:0", 1, join_timeout_ms=100)
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    pg = FakeProcessGroupWrapper(ProcessGroupGloo(timeout=TD))
+    m = make_manager(lh, 0, pg, model)
+    try:
+        net = DistributedDataParallel(m, model)
+        opt = OptimizerWrapper(m, torch.optim.SGD(model.parameters(), lr=0.1))
+        x = torch.randn(4, 3)
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.zero_grad()
+        m.wait_quorum()
+        pg.report_future_error(RuntimeError("injected bucket failure"))
+        net(x).sum().backward()  # must not raise
+        err = m.errored()
+        assert err is not None and "injected bucket failure" in str(err.original_exception)
+        opt.step()
+        assert m.current_step() == 0  # not committed
+        for p, b in zip(model.parameters(), before):
+            assert torch.equal(p.detach(), b)  # the optimizer did not step
+        # the next step is clean again and commits
+        opt.zero_grad()
+        net(x).sum().backward()
+        opt.step()
+        assert m.errored() is None and m.current_step() == 1
+    finally:
+        m.shutdown(wait=False)
+        lh.shutdown()

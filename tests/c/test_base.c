@@ -4,17 +4,20 @@
  */
 #include <fcntl.h>
 #include <setjmp.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmocka.h>
 
 #include "stepguard/base.h"
+#include "stepguard/samehost.h"
 
 static void test_error_codes_are_distinct_and_named(void **state) {
   (void)state;
@@ -351,6 +354,87 @@ static void test_map_survives_allocation_failure(void **state) {
   sg_map_free(&m);
 }
 
+static void test_samehost_ids_match_rules(void **state) {
+  (void)state;
+  sg_samehost_id_t self, peer, back;
+  unsetenv("STEPGUARD_SAME_HOST");
+  assert_int_equal(sg_samehost_self(&self), 0);
+  assert_int_equal(self.pid, (uint32_t)getpid());
+  uint8_t wire[SG_SAMEHOST_ID_LEN];
+  sg_samehost_encode(&self, wire);
+  sg_samehost_decode(wire, &back);
+  assert_memory_equal(&back, &self, sizeof self);
+
+  peer = self;
+  assert_false(sg_samehost_match(&self, &peer)); /* same process */
+  peer.pid = self.pid + 1;
+  assert_true(sg_samehost_match(&self, &peer));
+  peer.pid_ns ^= 1; /* another pid namespace: the pid means nothing */
+  assert_false(sg_samehost_match(&self, &peer));
+  peer.pid_ns = self.pid_ns;
+  peer.boot_id[3] ^= 0x40; /* another machine */
+  assert_false(sg_samehost_match(&self, &peer));
+
+  setenv("STEPGUARD_SAME_HOST", "0", 1);
+  assert_int_equal(sg_samehost_self(&peer), SG_ESTATE);
+  unsetenv("STEPGUARD_SAME_HOST");
+}
+
+/* A child announces a buffer; the parent reads it, then reads a dead pid. */
+static void test_samehost_read_from_child(void **state) {
+  (void)state;
+  enum { N = (1 << 20) + 13 };
+  int fds[2];
+  assert_int_equal(pipe(fds), 0);
+  pid_t child = fork();
+  assert_true(child >= 0);
+  if (child == 0) {
+    uint8_t *buf = malloc(N);
+    if (!buf)
+      _exit(1);
+    for (size_t i = 0; i < N; i++)
+      buf[i] = (uint8_t)(i * 7 + 1);
+    uint64_t addr = (uint64_t)(uintptr_t)buf;
+    if (write(fds[1], &addr, sizeof addr) != sizeof addr)
+      _exit(1);
+    pause(); /* until the parent kills it */
+    _exit(0);
+  }
+  uint64_t addr = 0;
+  assert_int_equal(read(fds[0], &addr, sizeof addr), (ssize_t)sizeof addr);
+  close(fds[0]);
+  close(fds[1]);
+
+  uint8_t *got = malloc(N);
+  assert_non_null(got);
+  int rc = sg_samehost_read((uint32_t)child, got, addr, N);
+  if (rc == -EPERM || rc == -ENOSYS) {
+    /* A seccomp or ptrace policy forbids it: the caller falls back to TCP. */
+    printf("cross-memory attach not permitted here (%s): fallback only\n",
+           sg_strerror(rc));
+  } else {
+    assert_int_equal(rc, 0);
+    for (size_t i = 0; i < N; i++)
+      if (got[i] != (uint8_t)(i * 7 + 1))
+        fail_msg("byte %zu differs", i);
+    uint8_t expect[16];
+    memcpy(expect, got, sizeof expect);
+    assert_int_equal(sg_samehost_probe((uint32_t)child, addr, expect, 16), 0);
+    expect[5] ^= 1;
+    assert_int_equal(sg_samehost_probe((uint32_t)child, addr, expect, 16),
+                     SG_EPROTO);
+    assert_int_equal(sg_samehost_probe((uint32_t)child, addr, expect, 65),
+                     SG_EINVAL);
+    /* An address the child never mapped is an error, not a crash. */
+    assert_true(sg_samehost_read((uint32_t)child, got, 8, 64) < 0);
+  }
+  kill(child, SIGKILL);
+  int status;
+  assert_int_equal(waitpid(child, &status, 0), child);
+  assert_true(sg_samehost_read((uint32_t)child, got, addr, 64) < 0);
+  free(got);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_error_codes_are_distinct_and_named),
@@ -366,6 +450,8 @@ int main(void) {
       cmocka_unit_test(test_connect_errors),
       cmocka_unit_test(test_map_put_get_del_iterate),
       cmocka_unit_test(test_map_survives_allocation_failure),
+      cmocka_unit_test(test_samehost_ids_match_rules),
+      cmocka_unit_test(test_samehost_read_from_child),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,0 +1,143 @@
+/*
+ * samehost.c: cross-memory attach between processes of one host.  See
+ * stepguard/samehost.h.
+ */
+#include "stepguard/samehost.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+static int hexval(int c) {
+  if (c >= '0' && c <= '9')
+    return c - '0';
+  if (c >= 'a' && c <= 'f')
+    return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F')
+    return c - 'A' + 10;
+  return -1;
+}
+
+/* Parse "4495c13d-f3a5-4ddd-b8b2-f77247630bb2" into 16 bytes. */
+static int parse_uuid(const char *s, uint8_t out[16]) {
+  size_t n = 0;
+  int hi = -1;
+  for (; *s && *s != '\n'; s++) {
+    if (*s == '-')
+      continue;
+    int v = hexval((unsigned char)*s);
+    if (v < 0 || n == 16)
+      return SG_EIO;
+    if (hi < 0) {
+      hi = v;
+    } else {
+      out[n++] = (uint8_t)(hi << 4 | v);
+      hi = -1;
+    }
+  }
+  return n == 16 && hi < 0 ? 0 : SG_EIO;
+}
+
+int sg_samehost_self(sg_samehost_id_t *out) {
+  memset(out, 0, sizeof *out);
+  const char *env = getenv("STEPGUARD_SAME_HOST");
+  if (env && (strcmp(env, "0") == 0 || strcmp(env, "false") == 0 ||
+              strcmp(env, "off") == 0))
+    return SG_ESTATE;
+
+  char text[64] = {0};
+  int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return SG_EIO;
+  ssize_t got = read(fd, text, sizeof text - 1);
+  close(fd);
+  if (got <= 0 || parse_uuid(text, out->boot_id) != 0)
+    return SG_EIO;
+
+  struct stat st;
+  if (stat("/proc/self/ns/pid", &st) != 0)
+    return SG_EIO;
+  out->pid_ns = (uint64_t)st.st_ino;
+  out->pid = (uint32_t)getpid();
+  return 0;
+}
+
+static void put_le(uint8_t *p, uint64_t v, int n) {
+  for (int i = 0; i < n; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint64_t get_le(const uint8_t *p, int n) {
+  uint64_t v = 0;
+  for (int i = 0; i < n; i++)
+    v |= (uint64_t)p[i] << (8 * i);
+  return v;
+}
+
+void sg_samehost_encode(const sg_samehost_id_t *id, uint8_t *out) {
+  memcpy(out, id->boot_id, 16);
+  put_le(out + 16, id->pid_ns, 8);
+  put_le(out + 24, id->pid, 4);
+  put_le(out + 28, id->flags, 4);
+}
+
+void sg_samehost_decode(const uint8_t *in, sg_samehost_id_t *id) {
+  memcpy(id->boot_id, in, 16);
+  id->pid_ns = get_le(in + 16, 8);
+  id->pid = (uint32_t)get_le(in + 24, 4);
+  id->flags = (uint32_t)get_le(in + 28, 4);
+}
+
+int sg_samehost_match(const sg_samehost_id_t *self,
+                      const sg_samehost_id_t *peer) {
+  static const uint8_t zero[16];
+  if (self->pid == 0 || peer->pid == 0 || self->pid == peer->pid)
+    return 0;
+  if (memcmp(self->boot_id, zero, 16) == 0)
+    return 0;
+  return memcmp(self->boot_id, peer->boot_id, 16) == 0 &&
+         self->pid_ns == peer->pid_ns;
+}
+
+int sg_samehost_read(uint32_t pid, void *dst, uint64_t remote_addr,
+                     size_t len) {
+  uint8_t *d = dst;
+  int stalls = 0;
+  while (len > 0) {
+    struct iovec local = {.iov_base = d, .iov_len = len};
+    struct iovec remote = {.iov_base = (void *)(uintptr_t)remote_addr,
+                           .iov_len = len};
+    ssize_t n = process_vm_readv((pid_t)pid, &local, 1, &remote, 1, 0);
+    if (n < 0) {
+      if (errno == EINTR)
+        continue;
+      return -errno;
+    }
+    if (n == 0) {
+      /* No progress and no error: a range the kernel will not map. */
+      if (++stalls > 2)
+        return SG_EIO;
+      continue;
+    }
+    d += n;
+    remote_addr += (uint64_t)n;
+    len -= (size_t)n;
+  }
+  return 0;
+}
+
+int sg_samehost_probe(uint32_t pid, uint64_t remote_addr, const void *expect,
+                      size_t len) {
+  uint8_t got[64];
+  if (len == 0 || len > sizeof got)
+    return SG_EINVAL;
+  int rc = sg_samehost_read(pid, got, remote_addr, len);
+  if (rc != 0)
+    return rc;
+  return memcmp(got, expect, len) == 0 ? 0 : SG_EPROTO;
+}

@@ -1,12 +1,14 @@
 /*
- * fuzz_comm.c: the collectives' wire parsers (HELLO, REPLY, OP/BYE frames,
- * the handshake admission check, peer addresses) on arbitrary bytes.
+ * fuzz_comm.c: the collectives' wire parsers (HELLO, REPLY, the same-host
+ * OFFER, OP / DESC / ACK / PULL / BYE frames, the handshake admission check,
+ * peer addresses) on arbitrary bytes.
  *
  * Input: byte 0 picks the parser, the rest is what a peer sent.  Checks:
  * no crash or overread (ASan), every prefix of an input that parses asks
  * for more bytes or fails (never succeeds early), a parsed HELLO or frame
  * re-encodes to the same bytes, and a parsed HELLO's strings lie inside
- * the input.
+ * the input; a parsed OFFER re-encodes to the same bytes; a parsed DESC
+ * never wraps the address space.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -63,6 +65,21 @@ static void frame(const uint8_t *p, size_t n) {
     sg__comm_frame_encode(again, &f);
     if (memcmp(again, p, SG__COMM_FRAME_LEN) != 0)
       abort();
+    if (f.type == SG__COMM_FRAME_DESC &&
+        (f.bytes == 0 || f.seq + f.bytes < f.seq))
+      abort();
+  }
+}
+
+static void offer(const uint8_t *p, size_t n) {
+  sg__comm_offer_t o;
+  if (sg__comm_offer_parse(p, n, &o) == 0) {
+    uint8_t again[SG__COMM_OFFER_LEN];
+    if (n != SG__COMM_OFFER_LEN || (o.flags & ~1u))
+      abort();
+    sg__comm_offer_encode(again, &o);
+    if (memcmp(again, p, SG__COMM_OFFER_LEN) != 0)
+      abort();
   }
 }
 
@@ -83,7 +100,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     return 0;
   const uint8_t *p = data + 1;
   size_t n = size - 1;
-  switch (data[0] % 4) {
+  switch (data[0] % 5) {
   case 0:
     hello(p, n);
     break;
@@ -93,8 +110,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   case 2:
     frame(p, n);
     break;
-  default:
+  case 3:
     addr(p, n);
+    break;
+  default:
+    offer(p, n);
     break;
   }
   return 0;

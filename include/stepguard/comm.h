@@ -28,6 +28,14 @@
  * operation with a message naming the peer's rank and poisons the
  * communicator: every later operation fails with the first error.
  *
+ * Same-host path: when a peer is another process of this host (an
+ * sg_samehost_id exchanged once the mesh is up, then a probe read; see
+ * stepguard/samehost.h), large transfers of the collectives (not send/recv)
+ * carry only descriptors over TCP and the receiver copies the payload
+ * straight out of the sender's memory with process_vm_readv, then says when
+ * it is done.  A failed probe or $STEPGUARD_SAME_HOST=0 keeps plain TCP.
+ * Results are the same bits either way.
+ *
  * Fork: in a child forked after sg_comm_new(), the communicator's sockets
  * are /dev/null (base.h's fork rule); there, submissions fail with
  * SG_ESTATE and sg_comm_abort() / sg_comm_free() do nothing (the copy is
@@ -85,6 +93,11 @@ typedef struct sg_comm_opts_s {
   const char *bind_host;  /* NULL or "" = all interfaces */
   size_t small_max;       /* allreduce/broadcast bytes up to which the latency
                              algorithm is used; 0 = default (64 KiB) */
+  int same_host;   /* same-host path (see below): 0 = wherever a probe shows
+                      it works, -1 = never, 1 = also between communicators of
+                      one process (tests) */
+  size_t pull_min; /* a transfer of at least this many bytes to a same-host
+                      peer uses that path; 0 = default (256 KiB) */
 } sg_comm_opts_t;
 
 /*
@@ -105,6 +118,14 @@ SG_EXPORT int sg_comm_new(const sg_comm_opts_t *opts, sg_comm_t **out,
 
 /* sg_comm_port: the port sg_comm_new() bound (closed once connected). */
 SG_EXPORT int sg_comm_port(const sg_comm_t *c);
+
+/*
+ * sg_comm_same_host: 1 when this communicator reads rank `peer`'s memory
+ * directly (the same-host path was offered and its probe worked), 0 when it
+ * receives from `peer` over TCP, or before sg_comm_connect() succeeded.
+ * Any thread.
+ */
+SG_EXPORT int sg_comm_same_host(const sg_comm_t *c, int peer);
 
 /* sg_comm_rank / sg_comm_size: from the options. */
 SG_EXPORT int sg_comm_rank(const sg_comm_t *c);

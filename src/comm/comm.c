@@ -37,6 +37,7 @@
 
 #include "comm/comm_int.h"
 #include "stepguard/comm.h"
+#include "stepguard/samehost.h"
 
 #define LOG_SUB "comm"
 #define STAGE_BYTES (1u << 20)      /* circular staging buffer for reduction */
@@ -48,6 +49,9 @@
 #define SLICE_MS 100                /* abort latency bound for blocking steps */
 #define MAX_BYTES ((size_t)1 << 46) /* largest operation accepted */
 #define GONE_GRACE_MS 50            /* see first_gone */
+#define PULL_MIN (256u << 10)       /* same-host path from this size */
+#define PULL_BUDGET (2u << 20)      /* bytes read from a peer per pass */
+#define DESC_MIN (256u << 10)       /* smallest descriptor but a segment end */
 
 enum op_kind {
   OP_ALLREDUCE = 1,
@@ -91,6 +95,9 @@ struct peer {
   uint64_t gone_at; /* order in which it was seen gone; 0 = not seen */
   uint64_t tx_seq;  /* transfers sent on this connection */
   uint64_t rx_seq;  /* transfers received on this connection */
+  int pull_from;    /* we read this peer's memory (same host, probed) */
+  int pull_to;      /* this peer reads ours */
+  uint32_t pid;     /* the peer's pid (pull_from) */
 };
 
 enum state { ST_NEW, ST_CONNECTING, ST_READY, ST_FAILED };
@@ -100,6 +107,9 @@ struct sg_comm_s {
   uint64_t generation;
   char *job, *token;
   size_t small_max;
+  int same_host;   /* opts.same_host */
+  size_t pull_min; /* same-host path for transfers of at least this */
+  uint8_t probe[SG__COMM_PROBE_LEN]; /* what peers read to prove the path */
   int listen_fd, port;
   int wake_fd; /* eventfd: readable once aborted or closing */
   struct peer *peers;
@@ -160,6 +170,11 @@ static int forked(const sg_comm_t *c) {
 
 int sg_comm_port(const sg_comm_t *c) { return c->port; }
 int sg_comm_rank(const sg_comm_t *c) { return c->rank; }
+
+int sg_comm_same_host(const sg_comm_t *c, int peer) {
+  return c && peer >= 0 && peer < c->world && c->peers[peer].fd >= 0 &&
+         c->peers[peer].pull_from;
+}
 int sg_comm_size(const sg_comm_t *c) { return c->world; }
 
 int sg_comm_error(sg_comm_t *c, sg_err_t *err) {
@@ -196,6 +211,17 @@ int sg_comm_new(const sg_comm_opts_t *o, sg_comm_t **out, sg_err_t *err) {
   c->world = o->world_size;
   c->generation = o->generation;
   c->small_max = o->small_max ? o->small_max : DEFAULT_SMALL;
+  c->same_host = o->same_host;
+  c->pull_min = o->pull_min ? o->pull_min : PULL_MIN;
+  uint64_t seed = (uint64_t)sg_now_ns() ^ ((uint64_t)getpid() << 32) ^
+                  (uint64_t)(uintptr_t)c ^ o->generation ^ (uint64_t)o->rank;
+  for (size_t i = 0; i < SG__COMM_PROBE_LEN; i++) { /* splitmix64 bytes */
+    seed += 0x9e3779b97f4a7c15ull;
+    uint64_t z = seed;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    c->probe[i] = (uint8_t)(z ^ (z >> 31));
+  }
   c->job = sg_strdup(o->job ? o->job : "");
   c->token = sg_strdup(o->auth_token ? o->auth_token : "");
   c->peers = sg_calloc((size_t)c->world, sizeof(*c->peers));
@@ -273,6 +299,29 @@ static int send_all(sg_comm_t *c, int fd, const uint8_t *p, size_t n,
     if (w < 0 && errno != EAGAIN)
       return -errno;
     int rc = wait_fd(c, fd, POLLOUT, deadline);
+    if (rc)
+      return rc;
+  }
+  return 0;
+}
+
+/* recv_exact: read exactly n (few) bytes by `deadline`; SG_EPEER at EOF. */
+static int recv_exact(sg_comm_t *c, int fd, uint8_t *p, size_t n,
+                      sg_deadline_t deadline) {
+  while (n) {
+    ssize_t m = recv(fd, p, n, MSG_DONTWAIT);
+    if (m > 0) {
+      p += m;
+      n -= (size_t)m;
+      continue;
+    }
+    if (m == 0)
+      return SG_EPEER;
+    if (errno == EINTR)
+      continue;
+    if (errno != EAGAIN)
+      return -errno;
+    int rc = wait_fd(c, fd, POLLIN, deadline);
     if (rc)
       return rc;
   }
@@ -522,6 +571,95 @@ out:
   return rc;
 }
 
+/*
+ * samehost_setup: once the mesh is complete, send every peer an OFFER (our
+ * sg_samehost_id and where our probe bytes are), read theirs, try each
+ * peer's probe, and answer each with PULL: whether we will read its memory.
+ * Another host, a failed probe or the path turned off only mean TCP; a
+ * malformed offer or answer, a silent peer or a closed connection fail the
+ * setup with the peer named.  Every message is small and sent before
+ * anything is awaited, so the exchange cannot deadlock.
+ */
+static int samehost_setup(sg_comm_t *c, sg_deadline_t deadline, sg_err_t *err) {
+  sg_samehost_id_t self;
+  sg__comm_offer_t mine;
+  uint8_t buf[SG__COMM_OFFER_LEN];
+  const char *what = "offer";
+  int rc = 0, p;
+  memset(&mine, 0, sizeof(mine));
+  int ok = c->same_host >= 0 && sg_samehost_self(&self) == 0;
+  if (ok) {
+    mine.flags = 1;
+    sg_samehost_encode(&self, mine.id);
+    mine.probe_addr = (uint64_t)(uintptr_t)c->probe;
+    memcpy(mine.probe, c->probe, SG__COMM_PROBE_LEN);
+  }
+  sg__comm_offer_encode(buf, &mine);
+  for (p = 0; p < c->world && rc == 0; p++)
+    if (p != c->rank)
+      rc = send_all(c, c->peers[p].fd, buf, sizeof(buf), deadline);
+  if (rc) {
+    p--;
+    goto out;
+  }
+  for (p = 0; p < c->world; p++) {
+    if (p == c->rank)
+      continue;
+    sg__comm_offer_t theirs;
+    rc = recv_exact(c, c->peers[p].fd, buf, sizeof(buf), deadline);
+    if (rc == 0 && sg__comm_offer_parse(buf, sizeof(buf), &theirs))
+      rc = SG_EPROTO;
+    if (rc)
+      goto out;
+    sg_samehost_id_t id;
+    sg_samehost_decode(theirs.id, &id);
+    int match = ok && (theirs.flags & 1) &&
+                (sg_samehost_match(&self, &id) ||
+                 (c->same_host > 0 && memcmp(theirs.id, mine.id, 32) == 0));
+    if (match) {
+      int pr = sg_samehost_probe(id.pid, theirs.probe_addr, theirs.probe,
+                                 SG__COMM_PROBE_LEN);
+      if (pr == 0) {
+        c->peers[p].pull_from = 1;
+        c->peers[p].pid = id.pid;
+      } else {
+        sg_log(SG_LOG_INFO, LOG_SUB,
+               "rank %d: cannot read rank %d's memory (%s); using TCP", c->rank,
+               p, sg_strerror(pr));
+      }
+    }
+    uint8_t ans[SG__COMM_FRAME_LEN];
+    sg__comm_frame_t f = {.type = SG__COMM_FRAME_PULL,
+                          .seq = (uint64_t)c->peers[p].pull_from};
+    sg__comm_frame_encode(ans, &f);
+    what = "answer";
+    rc = send_all(c, c->peers[p].fd, ans, sizeof(ans), deadline);
+    if (rc)
+      goto out;
+    what = "offer";
+  }
+  what = "answer";
+  for (p = 0; p < c->world; p++) {
+    if (p == c->rank)
+      continue;
+    sg__comm_frame_t f;
+    rc = recv_exact(c, c->peers[p].fd, buf, SG__COMM_FRAME_LEN, deadline);
+    if (rc == 0 && (sg__comm_frame_parse(buf, SG__COMM_FRAME_LEN, &f) ||
+                    f.type != SG__COMM_FRAME_PULL))
+      rc = SG_EPROTO;
+    if (rc)
+      goto out;
+    c->peers[p].pull_to = (int)f.seq;
+  }
+out:
+  if (rc)
+    sg_err_set(err, rc, "rank %d: same-host %s: %s", p, what,
+               rc == SG_EPROTO  ? "malformed"
+               : rc == SG_EPEER ? "connection closed"
+                                : sg_strerror(rc));
+  return rc;
+}
+
 static void *progress_main(void *arg);
 
 int sg_comm_connect(sg_comm_t *c, const char *const *addrs,
@@ -543,6 +681,8 @@ int sg_comm_connect(sg_comm_t *c, const char *const *addrs,
     rc = dial(c, p, addrs[p], deadline, err);
   if (rc == 0)
     rc = accept_higher(c, deadline, err);
+  if (rc == 0)
+    rc = samehost_setup(c, deadline, err);
   if (rc == 0 && pthread_create(&c->thread, NULL, progress_main, c) != 0)
     rc = sg_err_set(err, SG_ENOMEM, "cannot start the progress thread");
 out:
@@ -590,9 +730,18 @@ struct xfer {
   int nreduce; /* receive segments [0, nreduce) are reduced */
   int link;    /* send seg j waits for receive seg j - link; -1 never */
   size_t esize;
+  int spull; /* send_peer reads the payload: send DESC frames, await ACK */
+  int rpull; /* read recv_peer's payload as its DESC frames say, then ACK */
   /* progress */
   uint8_t shdr[SG__COMM_FRAME_LEN], rhdr[SG__COMM_FRAME_LEN];
   size_t shdr_off, rhdr_off;
+  uint8_t sdesc[SG__COMM_FRAME_LEN], rdesc[SG__COMM_FRAME_LEN];
+  size_t sdesc_off; /* SG__COMM_FRAME_LEN: no DESC going out */
+  size_t rdesc_off; /* bytes of the next incoming DESC */
+  uint64_t raddr;   /* the current incoming DESC: where its rest is */
+  size_t rleft;     /* and how many bytes are left of it */
+  uint8_t ack_out[SG__COMM_FRAME_LEN], ack_in[SG__COMM_FRAME_LEN];
+  size_t ack_out_off, ack_in_off; /* SG__COMM_FRAME_LEN: done or none */
   int sk, rk;
   size_t soff, roff, rdone;
   uint64_t stotal, rtotal, sent, rcvd;
@@ -668,9 +817,8 @@ static int first_gone(sg_comm_t *c, int except) {
 
 /* eof_fail: a peer this transfer needs closed or reset.  A peer seen gone
  * before is named too: the first one to go is the likely cause. */
-static int eof_fail(struct xfer *x, int p, int code) {
+static int eof_fail_what(struct xfer *x, int p, const char *what) {
   int q = first_gone(x->c, p);
-  const char *what = code == SG_EPEER ? "connection closed" : sg_strerror(code);
   if (!x->c->peers[p].gone_at)
     x->c->peers[p].gone_at = ++x->c->gone_count;
   if (q >= 0 && x->c->peers[q].gone_at < x->c->peers[p].gone_at)
@@ -678,6 +826,11 @@ static int eof_fail(struct xfer *x, int p, int code) {
                 kind_name(x->op->kind), p, what, q);
   return fail(x, SG_EPEER, "%s: rank %d failed: %s", kind_name(x->op->kind), p,
               what);
+}
+
+static int eof_fail(struct xfer *x, int p, int code) {
+  return eof_fail_what(
+      x, p, code == SG_EPEER ? "connection closed" : sg_strerror(code));
 }
 
 /* send_allowed: bytes of send segment j that may go now. */
@@ -692,12 +845,79 @@ static size_t send_allowed(const struct xfer *x, int j) {
   return x->rdone < x->ss[j].len ? x->rdone : x->ss[j].len;
 }
 
+/* next_desc: describe the payload bytes that may go now in a DESC frame
+ * (DESC_MIN of them at least, or up to a segment's end); 1 when one was
+ * made. */
+static int next_desc(struct xfer *x) {
+  while (x->sk < x->ns && x->soff == x->ss[x->sk].len) {
+    x->sk++;
+    x->soff = 0;
+  }
+  if (x->sk == x->ns)
+    return 0;
+  size_t allowed = send_allowed(x, x->sk), seg = x->ss[x->sk].len;
+  if (allowed <= x->soff || (allowed - x->soff < DESC_MIN && allowed < seg))
+    return 0;
+  sg__comm_frame_t f = {.type = SG__COMM_FRAME_DESC,
+                        .seq = (uint64_t)(uintptr_t)(x->ss[x->sk].p + x->soff),
+                        .bytes = allowed - x->soff};
+  sg__comm_frame_encode(x->sdesc, &f);
+  x->sdesc_off = 0;
+  x->sent += allowed - x->soff;
+  x->soff = allowed;
+  return 1;
+}
+
+/* do_send_pull: the same-host form of do_send: the OP header, then a DESC
+ * frame for each range that may go; the receiver copies the bytes. */
+static int do_send_pull(struct xfer *x, int *blocked, int *moved) {
+  int fd = x->c->peers[x->send_peer].fd;
+  for (;;) {
+    struct iovec iov[2];
+    int niov = 0;
+    if (x->sdesc_off == SG__COMM_FRAME_LEN)
+      next_desc(x);
+    if (x->shdr_off < SG__COMM_FRAME_LEN) {
+      iov[niov].iov_base = x->shdr + x->shdr_off;
+      iov[niov++].iov_len = SG__COMM_FRAME_LEN - x->shdr_off;
+    }
+    if (x->sdesc_off < SG__COMM_FRAME_LEN) {
+      iov[niov].iov_base = x->sdesc + x->sdesc_off;
+      iov[niov++].iov_len = SG__COMM_FRAME_LEN - x->sdesc_off;
+    }
+    if (niov == 0)
+      return 0; /* done, or waiting for received bytes */
+    struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)niov};
+    ssize_t w = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w < 0) {
+      if (errno == EINTR)
+        continue;
+      if (errno == EAGAIN) {
+        *blocked = 1;
+        return 0;
+      }
+      return eof_fail(x, x->send_peer, -errno);
+    }
+    *moved = 1;
+    size_t n = (size_t)w;
+    if (x->shdr_off < SG__COMM_FRAME_LEN) {
+      size_t h = SG__COMM_FRAME_LEN - x->shdr_off;
+      h = h < n ? h : n;
+      x->shdr_off += h;
+      n -= h;
+    }
+    x->sdesc_off += n;
+  }
+}
+
 /* do_send: write as much as is allowed; sets *blocked when the socket is
  * full (wait for POLLOUT) and *moved when bytes went out. */
 static int do_send(struct xfer *x, int *blocked, int *moved) {
   int fd = x->c->peers[x->send_peer].fd;
   size_t budget = SEND_BUDGET;
   *blocked = 0;
+  if (x->spull)
+    return do_send_pull(x, blocked, moved);
   while (budget) {
     struct iovec iov[2];
     int niov = 0;
@@ -772,6 +992,14 @@ static int check_header(struct xfer *x) {
   if (f.type == SG__COMM_FRAME_BYE)
     return fail(x, SG_EPEER, "%s: rank %d closed its communicator",
                 kind_name(x->op->kind), p);
+  if (f.type != SG__COMM_FRAME_OP)
+    return fail(x, SG_EPROTO, "%s: rank %d sent a frame out of place",
+                kind_name(x->op->kind), p);
+  if (f.kind == expect && f.seq == x->c->peers[p].rx_seq &&
+      f.bytes == x->rtotal && f.flags != (x->rpull ? SG__COMM_OP_PULL : 0))
+    return fail(x, SG_EPROTO,
+                "%s: rank %d disagrees on the same-host path (flags %u)",
+                kind_name(x->op->kind), p, (unsigned)f.flags);
   if (f.kind != expect || f.seq != x->c->peers[p].rx_seq ||
       f.bytes != x->rtotal)
     return fail(x, SG_EPROTO,
@@ -784,11 +1012,62 @@ static int check_header(struct xfer *x) {
   return 0;
 }
 
+/* take_desc: accept the DESC frame just read: what it describes must fit
+ * in what is left of the payload. */
+static int take_desc(struct xfer *x) {
+  sg__comm_frame_t f;
+  if (sg__comm_frame_parse(x->rdesc, SG__COMM_FRAME_LEN, &f) ||
+      f.type != SG__COMM_FRAME_DESC || f.bytes > x->rtotal - x->rcvd)
+    return fail(x, SG_EPROTO, "%s: rank %d sent a bad descriptor",
+                kind_name(x->op->kind), x->recv_peer);
+  x->raddr = f.seq;
+  x->rleft = (size_t)f.bytes;
+  x->rdesc_off = 0;
+  return 0;
+}
+
+/* pull: where do_recv would recv() from the socket, read up to `room`
+ * payload bytes out of the peer's memory instead, after reading the DESC
+ * frame that says where they are.  Returns bytes landed (0: none yet) or a
+ * negative code; *again is set when the socket has nothing for now. */
+static ssize_t pull(struct xfer *x, int fd, uint8_t *dst, size_t room,
+                    int *again) {
+  if (x->rleft == 0) {
+    ssize_t m = recv(fd, x->rdesc + x->rdesc_off,
+                     SG__COMM_FRAME_LEN - x->rdesc_off, MSG_DONTWAIT);
+    if (m < 0 && (errno == EAGAIN || errno == EINTR)) {
+      *again = errno == EAGAIN;
+      return 0;
+    }
+    if (m <= 0)
+      return eof_fail(x, x->recv_peer, m == 0 ? SG_EPEER : -errno);
+    x->rdesc_off += (size_t)m;
+    if (x->rdesc_off == SG__COMM_FRAME_LEN) {
+      int rc = take_desc(x);
+      if (rc)
+        return rc;
+    }
+    return 0;
+  }
+  if (room > x->rleft)
+    room = x->rleft;
+  int rc = sg_samehost_read(x->c->peers[x->recv_peer].pid, dst, x->raddr, room);
+  if (rc) { /* most likely gone (ESRCH), or a peer that lied (EFAULT) */
+    char what[96];
+    snprintf(what, sizeof(what), "cannot read its memory: %s",
+             rc > -10000 ? strerror(-rc) : sg_strerror(rc));
+    return eof_fail_what(x, x->recv_peer, what);
+  }
+  x->raddr += room;
+  x->rleft -= room;
+  return (ssize_t)room;
+}
+
 /* do_recv: read what is there into place or staging, reducing as it
  * arrives. */
 static int do_recv(struct xfer *x, int *moved) {
   int fd = x->c->peers[x->recv_peer].fd;
-  size_t budget = RECV_BUDGET, S = x->c->stage_cap;
+  size_t budget = x->rpull ? PULL_BUDGET : RECV_BUDGET, S = x->c->stage_cap;
   while (budget) {
     uint8_t *dst;
     size_t room;
@@ -822,6 +1101,26 @@ static int do_recv(struct xfer *x, int *moved) {
     }
     if (room > budget)
       room = budget;
+    if (x->rpull && x->rhdr_off == SG__COMM_FRAME_LEN) {
+      int again = 0;
+      ssize_t got = pull(x, fd, dst, room, &again);
+      if (got < 0)
+        return (int)got;
+      if (again)
+        break;
+      *moved = 1;
+      if (got == 0)
+        continue; /* a DESC frame, or part of one */
+      size_t n = (size_t)got;
+      budget -= n;
+      x->roff += n;
+      x->rcvd += n;
+      if (x->rk < x->nreduce)
+        reduce_ready(x); /* at once: the sender waits for these bytes */
+      else
+        x->rdone = x->roff;
+      continue;
+    }
     ssize_t m = recv(fd, dst, room, MSG_DONTWAIT);
     if (m < 0 && errno == EINTR)
       continue;
@@ -858,7 +1157,7 @@ static int do_recv(struct xfer *x, int *moved) {
 static int send_done(const struct xfer *x) {
   if (x->send_peer < 0)
     return 1;
-  if (x->shdr_off < SG__COMM_FRAME_LEN)
+  if (x->shdr_off < SG__COMM_FRAME_LEN || x->sdesc_off < SG__COMM_FRAME_LEN)
     return 0;
   for (int j = x->sk; j < x->ns; j++)
     if ((j == x->sk ? x->soff : 0) < x->ss[j].len)
@@ -887,6 +1186,66 @@ static sg_deadline_t earliest_deadline(sg_comm_t *c, sg_deadline_t d) {
   return d;
 }
 
+/* check_ack: the ACK that ends a DESC payload must be for this transfer. */
+static int check_ack(struct xfer *x) {
+  sg__comm_frame_t f;
+  int p = x->send_peer;
+  int kind = x->op->kind == OP_RECV ? OP_SEND : x->op->kind;
+  if (sg__comm_frame_parse(x->ack_in, SG__COMM_FRAME_LEN, &f) ||
+      f.type != SG__COMM_FRAME_ACK || f.kind != kind ||
+      f.seq != x->c->peers[p].tx_seq || f.bytes != x->stotal)
+    return fail(x, SG_EPROTO, "%s: rank %d sent a bad acknowledgement",
+                kind_name(x->op->kind), p);
+  return 0;
+}
+
+/*
+ * do_acks: a DESC payload ends with an ACK from its receiver, sent once it
+ * has read every byte (and after its own payload when the two ranks send
+ * to each other, so each direction stays in order); the sender waits for
+ * it before its buffers go back to the caller.  Sets *out_blocked when the
+ * ACK waits for room in the socket, *in_wait when it waits for the ACK.
+ */
+static int do_acks(struct xfer *x, int sdone, int rdone, int *moved,
+                   int *out_blocked, int *in_wait) {
+  sg_comm_t *c = x->c;
+  *out_blocked = *in_wait = 0;
+  while (x->ack_out_off < SG__COMM_FRAME_LEN && rdone &&
+         (x->recv_peer != x->send_peer || sdone)) {
+    ssize_t w =
+        send(c->peers[x->recv_peer].fd, x->ack_out + x->ack_out_off,
+             SG__COMM_FRAME_LEN - x->ack_out_off, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w < 0 && errno == EINTR)
+      continue;
+    if (w < 0 && errno == EAGAIN) {
+      *out_blocked = 1;
+      break;
+    }
+    if (w < 0)
+      return eof_fail(x, x->recv_peer, -errno);
+    x->ack_out_off += (size_t)w;
+    *moved = 1;
+  }
+  while (x->ack_in_off < SG__COMM_FRAME_LEN && sdone &&
+         (x->send_peer != x->recv_peer || rdone)) {
+    ssize_t m = recv(c->peers[x->send_peer].fd, x->ack_in + x->ack_in_off,
+                     SG__COMM_FRAME_LEN - x->ack_in_off, MSG_DONTWAIT);
+    if (m < 0 && errno == EINTR)
+      continue;
+    if (m < 0 && errno == EAGAIN) {
+      *in_wait = 1;
+      break;
+    }
+    if (m <= 0)
+      return eof_fail(x, x->send_peer, m == 0 ? SG_EPEER : -errno);
+    x->ack_in_off += (size_t)m;
+    *moved = 1;
+    if (x->ack_in_off == SG__COMM_FRAME_LEN)
+      return check_ack(x);
+  }
+  return 0;
+}
+
 /* xfer_run: run one transfer to completion, failure, deadline or stop. */
 static int xfer_run(struct xfer *x) {
   sg_comm_t *c = x->c;
@@ -899,10 +1258,31 @@ static int xfer_run(struct xfer *x) {
     r_total += x->rs[j].len;
   x->stotal = s_total;
   x->rtotal = r_total;
+  /* the same-host path, where both ends can tell that the other takes it:
+   * the size is checked against the OP header, the kinds agree but for
+   * send/recv, which keep TCP (a send completes without its receiver) */
+  int pk = x->op->kind != OP_SEND && x->op->kind != OP_RECV;
+  x->spull = pk && x->send_peer >= 0 && c->peers[x->send_peer].pull_to &&
+             s_total >= c->pull_min;
+  x->rpull = pk && x->recv_peer >= 0 && c->peers[x->recv_peer].pull_from &&
+             r_total >= c->pull_min;
+  x->sdesc_off = SG__COMM_FRAME_LEN;
+  x->ack_in_off = x->spull ? 0 : SG__COMM_FRAME_LEN;
+  x->ack_out_off = SG__COMM_FRAME_LEN;
+  if (x->rpull) {
+    sg__comm_frame_t f = {
+        .type = SG__COMM_FRAME_ACK,
+        .kind = (uint16_t)(x->op->kind == OP_RECV ? OP_SEND : x->op->kind),
+        .seq = c->peers[x->recv_peer].rx_seq,
+        .bytes = r_total};
+    sg__comm_frame_encode(x->ack_out, &f);
+    x->ack_out_off = 0;
+  }
   if (x->send_peer >= 0) {
     sg__comm_frame_t f = {
         .type = SG__COMM_FRAME_OP,
         .kind = (uint16_t)(x->op->kind == OP_RECV ? OP_SEND : x->op->kind),
+        .flags = x->spull ? SG__COMM_OP_PULL : 0,
         .seq = c->peers[x->send_peer].tx_seq,
         .bytes = s_total};
     sg__comm_frame_encode(x->shdr, &f);
@@ -934,7 +1314,12 @@ static int xfer_run(struct xfer *x) {
         goto out;
     }
     int sdone = send_done(x), rdone = recv_done(x);
-    if (sdone && rdone)
+    int ack_blocked = 0, ack_wait = 0;
+    rc = do_acks(x, sdone, rdone, &moved, &ack_blocked, &ack_wait);
+    if (rc)
+      goto out;
+    if (sdone && rdone && x->ack_out_off == SG__COMM_FRAME_LEN &&
+        x->ack_in_off == SG__COMM_FRAME_LEN)
       break;
     if (moved)
       continue;
@@ -948,6 +1333,14 @@ static int xfer_run(struct xfer *x) {
                   "bytes)",
                   kind_name(x->op->kind), x->recv_peer,
                   (unsigned long long)x->rcvd, (unsigned long long)r_total);
+      else if (sdone && ack_wait)
+        rc = fail(x, SG_ETIMEDOUT,
+                  "%s: timed out waiting for rank %d to read what it was "
+                  "sent",
+                  kind_name(x->op->kind), x->send_peer);
+      else if (sdone)
+        rc = fail(x, SG_ETIMEDOUT, "%s: timed out sending to rank %d",
+                  kind_name(x->op->kind), x->recv_peer);
       else
         rc = fail(x, SG_ETIMEDOUT,
                   "%s: timed out sending to rank %d (sent %llu of %llu "
@@ -967,11 +1360,12 @@ static int xfer_run(struct xfer *x) {
       if (p == c->rank || c->peers[p].fd < 0)
         continue;
       short ev = 0;
-      if (p == x->recv_peer && !rdone)
+      if ((p == x->recv_peer && !rdone) || (p == x->send_peer && ack_wait))
         ev |= POLLIN;
       else if (!c->peers[p].unwatched)
         ev |= POLLRDHUP;
-      if (p == x->send_peer && !sdone && blocked)
+      if ((p == x->send_peer && !sdone && blocked) ||
+          (p == x->recv_peer && ack_blocked))
         ev |= POLLOUT;
       if (!ev)
         continue;

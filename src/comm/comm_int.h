@@ -25,15 +25,29 @@
  *   HELLO  "SGC1" u16 version u16 kind=1 u64 generation u32 rank u32 world
  *          u16 job_len u16 token_len, then job and token bytes
  *   REPLY  "SGC1" u16 version u16 kind=2 u64 generation u32 rank i32 status
- *   OP     "SGOP" u16 kind u16 0 u64 seq u64 payload_bytes
+ *   OFFER  "SGSH" u16 version u16 flags, 32 bytes sg_samehost_id, u64
+ *          probe_addr, 32 probe bytes (every connection, both ways, once
+ *          the mesh is complete; flags bit 0 = may be read by cross-memory
+ *          attach)
+ *   PULL   "SGPL" u16 0 u16 0 u64 will_read (0 or 1) u64 0: the answer to an
+ *          OFFER: whether the sender will read the offerer's memory
+ *   OP     "SGOP" u16 kind u16 flags u64 seq u64 payload_bytes; flags bit 0
+ *          = the payload follows as DESC frames, read by the receiver
+ *   DESC   "SGDS" u16 0 u16 0 u64 address u64 length: the next `length`
+ *          bytes of the payload are at `address` in the sender
+ *   ACK    "SGAK" u16 kind u16 0 u64 seq u64 payload_bytes: the receiver of
+ *          a DESC payload has read all of it (the sender may reuse it)
  *   BYE    "SGBY" u16 0 u16 0 u64 seq u64 0
  */
-#define SG__COMM_VERSION 1
+#define SG__COMM_VERSION 2
 #define SG__COMM_HELLO_FIXED 28
 #define SG__COMM_HELLO_MAX                                                     \
   (SG__COMM_HELLO_FIXED + SG_COMM_MAX_JOB + SG_COMM_MAX_TOKEN)
 #define SG__COMM_REPLY_LEN 24
 #define SG__COMM_FRAME_LEN 24
+#define SG__COMM_OFFER_LEN 80
+#define SG__COMM_PROBE_LEN 32
+#define SG__COMM_OP_PULL 1 /* OP flags: payload by descriptor */
 
 typedef struct sg__comm_hello_s {
   uint64_t generation;
@@ -48,14 +62,28 @@ typedef struct sg__comm_reply_s {
   int32_t status; /* 0 = accepted, else a negative SG_E* code */
 } sg__comm_reply_t;
 
-enum { SG__COMM_FRAME_OP = 1, SG__COMM_FRAME_BYE = 2 };
+enum {
+  SG__COMM_FRAME_OP = 1,
+  SG__COMM_FRAME_BYE = 2,
+  SG__COMM_FRAME_DESC = 3,
+  SG__COMM_FRAME_ACK = 4,
+  SG__COMM_FRAME_PULL = 5,
+};
 
 typedef struct sg__comm_frame_s {
-  int type;      /* SG__COMM_FRAME_OP or _BYE */
-  uint16_t kind; /* operation kind (OP) */
-  uint64_t seq;
-  uint64_t bytes;
+  int type;       /* SG__COMM_FRAME_* */
+  uint16_t kind;  /* operation kind (OP, ACK) */
+  uint16_t flags; /* OP only: SG__COMM_OP_PULL */
+  uint64_t seq;   /* OP, ACK, BYE: sequence; DESC: address; PULL: 0 or 1 */
+  uint64_t bytes; /* OP, ACK: payload bytes; DESC: length */
 } sg__comm_frame_t;
+
+typedef struct sg__comm_offer_s {
+  uint16_t flags; /* bit 0: the offerer may be read */
+  uint8_t id[32]; /* encoded sg_samehost_id (stepguard/samehost.h) */
+  uint64_t probe_addr;
+  uint8_t probe[SG__COMM_PROBE_LEN];
+} sg__comm_offer_t;
 
 /* sg__comm_hello_encode: writes HELLO into buf (>= SG__COMM_HELLO_MAX);
  * returns its length, or SG_ETOOBIG when job or token is over its limit. */
@@ -80,8 +108,17 @@ int sg__comm_reply_parse(const uint8_t *p, size_t n, sg__comm_reply_t *r);
 void sg__comm_frame_encode(uint8_t *buf, const sg__comm_frame_t *f);
 
 /* sg__comm_frame_parse: needs exactly SG__COMM_FRAME_LEN bytes; returns 0
- * or SG_EPROTO. */
+ * or SG_EPROTO (unknown magic, nonzero reserved fields, unknown OP flags,
+ * a DESC of length 0 or one that wraps the address space, a PULL answer
+ * other than 0 or 1). */
 int sg__comm_frame_parse(const uint8_t *p, size_t n, sg__comm_frame_t *f);
+
+/* sg__comm_offer_encode: writes SG__COMM_OFFER_LEN bytes. */
+void sg__comm_offer_encode(uint8_t *buf, const sg__comm_offer_t *o);
+
+/* sg__comm_offer_parse: needs exactly SG__COMM_OFFER_LEN bytes; 0 or
+ * SG_EPROTO (magic, version, unknown flags). */
+int sg__comm_offer_parse(const uint8_t *p, size_t n, sg__comm_offer_t *o);
 
 /*
  * sg__comm_hello_check: whether a parsed HELLO may join a communicator of

@@ -1,7 +1,8 @@
 /*
  * proto.c: the collectives' wire format, as pure functions over byte spans
- * (so the fuzzer can call them): HELLO / REPLY for the handshake, OP and BYE
- * frames, the handshake admission check and address parsing.
+ * (so the fuzzer can call them): HELLO / REPLY for the handshake, the
+ * same-host OFFER, OP / DESC / ACK / PULL / BYE frames, the handshake admission
+ * check and address parsing.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -122,28 +123,69 @@ int sg__comm_reply_parse(const uint8_t *p, size_t n, sg__comm_reply_t *r) {
   return SG__COMM_REPLY_LEN;
 }
 
+static const char *const frame_magic[] = {"",     "SGOP", "SGBY",
+                                          "SGDS", "SGAK", "SGPL"};
+
 void sg__comm_frame_encode(uint8_t *buf, const sg__comm_frame_t *f) {
-  memcpy(buf, f->type == SG__COMM_FRAME_BYE ? "SGBY" : "SGOP", 4);
-  put16(buf + 4, f->type == SG__COMM_FRAME_BYE ? 0 : f->kind);
-  put16(buf + 6, 0);
+  int t = f->type >= SG__COMM_FRAME_OP && f->type <= SG__COMM_FRAME_PULL
+              ? f->type
+              : SG__COMM_FRAME_BYE;
+  int has_kind = t == SG__COMM_FRAME_OP || t == SG__COMM_FRAME_ACK;
+  memcpy(buf, frame_magic[t], 4);
+  put16(buf + 4, has_kind ? f->kind : 0);
+  put16(buf + 6, t == SG__COMM_FRAME_OP ? f->flags : 0);
   put64(buf + 8, f->seq);
-  put64(buf + 16, f->type == SG__COMM_FRAME_BYE ? 0 : f->bytes);
+  put64(buf + 16,
+        t == SG__COMM_FRAME_BYE || t == SG__COMM_FRAME_PULL ? 0 : f->bytes);
 }
 
 int sg__comm_frame_parse(const uint8_t *p, size_t n, sg__comm_frame_t *f) {
-  if (n != SG__COMM_FRAME_LEN || get16(p + 6) != 0)
+  if (n != SG__COMM_FRAME_LEN)
     return SG_EPROTO;
-  if (memcmp(p, "SGOP", 4) == 0)
-    f->type = SG__COMM_FRAME_OP;
-  else if (memcmp(p, "SGBY", 4) == 0)
-    f->type = SG__COMM_FRAME_BYE;
-  else
+  f->type = 0;
+  for (int t = SG__COMM_FRAME_OP; t <= SG__COMM_FRAME_PULL; t++)
+    if (memcmp(p, frame_magic[t], 4) == 0)
+      f->type = t;
+  if (!f->type)
     return SG_EPROTO;
   f->kind = get16(p + 4);
+  f->flags = get16(p + 6);
   f->seq = get64(p + 8);
   f->bytes = get64(p + 16);
-  if (f->type == SG__COMM_FRAME_BYE && (f->kind != 0 || f->bytes != 0))
+  int has_kind = f->type == SG__COMM_FRAME_OP || f->type == SG__COMM_FRAME_ACK;
+  if (!has_kind && f->kind != 0)
     return SG_EPROTO;
+  if (f->flags & ~(f->type == SG__COMM_FRAME_OP ? SG__COMM_OP_PULL : 0))
+    return SG_EPROTO;
+  switch (f->type) {
+  case SG__COMM_FRAME_BYE:
+    return f->bytes == 0 ? 0 : SG_EPROTO;
+  case SG__COMM_FRAME_PULL:
+    return f->bytes == 0 && f->seq <= 1 ? 0 : SG_EPROTO;
+  case SG__COMM_FRAME_DESC:
+    return f->bytes > 0 && f->seq + f->bytes > f->seq ? 0 : SG_EPROTO;
+  default:
+    return 0;
+  }
+}
+
+void sg__comm_offer_encode(uint8_t *buf, const sg__comm_offer_t *o) {
+  memcpy(buf, "SGSH", 4);
+  put16(buf + 4, SG__COMM_VERSION);
+  put16(buf + 6, o->flags);
+  memcpy(buf + 8, o->id, 32);
+  put64(buf + 40, o->probe_addr);
+  memcpy(buf + 48, o->probe, SG__COMM_PROBE_LEN);
+}
+
+int sg__comm_offer_parse(const uint8_t *p, size_t n, sg__comm_offer_t *o) {
+  if (n != SG__COMM_OFFER_LEN || memcmp(p, "SGSH", 4) != 0 ||
+      get16(p + 4) != SG__COMM_VERSION || (get16(p + 6) & ~1u))
+    return SG_EPROTO;
+  o->flags = get16(p + 6);
+  memcpy(o->id, p + 8, 32);
+  o->probe_addr = get64(p + 40);
+  memcpy(o->probe, p + 48, SG__COMM_PROBE_LEN);
   return 0;
 }
 

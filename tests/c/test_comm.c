@@ -7,6 +7,11 @@
  * deadlines, mismatched operations, refused handshakes (generation, token,
  * garbage, slow and oversized peers), closing with work queued, and real
  * processes where one rank is SIGKILLed in the middle of an allreduce.
+ *
+ * The collectives on threads run twice: over TCP (same_host = -1) and over
+ * the same-host path (same_host = 1, which lets communicators of one
+ * process read each other's memory, with pull_min = 1 so that every
+ * transfer takes it).  The SIGKILL test runs both ways in real processes.
  */
 #include <math.h>
 #include <poll.h>
@@ -28,8 +33,37 @@
 #include "comm/comm_int.h"
 #include "stepguard/base.h"
 #include "stepguard/comm.h"
+#include "stepguard/samehost.h"
 
 #define MAXW 4
+
+/* The path the group tests of the running cmocka group use: -1 TCP, 1 the
+ * same-host path (set by the group setup functions in main). */
+static int test_same_host = -1;
+
+static int setup_tcp(void **state) {
+  (void)state;
+  test_same_host = -1;
+  return 0;
+}
+
+static int setup_samehost(void **state) {
+  (void)state;
+  sg_samehost_id_t id;
+  test_same_host = 1;
+  if (sg_samehost_self(&id) != 0)
+    fprintf(stderr, "note: the same-host path is off here "
+                    "($STEPGUARD_SAME_HOST=0 or no /proc); this group runs "
+                    "over TCP\n");
+  return 0;
+}
+
+/* samehost_expected: whether communicators of this process will read each
+ * other's memory in the running group. */
+static int samehost_expected(void) {
+  sg_samehost_id_t id;
+  return test_same_host > 0 && sg_samehost_self(&id) == 0;
+}
 
 /* ---- completion waiter --------------------------------------------------- */
 
@@ -116,7 +150,9 @@ static void group_start_opts(struct group *g, int n, size_t small_max) {
                         .job = "job",
                         .auth_token = "secret",
                         .bind_host = "127.0.0.1",
-                        .small_max = small_max};
+                        .small_max = small_max,
+                        .same_host = test_same_host,
+                        .pull_min = test_same_host > 0 ? 1 : 0};
     sg_err_t err;
     assert_int_equal(sg_comm_new(&o, &g->c[r], &err), 0);
     snprintf(g->addr[r], sizeof(g->addr[r]), "127.0.0.1:%d",
@@ -136,6 +172,11 @@ static void group_start_opts(struct group *g, int n, size_t small_max) {
       fprintf(stderr, "rank %d connect: %s\n", r, g->err[r].msg);
     assert_int_equal(g->rc[r], 0);
   }
+  /* the path the group is meant to test is the one it takes */
+  for (int r = 0; r < n; r++)
+    for (int p = 0; p < n; p++)
+      assert_int_equal(sg_comm_same_host(g->c[r], p),
+                       p != r && samehost_expected());
 }
 
 static void group_start(struct group *g, int n) { group_start_opts(g, n, 0); }
@@ -1013,16 +1054,23 @@ static void *one_connect(void *p) {
   return NULL;
 }
 
-static sg_comm_t *mk(int rank, int world, uint64_t gen, const char *token) {
+static sg_comm_t *mk_sh(int rank, int world, uint64_t gen, const char *token,
+                        int same_host) {
   sg_comm_opts_t o = {.rank = rank,
                       .world_size = world,
                       .generation = gen,
                       .job = "job",
                       .auth_token = token,
-                      .bind_host = "127.0.0.1"};
+                      .bind_host = "127.0.0.1",
+                      .same_host = same_host,
+                      .pull_min = 1};
   sg_comm_t *c = NULL;
   assert_int_equal(sg_comm_new(&o, &c, NULL), 0);
   return c;
+}
+
+static sg_comm_t *mk(int rank, int world, uint64_t gen, const char *token) {
+  return mk_sh(rank, world, gen, token, 0);
 }
 
 /* raw_client: connect a plain socket to c's port and send `n` bytes. */
@@ -1125,8 +1173,11 @@ static void test_handshake_rejects(void **state) {
   assert_int_equal(sg_sock_registered_count(), 0);
 }
 
-/* fake_rank1: handshake with c0 as rank 1 of 2 over a raw socket. */
-static int fake_rank1(sg_comm_t *c0, uint64_t gen) {
+/* fake_rank1_offer: handshake with c0 as rank 1 of 2 over a raw socket,
+ * then send `offer` (NULL: one that declines the same-host path) and the
+ * answer "rank 1 will not read rank 0's memory".  Returns the socket. */
+static int fake_rank1_offer(sg_comm_t *c0, uint64_t gen,
+                            const sg__comm_offer_t *offer) {
   uint8_t hello[SG__COMM_HELLO_MAX], reply[SG__COMM_REPLY_LEN];
   int n = sg__comm_hello_encode(hello, gen, 1, 2, "job", "tok");
   int fd = raw_client(c0, hello, (size_t)n);
@@ -1141,7 +1192,18 @@ static int fake_rank1(sg_comm_t *c0, uint64_t gen) {
   sg__comm_reply_t r;
   assert_int_equal(sg__comm_reply_parse(reply, got, &r), SG__COMM_REPLY_LEN);
   assert_int_equal(r.status, 0);
+  sg__comm_offer_t none;
+  memset(&none, 0, sizeof(none));
+  uint8_t b[SG__COMM_OFFER_LEN + SG__COMM_FRAME_LEN];
+  sg__comm_offer_encode(b, offer ? offer : &none);
+  sg__comm_frame_t f = {.type = SG__COMM_FRAME_PULL, .seq = 0};
+  sg__comm_frame_encode(b + SG__COMM_OFFER_LEN, &f);
+  assert_int_equal(send(fd, b, sizeof(b), MSG_NOSIGNAL), (ssize_t)sizeof(b));
   return fd;
+}
+
+static int fake_rank1(sg_comm_t *c0, uint64_t gen) {
+  return fake_rank1_offer(c0, gen, NULL);
 }
 
 struct bad_peer_case {
@@ -1227,6 +1289,157 @@ static void test_bad_peer_frames(void **state) {
     sg_sock_close(fd);
     sg_comm_free(c0);
   }
+  assert_int_equal(sg_sock_registered_count(), 0);
+}
+
+/* The peer's memory that the same-host bad-peer cases describe. */
+static const int32_t fake_payload[4] = {10, 20, 30, 40};
+static const uint8_t fake_probe[SG__COMM_PROBE_LEN] = {1, 2, 3, 4, 5};
+
+/* A peer that offers the same-host path (rank 0 reads this process's
+ * memory: same_host = 1) and then describes its payload wrongly: a header
+ * that does not say DESC, an address the kernel will not read, a length
+ * over the payload, garbage or a frame out of place where a DESC belongs,
+ * a truncated DESC then EOF.  Each fails rank 0's allreduce with rank 1
+ * named; a well-formed DESC gives the right sum, and a garbage OFFER fails
+ * the connect with rank 1 named. */
+static void test_samehost_bad_peer(void **state) {
+  sg_samehost_id_t self;
+  if (sg_samehost_self(&self) != 0) {
+    fprintf(stderr, "skipped: the same-host path is off here "
+                    "($STEPGUARD_SAME_HOST=0 or no /proc)\n");
+    return;
+  }
+  sg__comm_offer_t offer;
+  memset(&offer, 0, sizeof(offer));
+  offer.flags = 1;
+  sg_samehost_encode(&self, offer.id);
+  offer.probe_addr = (uint64_t)(uintptr_t)fake_probe;
+  memcpy(offer.probe, fake_probe, SG__COMM_PROBE_LEN);
+
+  enum { NCASE = 7 };
+  struct {
+    uint16_t flags;
+    sg__comm_frame_t desc;
+    size_t desc_len; /* bytes of desc sent (24, less = truncated + EOF) */
+    int want;
+    const char *want_msg;
+  } cases[NCASE] = {
+      {0, {.type = SG__COMM_FRAME_DESC}, 0, SG_EPROTO, "same-host path"},
+      {SG__COMM_OP_PULL,
+       {.type = SG__COMM_FRAME_DESC, .seq = 8, .bytes = 16},
+       24,
+       SG_EPEER,
+       "cannot read its memory"},
+      {SG__COMM_OP_PULL,
+       {.type = SG__COMM_FRAME_DESC,
+        .seq = (uint64_t)(uintptr_t)fake_payload,
+        .bytes = (uint64_t)1 << 40},
+       24,
+       SG_EPROTO,
+       "bad descriptor"},
+      {SG__COMM_OP_PULL,
+       {.type = SG__COMM_FRAME_ACK, .kind = 1, .bytes = 16},
+       24,
+       SG_EPROTO,
+       "bad descriptor"},
+      {SG__COMM_OP_PULL, {.type = 0}, 24, SG_EPROTO, "bad descriptor"},
+      {SG__COMM_OP_PULL,
+       {.type = SG__COMM_FRAME_DESC,
+        .seq = (uint64_t)(uintptr_t)fake_payload,
+        .bytes = 16},
+       10,
+       SG_EPEER,
+       "rank 1"},
+      {SG__COMM_OP_PULL,
+       {.type = SG__COMM_FRAME_DESC,
+        .seq = (uint64_t)(uintptr_t)fake_payload,
+        .bytes = 16},
+       24,
+       0,
+       ""},
+  };
+  for (int i = 0; i < NCASE; i++) {
+    sg_comm_t *c0 = mk_sh(0, 2, 9, "tok", 1);
+    char addr0[64];
+    snprintf(addr0, sizeof(addr0), "127.0.0.1:%d", sg_comm_port(c0));
+    const char *addrs[2] = {addr0, "127.0.0.1:1"};
+    struct one_conn a0 = {.c = c0, .addrs = addrs, .ms = 10000};
+    pthread_t th0;
+    pthread_create(&th0, NULL, one_connect, &a0);
+    int fd = fake_rank1_offer(c0, 9, &offer);
+    pthread_join(th0, NULL);
+    assert_int_equal(a0.rc, 0);
+    assert_int_equal(sg_comm_same_host(c0, 1), 1);
+    uint8_t b[2 * SG__COMM_FRAME_LEN];
+    sg__comm_frame_t op = {.type = SG__COMM_FRAME_OP,
+                           .kind = 1,
+                           .flags = cases[i].flags,
+                           .seq = 0,
+                           .bytes = 16};
+    sg__comm_frame_encode(b, &op);
+    if (cases[i].desc.type)
+      sg__comm_frame_encode(b + SG__COMM_FRAME_LEN, &cases[i].desc);
+    else
+      memset(b + SG__COMM_FRAME_LEN, 'x', SG__COMM_FRAME_LEN);
+    size_t n = SG__COMM_FRAME_LEN + (cases[i].flags ? cases[i].desc_len : 16);
+    assert_int_equal(send(fd, b, n, MSG_NOSIGNAL), (ssize_t)n);
+    if (cases[i].desc_len && cases[i].desc_len < SG__COMM_FRAME_LEN)
+      shutdown(fd, SHUT_WR);
+    int32_t v[4] = {1, 2, 3, 4};
+    struct done d;
+    done_init(&d);
+    assert_int_equal(sg_comm_allreduce(c0, v, 4, SG_COMM_I32, SG_COMM_SUM,
+                                       sg_deadline_in_ms(5000), done_cb, &d,
+                                       NULL),
+                     0);
+    int rc = done_wait(&d, 10000);
+    if (rc != cases[i].want)
+      fprintf(stderr, "case %d: %d %s\n", i, rc, d.msg);
+    assert_int_equal(rc, cases[i].want);
+    if (rc == 0) {
+      for (int k = 0; k < 4; k++)
+        assert_int_equal(v[k], fake_payload[k] + k + 1);
+    } else {
+      assert_non_null(strstr(d.msg, cases[i].want_msg));
+      assert_non_null(strstr(d.msg, "rank 1"));
+      assert_int_equal(sg_comm_error(c0, NULL), rc);
+    }
+    done_destroy(&d);
+    sg_sock_close(fd);
+    sg_comm_free(c0);
+  }
+
+  /* a garbage OFFER: the connect fails and names the peer */
+  sg_comm_t *c0 = mk_sh(0, 2, 9, "tok", 1);
+  char addr0[64];
+  snprintf(addr0, sizeof(addr0), "127.0.0.1:%d", sg_comm_port(c0));
+  const char *addrs[2] = {addr0, "127.0.0.1:1"};
+  struct one_conn a0 = {.c = c0, .addrs = addrs, .ms = 10000};
+  pthread_t th0;
+  pthread_create(&th0, NULL, one_connect, &a0);
+  uint8_t hello[SG__COMM_HELLO_MAX];
+  int hl = sg__comm_hello_encode(hello, 9, 1, 2, "job", "tok");
+  uint8_t junk[SG__COMM_OFFER_LEN];
+  memset(junk, 'z', sizeof(junk));
+  int fd = raw_client(c0, hello, (size_t)hl);
+  uint8_t reply[SG__COMM_REPLY_LEN];
+  size_t got = 0;
+  while (got < sizeof(reply)) { /* the reply, then the junk */
+    struct pollfd pl = {.fd = fd, .events = POLLIN};
+    assert_int_equal(poll(&pl, 1, 5000), 1);
+    ssize_t m = recv(fd, reply + got, sizeof(reply) - got, 0);
+    assert_true(m > 0);
+    got += (size_t)m;
+  }
+  assert_int_equal(send(fd, junk, sizeof(junk), MSG_NOSIGNAL),
+                   (ssize_t)sizeof(junk));
+  pthread_join(th0, NULL);
+  assert_int_equal(a0.rc, SG_EPROTO);
+  assert_non_null(strstr(a0.err.msg, "rank 1"));
+  assert_non_null(strstr(a0.err.msg, "same-host offer"));
+  sg_sock_close(fd);
+  sg_comm_free(c0);
   assert_int_equal(sg_sock_registered_count(), 0);
 }
 
@@ -1351,12 +1564,13 @@ static void test_fork_child_leaves_it_alone(void **state) {
 
 /* rank_main: one rank in a child process: allreduce 8 MiB in a loop until
  * an error; write "rc elapsed_ms message" to fd. */
-static void rank_main(int rank, int world, int port_fd_w, int addr_fd_r,
-                      int out_fd) {
+static void rank_main(int rank, int world, int same_host, int port_fd_w,
+                      int addr_fd_r, int out_fd) {
   sg_comm_opts_t o = {.rank = rank,
                       .world_size = world,
                       .generation = 3,
-                      .bind_host = "127.0.0.1"};
+                      .bind_host = "127.0.0.1",
+                      .same_host = same_host};
   sg_comm_t *c = NULL;
   if (sg_comm_new(&o, &c, NULL))
     _exit(2);
@@ -1392,15 +1606,19 @@ static void rank_main(int rank, int world, int port_fd_w, int addr_fd_r,
     t_fail = sg_now_ns();
   }
   char line[400];
-  int n = snprintf(line, sizeof(line), "%d %lld %s", rc,
-                   (long long)(t_fail / 1000000), d.msg);
+  int n = snprintf(line, sizeof(line), "%d %lld %d %s", rc,
+                   (long long)(t_fail / 1000000),
+                   sg_comm_same_host(c, (rank + world - 1) % world), d.msg);
   if (write(out_fd, line, (size_t)n) != n)
     _exit(2);
   sg_comm_free(c);
   _exit(0);
 }
 
-static void test_sigkill_mid_allreduce(void **state) {
+/* sigkill_mid_allreduce: three rank processes allreduce 8 MiB in a loop
+ * (same_host 0: the same-host path where it works, -1: TCP); one is
+ * SIGKILLed; the others fail with SG_EPEER naming it, within 5 s. */
+static void sigkill_mid_allreduce(int same_host) {
   enum { W = 3, VICTIM = 2 };
   pid_t pids[W];
   int port_p[W][2], addr_p[W][2], out_p[W][2];
@@ -1412,7 +1630,7 @@ static void test_sigkill_mid_allreduce(void **state) {
     assert_true(pids[r] >= 0);
     if (pids[r] == 0) {
       alarm(120); /* hard limit for the child */
-      rank_main(r, W, port_p[r][1], addr_p[r][0], out_p[r][1]);
+      rank_main(r, W, same_host, port_p[r][1], addr_p[r][0], out_p[r][1]);
     }
   }
   int ports[W];
@@ -1444,10 +1662,12 @@ static void test_sigkill_mid_allreduce(void **state) {
     }
     assert_int_equal(ready, 1);
     assert_true(read(out_p[r][0], line, sizeof(line) - 1) > 0);
-    int rc = 0;
+    int rc = 0, sh = -1;
     long long t = 0;
     int off = 0;
-    assert_int_equal(sscanf(line, "%d %lld %n", &rc, &t, &off), 2);
+    assert_int_equal(sscanf(line, "%d %lld %d %n", &rc, &t, &sh, &off), 3);
+    sg_samehost_id_t id;
+    assert_int_equal(sh, same_host == 0 && sg_samehost_self(&id) == 0);
     fprintf(stderr, "rank %d after %lld ms: %d %s\n", r, t - t_kill, rc,
             line + off);
     assert_int_equal(rc, SG_EPEER);
@@ -1466,6 +1686,14 @@ static void test_sigkill_mid_allreduce(void **state) {
     close(out_p[r][0]);
     close(out_p[r][1]);
   }
+}
+
+static void test_sigkill_mid_allreduce(void **state) {
+  sigkill_mid_allreduce(-1);
+}
+
+static void test_sigkill_mid_allreduce_samehost(void **state) {
+  sigkill_mid_allreduce(0);
 }
 
 int main(void) {
@@ -1498,9 +1726,32 @@ int main(void) {
       cmocka_unit_test(test_handshake_rejects),
       cmocka_unit_test(test_connect_abort_and_args),
       cmocka_unit_test(test_bad_peer_frames),
+      cmocka_unit_test(test_samehost_bad_peer),
       cmocka_unit_test(test_alloc_failures),
       cmocka_unit_test(test_fork_child_leaves_it_alone),
       cmocka_unit_test(test_sigkill_mid_allreduce),
+      cmocka_unit_test(test_sigkill_mid_allreduce_samehost),
   };
-  return cmocka_run_group_tests(tests, NULL, NULL);
+  /* the collectives again, over the same-host path */
+  const struct CMUnitTest samehost[] = {
+      cmocka_unit_test(test_allreduce_2_small),
+      cmocka_unit_test(test_allreduce_3_small),
+      cmocka_unit_test(test_allreduce_2_ring),
+      cmocka_unit_test(test_allreduce_3_ring),
+      cmocka_unit_test(test_allreduce_4_ring),
+      cmocka_unit_test(test_allreduce_bits),
+      cmocka_unit_test(test_broadcast),
+      cmocka_unit_test(test_allgather_reduce_scatter),
+      cmocka_unit_test(test_alltoall_sendrecv_barrier),
+      cmocka_unit_test(test_barrier_waits),
+      cmocka_unit_test(test_abort_from_thread),
+      cmocka_unit_test(test_deadline),
+      cmocka_unit_test(test_mismatch),
+      cmocka_unit_test(test_free_cancels),
+      cmocka_unit_test(test_bye),
+  };
+  int failed = cmocka_run_group_tests_name("tcp", tests, setup_tcp, NULL);
+  failed +=
+      cmocka_run_group_tests_name("samehost", samehost, setup_samehost, NULL);
+  return failed;
 }

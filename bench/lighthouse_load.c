@@ -20,7 +20,12 @@
  * concurrent stream limits) and --bg-channels others for heartbeats.  One
  * thread per replica, because sg_rpc_channel_call blocks.
  * With --server-pid the server's VmRSS and CPU time are sampled between
- * phases.  All times are CLOCK_MONOTONIC, taken in this process.
+ * phases.  With --server-metrics 1 (stepguard's lighthouse only) the
+ * server's own decision time is read from GET /metrics before the first
+ * round and after each: a round that issued exactly one quorum adds one
+ * observation to stepguard_lighthouse_decision_seconds, so the difference
+ * of its _sum is that quorum's decision time, on the server's clock.
+ * Every other time is CLOCK_MONOTONIC, taken in this process.
  */
 #include <fcntl.h>
 #include <inttypes.h>
@@ -31,6 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -53,15 +59,16 @@ typedef struct opts_s {
   int channels;    /* for Quorum calls */
   int bg_channels; /* for background heartbeats, one thread each */
   int hb_interval_ms;
-  int round_gap_ms;  /* pause between rounds (a "training step") */
-  int warmup_ms;     /* heartbeats before the first round */
-  int hb_callers;    /* phase 3 */
-  int hb_channels;   /* phase 3 */
-  double hb_seconds; /* phase 3; 0 skips it */
-  int raw_conns;     /* phase 3b; 0 skips it */
-  int raw_depth;     /* phase 3b: streams in flight per connection */
-  int raw_reps;      /* phase 3b: repetitions; the median is reported */
-  int server_pid;    /* 0: no /proc sampling */
+  int round_gap_ms;   /* pause between rounds (a "training step") */
+  int warmup_ms;      /* heartbeats before the first round */
+  int hb_callers;     /* phase 3 */
+  int hb_channels;    /* phase 3 */
+  double hb_seconds;  /* phase 3; 0 skips it */
+  int raw_conns;      /* phase 3b; 0 skips it */
+  int raw_depth;      /* phase 3b: streams in flight per connection */
+  int raw_reps;       /* phase 3b: repetitions; the median is reported */
+  int server_pid;     /* 0: no /proc sampling */
+  int server_metrics; /* read the decision histogram from GET /metrics */
   int quorum_timeout_s;
 } opts_t;
 
@@ -564,19 +571,25 @@ static void *raw_main(void *arg) {
   return NULL;
 }
 
+/* target_split: "http://host:port" -> host, port; -1 when malformed. */
+static int target_split(const char *t, char *host, size_t cap, int *port) {
+  if (!strncmp(t, "http://", 7))
+    t += 7;
+  const char *colon = strrchr(t, ':');
+  if (!colon || (size_t)(colon - t) >= cap)
+    return -1;
+  memcpy(host, t, (size_t)(colon - t));
+  host[colon - t] = 0;
+  *port = atoi(colon + 1);
+  return 0;
+}
+
 static int raw_open(bench_t *b, raw_conn_t *c, int idx) {
   c->fd = -1;
   char host[256];
   int port = 0;
-  const char *t = b->o.target, *colon;
-  if (!strncmp(t, "http://", 7))
-    t += 7;
-  colon = strrchr(t, ':');
-  if (!colon || (size_t)(colon - t) >= sizeof host)
+  if (target_split(b->o.target, host, sizeof host, &port))
     return -1;
-  memcpy(host, t, (size_t)(colon - t));
-  host[colon - t] = 0;
-  port = atoi(colon + 1);
   sg_err_t err;
   if (sg_sock_connect(host, port, sg_deadline_in_ms(5000), &c->fd, &err)) {
     fprintf(stderr, "lighthouse_load: raw connect: %s\n", err.msg);
@@ -686,6 +699,62 @@ static int run_raw(bench_t *b, raw_result_t *res) {
   return rc;
 }
 
+/* ---- the server's decision histogram ------------------------------------ */
+
+#define METRICS_MAX (1 << 20)
+#define DECISION_METRIC "stepguard_lighthouse_decision_seconds"
+
+/* metric_value: the value on the line "name value" of Prometheus text. */
+static int metric_value(const char *text, const char *name, double *v) {
+  size_t n = strlen(name);
+  for (const char *p = text; (p = strstr(p, name)) != NULL; p += n) {
+    if ((p == text || p[-1] == '\n') && p[n] == ' ') {
+      *v = strtod(p + n + 1, NULL);
+      return 0;
+    }
+  }
+  return -1;
+}
+
+/*
+ * read_decisions: GET /metrics over HTTP/1.1 (the lighthouse's port serves
+ * both) and return the decision histogram's _sum and _count; -1 when the
+ * server has no such metric (torchft) or did not answer within 5 s.
+ */
+static int read_decisions(const char *target, double *sum, double *count) {
+  char host[256], *buf = NULL;
+  int port = 0, fd = -1, rc = -1;
+  sg_err_t err;
+  if (target_split(target, host, sizeof host, &port) ||
+      sg_sock_connect(host, port, sg_deadline_in_ms(5000), &fd, &err))
+    return -1;
+  int fl = fcntl(fd, F_GETFL);
+  fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+  struct timeval tv = {5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  static const char req[] =
+      "GET /metrics HTTP/1.1\r\nHost: lighthouse\r\nConnection: close\r\n\r\n";
+  if (write(fd, req, sizeof req - 1) != (ssize_t)(sizeof req - 1))
+    goto out;
+  buf = malloc(METRICS_MAX + 1);
+  size_t len = 0;
+  ssize_t r;
+  while (buf && len < METRICS_MAX &&
+         (r = read(fd, buf + len, METRICS_MAX - len)) > 0)
+    len += (size_t)r;
+  if (!buf)
+    goto out;
+  buf[len] = 0;
+  if (metric_value(buf, DECISION_METRIC "_sum", sum) == 0 &&
+      metric_value(buf, DECISION_METRIC "_count", count) == 0)
+    rc = 0;
+out:
+  free(buf);
+  sg_sock_close(fd);
+  return rc;
+}
+
 /* ---- main -----------------------------------------------------------------
  */
 
@@ -696,7 +765,7 @@ static void usage(void) {
           "  [--round-gap-ms MS] [--warmup-ms MS] [--hb-callers K]\n"
           "  [--hb-channels C] [--hb-seconds S] [--raw-conns H]\n"
           "  [--raw-depth D] [--raw-reps N] [--bg-channels C]\n"
-          "  [--server-pid PID]\n"
+          "  [--server-pid PID] [--server-metrics 0|1]\n"
           "  [--quorum-timeout-s S]\n");
 }
 
@@ -749,6 +818,8 @@ static int parse(int argc, char **argv, opts_t *o) {
       o->raw_reps = atoi(v);
     else if (!strcmp(k, "--server-pid"))
       o->server_pid = atoi(v);
+    else if (!strcmp(k, "--server-metrics"))
+      o->server_metrics = atoi(v);
     else if (!strcmp(k, "--quorum-timeout-s"))
       o->quorum_timeout_s = atoi(v);
     else
@@ -853,6 +924,13 @@ int main(int argc, char **argv) {
   int64_t *delivery = calloc((size_t)R, sizeof(int64_t));
   int64_t *spread = calloc((size_t)R, sizeof(int64_t));
   int64_t *qids = calloc((size_t)R, sizeof(int64_t));
+  int64_t *srv_dec = calloc((size_t)R, sizeof(int64_t));     /* ns; -1: none */
+  int64_t *srv_nquorum = calloc((size_t)R, sizeof(int64_t)); /* per round */
+  double dsum0 = 0, dcount0 = 0;
+  int metrics_ok =
+      o->server_metrics && read_decisions(o->target, &dsum0, &dcount0) == 0;
+  if (o->server_metrics && !metrics_ok)
+    fprintf(stderr, "lighthouse_load: no decision histogram on /metrics\n");
   int bad = 0, failed = 0;
   size_t resp_bytes = 0;
   double srv_cpu0 = o->server_pid ? proc_cpu_s(o->server_pid) : -1;
@@ -885,6 +963,15 @@ int main(int argc, char **argv) {
     decision[k] = (first_recv - last_send) / 1000;
     delivery[k] = (last_recv - last_send) / 1000;
     spread[k] = (last_send - first_send) / 1000;
+    srv_dec[k] = srv_nquorum[k] = -1;
+    double dsum, dcount;
+    if (metrics_ok && read_decisions(o->target, &dsum, &dcount) == 0) {
+      srv_nquorum[k] = (int64_t)(dcount - dcount0);
+      if (srv_nquorum[k] == 1) /* else the round's figure is not one value */
+        srv_dec[k] = (int64_t)((dsum - dsum0) * 1e9 + 0.5);
+      dsum0 = dsum;
+      dcount0 = dcount;
+    }
     sleep_until(now_ns() + (int64_t)o->round_gap_ms * 1000000);
   }
   int64_t rounds_t1 = now_ns();
@@ -977,6 +1064,10 @@ int main(int argc, char **argv) {
   print_i64_array("delivery_us", delivery, R);
   print_i64_array("send_spread_us", spread, R);
   print_i64_array("quorum_ids", qids, R);
+  if (o->server_metrics) {
+    print_i64_array("server_decision_ns", srv_dec, R);
+    print_i64_array("server_quorums_per_round", srv_nquorum, R);
+  }
   printf("  \"response_bytes\": %zu,\n", resp_bytes);
   printf("  \"failed_calls\": %d,\n  \"bad_responses\": %d,\n", failed, bad);
   printf("  \"rounds_seconds\": %.3f,\n",
@@ -1023,6 +1114,8 @@ int main(int argc, char **argv) {
   free(delivery);
   free(spread);
   free(qids);
+  free(srv_dec);
+  free(srv_nquorum);
   free(qt);
   free(qa);
   free(b.r);

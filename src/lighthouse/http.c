@@ -312,6 +312,8 @@ out:
  * The document:
  *   {"quorum_id", "reason", "heartbeat_timeout_ms", "pending",
  *    "pruned_heartbeats_total",
+ *    "last_decision_us": null | the last quorum's decision time,
+ *    "decisions_total": quorums timed so far,
  *    "prev_quorum": null | {"quorum_id", "age_ms", "max_step",
  *                           "num_participants", "members": [...]},
  *    "heartbeats": [{"replica_id", "age_ms", "expired", "connected",
@@ -323,8 +325,14 @@ int sg__lh_render_status_json(const sg__lh_status_t *s, sg_buf_t *b) {
   TRY(put_json_str(b, s->reason));
   TRY(putf(b,
            ",\"heartbeat_timeout_ms\":%" PRId64 ",\"pending\":%zu"
-           ",\"pruned_heartbeats_total\":%zu,\"prev_quorum\":",
+           ",\"pruned_heartbeats_total\":%zu,\"last_decision_us\":",
            s->heartbeat_timeout_ms, s->n_pending, s->pruned_total));
+  if (s->decision_last_ns >= 0)
+    TRY(putf(b, "%.3f", (double)s->decision_last_ns / 1e3));
+  else
+    TRY(put(b, "null"));
+  TRY(putf(b, ",\"decisions_total\":%" PRIu64 ",\"prev_quorum\":",
+           s->decision.count));
   if (s->has_prev) {
     size_t n = s->members ? s->n_members : 0;
     TRY(putf(b,
@@ -378,6 +386,33 @@ static int put_metric_u(sg_buf_t *b, const char *name, const char *type,
   return put_metric(b, name, type, help, num);
 }
 
+/* put_histogram: HELP, TYPE, the buckets, sum and count of `h`. */
+static int put_histogram(sg_buf_t *b, const char *name, const char *help,
+                         const sg__lh_hist_t *h) {
+  int rc;
+  char num[40];
+  TRY(putf(b, "# HELP " METRIC_PREFIX "%s %s\n", name, help));
+  TRY(putf(b, "# TYPE " METRIC_PREFIX "%s histogram\n", name));
+  size_t nb = (h->le_s && h->counts) ? h->n_buckets : 0;
+  double last = -INFINITY;
+  for (size_t i = 0; i < nb; i++) {
+    double le = h->le_s[i];
+    if (!isfinite(le) || !(le > last))
+      continue; /* +Inf comes last, from count; keep bounds increasing */
+    last = le;
+    format_double(le, num, sizeof(num));
+    TRY(putf(b, METRIC_PREFIX "%s_bucket{le=\"%s\"} %" PRIu64 "\n", name, num,
+             h->counts[i]));
+  }
+  TRY(putf(b, METRIC_PREFIX "%s_bucket{le=\"+Inf\"} %" PRIu64 "\n", name,
+           h->count));
+  format_double(h->sum_s, num, sizeof(num));
+  TRY(putf(b, METRIC_PREFIX "%s_sum %s\n", name, num));
+  TRY(putf(b, METRIC_PREFIX "%s_count %" PRIu64 "\n", name, h->count));
+out:
+  return rc;
+}
+
 int sg__lh_render_metrics(const sg__lh_status_t *s, sg_buf_t *b) {
   int rc;
   char num[40];
@@ -405,27 +440,15 @@ int sg__lh_render_metrics(const sg__lh_status_t *s, sg_buf_t *b) {
   TRY(put_metric_u(b, "pruned_heartbeats_total", "counter",
                    "Heartbeat entries pruned since start.", s->pruned_total));
 
-  static const char hist[] = "quorum_request_duration_seconds";
-  TRY(putf(b, "# HELP " METRIC_PREFIX "%s %s\n", hist,
-           "Time from a quorum request to its answer."));
-  TRY(putf(b, "# TYPE " METRIC_PREFIX "%s histogram\n", hist));
-  size_t nb =
-      (s->lat_bucket_le_s && s->lat_bucket_counts) ? s->n_lat_buckets : 0;
-  double last = -INFINITY;
-  for (size_t i = 0; i < nb; i++) {
-    double le = s->lat_bucket_le_s[i];
-    if (!isfinite(le) || !(le > last))
-      continue; /* +Inf comes last, from lat_count; keep bounds increasing */
-    last = le;
-    format_double(le, num, sizeof(num));
-    TRY(putf(b, METRIC_PREFIX "%s_bucket{le=\"%s\"} %" PRIu64 "\n", hist, num,
-             s->lat_bucket_counts[i]));
-  }
-  TRY(putf(b, METRIC_PREFIX "%s_bucket{le=\"+Inf\"} %" PRIu64 "\n", hist,
-           s->lat_count));
-  format_double(s->lat_sum_s, num, sizeof(num));
-  TRY(putf(b, METRIC_PREFIX "%s_sum %s\n", hist, num));
-  TRY(putf(b, METRIC_PREFIX "%s_count %" PRIu64 "\n", hist, s->lat_count));
+  sg__lh_hist_t lat = {s->n_lat_buckets, s->lat_bucket_le_s,
+                       s->lat_bucket_counts, s->lat_sum_s, s->lat_count};
+  TRY(put_histogram(b, "quorum_request_duration_seconds",
+                    "Time from a quorum request to its answer.", &lat));
+  TRY(put_histogram(b, "decision_seconds",
+                    "Time from the event that completed a quorum (normally "
+                    "its last request, parsed) to the quorum computed and "
+                    "its answer encoded.",
+                    &s->decision));
 out:
   return rc;
 }

@@ -40,6 +40,7 @@
 #define MAX_DATA_LEN 65536 /* QuorumMember.data, each reconfigure handle */
 #define MAX_HANDLES 65536  /* reconfigure handles per member (group ranks) */
 #define KILL_TIMEOUT_MS 10000
+#define STATUS_LOG_MS 100 /* at most one "Quorum status" line per 100 ms */
 
 /* A Quorum call waiting for its quorum. */
 struct pending {
@@ -63,6 +64,14 @@ struct conn {
 static const double lat_le_s[] = {0.0005, 0.001, 0.005, 0.01, 0.05, 0.1,
                                   0.5,    1,     5,     10,   30,   60};
 #define N_LAT (sizeof(lat_le_s) / sizeof(lat_le_s[0]))
+
+/* Decision time: from the event that completes a quorum (a request handed
+ * over by the gRPC layer, a heartbeat, a cancel, a disconnect, a timer) to
+ * its answer encoded; fine enough below 1 ms for a p99 there. */
+static const double dec_le_s[] = {0.00005, 0.0001, 0.00025, 0.0005, 0.001,
+                                  0.0025,  0.005,  0.01,    0.025,  0.05,
+                                  0.1,     0.25,   0.5,     1};
+#define N_DEC (sizeof(dec_le_s) / sizeof(dec_le_s[0]))
 
 struct sg_lh_server_s {
   /* options (strings owned) */
@@ -98,6 +107,12 @@ struct sg_lh_server_s {
   uint64_t lat_counts[N_LAT];
   double lat_sum_s;
   uint64_t lat_count;
+  uint64_t dec_counts[N_DEC]; /* cumulative, like lat_counts */
+  double dec_sum_s;
+  uint64_t dec_count;
+  int64_t dec_last_ns;      /* the last quorum's decision time; -1: none yet */
+  int64_t status_logged_ns; /* when the last "Quorum status" line went out */
+  int status_unlogged; /* the reason changed since, and is not logged yet */
 };
 
 /* ---- helpers ------------------------------------------------------------- */
@@ -343,6 +358,17 @@ static void observe_latency(sg_lh_server_t *s, int64_t start_ns) {
   s->lat_count++;
 }
 
+/* observe_decision: one quorum took `ns` from its event to its encoding. */
+static void observe_decision(sg_lh_server_t *s, int64_t ns) {
+  double secs = (double)ns / 1e9;
+  for (size_t i = 0; i < N_DEC; i++)
+    if (secs <= dec_le_s[i])
+      s->dec_counts[i]++;
+  s->dec_sum_s += secs;
+  s->dec_count++;
+  s->dec_last_ns = ns;
+}
+
 /* ---- the decision ----------------------------------------------------------
  */
 
@@ -407,6 +433,10 @@ out:
   return blob;
 }
 
+static int cmp_id_member(const void *key, const void *elem) {
+  return strcmp((const char *)key, ((const sg__lh_member_t *)elem)->replica_id);
+}
+
 static void log_quorum(const sg__lh_quorum_t *q) {
   char line[900];
   size_t off = 0;
@@ -424,18 +454,21 @@ static void log_quorum(const sg__lh_quorum_t *q) {
          (long long)q->quorum_id, q->n, q->n ? line : "");
 }
 
-/* answer_quorum: respond to every pending call whose replica is in `q`. */
-static void answer_quorum(sg_lh_server_t *s, const sg__lh_quorum_t *q) {
-  sg_map_t in;
-  sg_map_init(&in);
-  int ok = 1;
-  for (size_t i = 0; i < q->n && ok; i++)
-    ok = sg_map_put(&in, q->members[i].replica_id, (void *)1, NULL) == 0;
-  sg_rpc_blob_t *blob = ok ? encode_quorum(q) : NULL;
+/*
+ * answer_quorum: respond to every pending call whose replica is in `q`.
+ * The decision time ends once the one shared answer is encoded; `event_ns`
+ * is when the event that completed the quorum reached the lighthouse.
+ */
+static void answer_quorum(sg_lh_server_t *s, const sg__lh_quorum_t *q,
+                          int64_t event_ns) {
+  sg_rpc_blob_t *blob = encode_quorum(q);
+  observe_decision(s, sg_now_ns() - event_ns);
   struct pending *p = s->pending;
   while (p) {
     struct pending *next = p->next;
-    if (sg_map_get(&in, p->replica_id)) {
+    /* the members are sorted by replica_id (quorum.h) */
+    if (bsearch(p->replica_id, q->members, q->n, sizeof(*q->members),
+                cmp_id_member)) {
       pending_unlink(s, p);
       observe_latency(s, p->start_ns);
       if (blob)
@@ -449,7 +482,6 @@ static void answer_quorum(sg_lh_server_t *s, const sg__lh_quorum_t *q) {
   }
   if (blob)
     sg_rpc_blob_unref(blob);
-  sg_map_free(&in);
 }
 
 /* expire_graces: replicas whose connections all closed and stayed silent. */
@@ -501,6 +533,9 @@ static void rearm(sg_lh_server_t *s, int64_t now) {
     next = g;
   if (s->next_prune_ns < next)
     next = s->next_prune_ns;
+  if (s->status_unlogged &&
+      s->status_logged_ns + ms_to_ns(STATUS_LOG_MS) < next)
+    next = s->status_logged_ns + ms_to_ns(STATUS_LOG_MS);
   if (next == INT64_MAX) {
     uv_timer_stop(&s->wake_timer);
     return;
@@ -509,8 +544,16 @@ static void rearm(sg_lh_server_t *s, int64_t now) {
   uv_timer_start(&s->wake_timer, on_tick, (uint64_t)ms, 0);
 }
 
-/* process: the decision step, run after every event.  Caller holds mu. */
-static void process(sg_lh_server_t *s) {
+/*
+ * process: the decision step, run after every event; `event_ns` is when the
+ * event reached the lighthouse (the start of a quorum's decision time).
+ * The status line is logged when the reason changed, at most once per
+ * STATUS_LOG_MS: while 1,000 requests arrive the counts in it change with
+ * each, and a line per request would cost the loop a write each.  A change
+ * held back arms the wake timer, so the latest reason is logged within
+ * STATUS_LOG_MS.  Caller holds mu.
+ */
+static void process(sg_lh_server_t *s, int64_t event_ns) {
   int64_t now = sg_now_ns();
   expire_graces(s, now);
   if (now >= s->next_prune_ns) {
@@ -529,19 +572,26 @@ static void process(sg_lh_server_t *s) {
   if (rc < 0) {
     sg_log(SG_LOG_ERROR, LOG, "quorum tick failed: %s", sg_strerror(rc));
   } else {
+    s->status_unlogged = 0;
     if (strcmp(reason, s->reason) != 0) {
-      sg_log(SG_LOG_INFO, LOG, "Quorum status: %s", reason);
-      snprintf(s->reason, sizeof(s->reason), "%s", reason);
+      if (now - s->status_logged_ns >= ms_to_ns(STATUS_LOG_MS)) {
+        sg_log(SG_LOG_INFO, LOG, "Quorum status: %s", reason);
+        snprintf(s->reason, sizeof(s->reason), "%s", reason);
+        s->status_logged_ns = now;
+      } else {
+        s->status_unlogged = 1;
+      }
     }
     if (rc == 1 && q) {
       s->quorums_issued++;
+      /* before any answer: ids must not repeat after a crash */
+      persist_id(s, q->quorum_id);
+      answer_quorum(s, q, event_ns);
       if (q->quorum_id != before)
         sg_log(SG_LOG_INFO, LOG,
                "Detected quorum change, quorum id is now %lld",
                (long long)q->quorum_id);
       log_quorum(q);
-      persist_id(s, q->quorum_id);
-      answer_quorum(s, q);
       s->reason[0] = '\0'; /* log the next status afresh */
     }
   }
@@ -587,6 +637,7 @@ static void note_speaker(sg_lh_server_t *s, const char *id, uint64_t conn_id) {
 
 static void on_conn_close(void *ud, uint64_t conn_id) {
   sg_lh_server_t *s = ud;
+  int64_t event_ns = sg_now_ns();
   char key[24];
   conn_key(conn_id, key);
   pthread_mutex_lock(&s->mu);
@@ -611,7 +662,7 @@ static void on_conn_close(void *ud, uint64_t conn_id) {
     sg_map_free(&c->ids);
     sg_free(c);
     if (!s->closing)
-      process(s);
+      process(s, event_ns);
   }
   pthread_mutex_unlock(&s->mu);
 }
@@ -635,7 +686,8 @@ static int is_healthy(const sg_lh_server_t *s, const char *id, int64_t now) {
 }
 
 static void handle_heartbeat(sg_lh_server_t *s, sg_rpc_call_t *call,
-                             const uint8_t *body, size_t len) {
+                             const uint8_t *body, size_t len,
+                             int64_t event_ns) {
   if (check_wire(s, call, body, len, &hb_spec))
     return;
   Torchft__LighthouseHeartbeatRequest *req =
@@ -666,13 +718,13 @@ static void handle_heartbeat(sg_lh_server_t *s, sg_rpc_call_t *call,
   /* A heartbeat of a replica that was already healthy cannot change the
    * decision; skip the work (1,000 replicas heartbeat 10,000 times/s). */
   if (!was_healthy)
-    process(s);
+    process(s, event_ns);
 out:
   torchft__lighthouse_heartbeat_request__free_unpacked(req, &sg__pb_allocator);
 }
 
 static void handle_quorum(sg_lh_server_t *s, sg_rpc_call_t *call,
-                          const uint8_t *body, size_t len) {
+                          const uint8_t *body, size_t len, int64_t event_ns) {
   struct pending *p = NULL;
   s->quorum_requests_total++;
   if (check_wire(s, call, body, len, &quorum_spec))
@@ -771,13 +823,14 @@ static void handle_quorum(sg_lh_server_t *s, sg_rpc_call_t *call,
   s->n_pending++;
   sg_rpc_call_set_user(call, p);
   note_speaker(s, r->replica_id, sg_rpc_call_conn_id(call));
-  process(s);
+  process(s, event_ns);
 out:
   torchft__lighthouse_quorum_request__free_unpacked(req, &sg__pb_allocator);
 }
 
 static void on_call(void *ud, sg_rpc_call_t *call) {
   sg_lh_server_t *s = ud;
+  int64_t event_ns = sg_now_ns(); /* the request is complete and parsed */
   const char *method = sg_rpc_call_method(call);
   size_t len = 0;
   const uint8_t *body = sg_rpc_call_body(call, &len);
@@ -789,9 +842,9 @@ static void on_call(void *ud, sg_rpc_call_t *call) {
     reject(s, call, SG_GRPC_UNAUTHENTICATED, "%s",
            "missing or wrong authorization token");
   } else if (strcmp(method, "/torchft.LighthouseService/Heartbeat") == 0) {
-    handle_heartbeat(s, call, body, len);
+    handle_heartbeat(s, call, body, len, event_ns);
   } else if (strcmp(method, "/torchft.LighthouseService/Quorum") == 0) {
-    handle_quorum(s, call, body, len);
+    handle_quorum(s, call, body, len, event_ns);
   } else {
     reject(s, call, SG_GRPC_UNIMPLEMENTED, "unknown method %.200s", method);
   }
@@ -802,6 +855,7 @@ static void on_call(void *ud, sg_rpc_call_t *call) {
  * quorum: the participant leaves at once (torchft keeps it). */
 static void on_call_cancel(void *ud, sg_rpc_call_t *call) {
   sg_lh_server_t *s = ud;
+  int64_t event_ns = sg_now_ns();
   struct pending *p = sg_rpc_call_user(call);
   if (!p)
     return;
@@ -811,7 +865,7 @@ static void on_call_cancel(void *ud, sg_rpc_call_t *call) {
     sg__lh_leave(s->st, p->replica_id);
   pending_free(p);
   if (!s->closing)
-    process(s);
+    process(s, event_ns);
   pthread_mutex_unlock(&s->mu);
 }
 
@@ -898,6 +952,15 @@ static int snapshot(void *ud, sg__lh_status_t *out) {
   out->lat_bucket_le_s = lat_le_s;
   out->lat_sum_s = s->lat_sum_s;
   out->lat_count = s->lat_count;
+  out->decision.counts = sg_calloc(N_DEC, sizeof(uint64_t));
+  if (!out->decision.counts)
+    goto out;
+  memcpy(out->decision.counts, s->dec_counts, sizeof(s->dec_counts));
+  out->decision.n_buckets = N_DEC;
+  out->decision.le_s = dec_le_s;
+  out->decision.sum_s = s->dec_sum_s;
+  out->decision.count = s->dec_count;
+  out->decision_last_ns = s->dec_last_ns;
   out->n_pending = s->n_pending;
   out->pruned_total = sg__lh_pruned_total(s->st);
   out->quorums_issued = s->quorums_issued;
@@ -975,8 +1038,9 @@ out:
 
 static void on_tick(uv_timer_t *t) {
   sg_lh_server_t *s = t->data;
+  int64_t event_ns = sg_now_ns();
   pthread_mutex_lock(&s->mu);
-  process(s);
+  process(s, event_ns);
   pthread_mutex_unlock(&s->mu);
 }
 
@@ -1101,6 +1165,8 @@ int sg_lh_server_start(const sg_lh_opts_t *o, sg_lh_server_t **out,
   if (!s)
     return sg_err_set(err, SG_ENOMEM, "out of memory");
   pthread_mutex_init(&s->mu, NULL);
+  s->dec_last_ns = -1;
+  s->status_logged_ns = INT64_MIN / 2; /* the first status is logged */
   sg_map_init(&s->pending_ids);
   sg_map_init(&s->live);
   sg_map_init(&s->conns);

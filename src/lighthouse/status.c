@@ -25,5 +25,6 @@ void sg__lh_status_free(sg__lh_status_t *s) {
   sg_free(s->heartbeats);
   sg_free(s->reason);
   sg_free(s->lat_bucket_counts);
+  sg_free(s->decision.counts);
   memset(s, 0, sizeof(*s));
 }

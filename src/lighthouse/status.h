@@ -5,14 +5,25 @@
  * The lighthouse fills an sg__lh_status_t under its own lock, in its
  * snapshot callback; the HTTP module only reads it and then releases it with
  * sg__lh_status_free().  Every string and array in it is owned by the
- * snapshot except lat_bucket_le_s, which is borrowed (normally a static
- * table of bucket bounds).
+ * snapshot except lat_bucket_le_s and decision.le_s, which are borrowed
+ * (normally static tables of bucket bounds).
  */
 #ifndef STEPGUARD_LH_STATUS_H
 #define STEPGUARD_LH_STATUS_H
 
 #include <stddef.h>
 #include <stdint.h>
+
+/* A Prometheus histogram.  le_s is borrowed and strictly increasing (finite
+ * bounds; +Inf is implied); counts is owned and cumulative: counts[i]
+ * observations were <= le_s[i].  count is the +Inf bucket. */
+typedef struct sg__lh_hist_s {
+  size_t n_buckets;
+  const double *le_s;
+  uint64_t *counts;
+  double sum_s;
+  uint64_t count;
+} sg__lh_hist_t;
 
 /* One participant of the previous quorum. */
 typedef struct sg__lh_status_member_s {
@@ -63,12 +74,17 @@ typedef struct sg__lh_status_s {
   uint64_t *lat_bucket_counts;
   double lat_sum_s;
   uint64_t lat_count;
+
+  /* Decision time per quorum: from the event that completed it (normally
+   * the last request, complete and parsed) to its answer encoded. */
+  sg__lh_hist_t decision;
+  int64_t decision_last_ns; /* the last quorum's; -1 when none yet */
 } sg__lh_status_t;
 
 /*
  * sg__lh_status_free: release every string and array owned by `s` (which
  * may be NULL) and reset it to all zeros, so that freeing twice is harmless.
- * Does not free `s` itself; lat_bucket_le_s is borrowed and left alone.
+ * Does not free `s` itself; the bucket bounds are borrowed and left alone.
  * Any thread; not concurrently with a reader of the same snapshot.
  */
 void sg__lh_status_free(sg__lh_status_t *s);

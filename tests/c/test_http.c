@@ -46,6 +46,7 @@
   "\"rep\\\"q\\\\b\\nnl\\u0001\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80\""
 
 static const double le_s[] = {0.005, 0.1, 1.0, 2.5};
+static const double dec_le_s[] = {0.00005, 0.0005, 0.001};
 
 static int fill_status(sg__lh_status_t *s) {
   memset(s, 0, sizeof(*s));
@@ -62,8 +63,18 @@ static int fill_status(sg__lh_status_t *s) {
   s->n_lat_buckets = 4;
   s->lat_bucket_le_s = le_s;
   s->lat_bucket_counts = sg_calloc(4, sizeof(uint64_t));
-  if (!s->reason || !s->members || !s->heartbeats || !s->lat_bucket_counts)
+  s->decision.n_buckets = 3;
+  s->decision.le_s = dec_le_s;
+  s->decision.counts = sg_calloc(3, sizeof(uint64_t));
+  if (!s->reason || !s->members || !s->heartbeats || !s->lat_bucket_counts ||
+      !s->decision.counts)
     return SG_ENOMEM;
+  s->decision.counts[0] = 2;
+  s->decision.counts[1] = 3;
+  s->decision.counts[2] = 4;
+  s->decision.sum_s = 0.0015;
+  s->decision.count = 5;
+  s->decision_last_ns = 250000;
   s->members[0].replica_id = sg_strdup(TRICKY_ID);
   s->members[0].address = sg_strdup("http://host-a:1234");
   s->members[0].store_address = sg_strdup("host-a:29500 <b>&</b>");
@@ -474,6 +485,8 @@ static void test_status_json(void **state) {
   assert_non_null(strstr(j, "\"replica_id\":\"bad\\ufffd\\ufffdutf8\\u007f\""));
   assert_non_null(strstr(j, "\"age_ms\":9000,\"expired\":true"));
   assert_non_null(strstr(j, "\"participating\":true"));
+  assert_non_null(
+      strstr(j, "\"last_decision_us\":250.000,\"decisions_total\":5,"));
   assert_true(strchr(j, '\n') == j + strlen(j) - 1); /* only the last */
   sg_buf_free(&b);
 
@@ -481,6 +494,7 @@ static void test_status_json(void **state) {
   sg__lh_status_free(&s);
   s.n_members = 3; /* ignored: members is NULL */
   s.n_heartbeats = 2;
+  s.decision_last_ns = -1; /* no quorum yet */
   sg_buf_init(&b, 4096);
   assert_int_equal(sg__lh_render_status_json(&s, &b), 0);
   assert_int_equal(sg_buf_append(&b, "", 1), 0);
@@ -488,6 +502,8 @@ static void test_status_json(void **state) {
   assert_true(json_valid(j, strlen(j)));
   assert_non_null(strstr(j, "\"reason\":\"\""));
   assert_non_null(strstr(j, "\"prev_quorum\":null"));
+  assert_non_null(
+      strstr(j, "\"last_decision_us\":null,\"decisions_total\":0,"));
   assert_non_null(strstr(j, "\"heartbeats\":[]"));
   sg_buf_free(&b);
 }
@@ -530,8 +546,8 @@ static void test_metrics_text(void **state) {
   assert_int_equal(sg__lh_render_metrics(&s, &b), 0);
   assert_int_equal(sg_buf_append(&b, "", 1), 0);
   const char *t = (const char *)sg_buf_head(&b);
-  /* 10 plain samples + 4 buckets + +Inf + sum + count */
-  assert_int_equal(check_exposition(t), 17);
+  /* 10 plain samples, then 4 + 3 buckets, each with +Inf, sum and count */
+  assert_int_equal(check_exposition(t), 10 + 4 + 3 + 3 + 3);
   static const char *const want[] = {
       "\n# TYPE stepguard_lighthouse_quorums_issued_total counter\n",
       "\nstepguard_lighthouse_quorums_issued_total 6\n",
@@ -554,6 +570,13 @@ static void test_metrics_text(void **state) {
       "_bucket{le=\"+Inf\"} 11\n",
       "\nstepguard_lighthouse_quorum_request_duration_seconds_sum 3.25\n",
       "\nstepguard_lighthouse_quorum_request_duration_seconds_count 11\n",
+      "\n# TYPE stepguard_lighthouse_decision_seconds histogram\n",
+      "\nstepguard_lighthouse_decision_seconds_bucket{le=\"5e-05\"} 2\n",
+      "\nstepguard_lighthouse_decision_seconds_bucket{le=\"0.0005\"} 3\n",
+      "\nstepguard_lighthouse_decision_seconds_bucket{le=\"0.001\"} 4\n",
+      "\nstepguard_lighthouse_decision_seconds_bucket{le=\"+Inf\"} 5\n",
+      "\nstepguard_lighthouse_decision_seconds_sum 0.0015\n",
+      "\nstepguard_lighthouse_decision_seconds_count 5\n",
   };
   for (size_t i = 0; i < sizeof(want) / sizeof(want[0]); i++)
     if (!strstr(t, want[i]))
@@ -573,7 +596,7 @@ static void test_metrics_text(void **state) {
   assert_int_equal(sg__lh_render_metrics(&s, &b), 0);
   assert_int_equal(sg_buf_append(&b, "", 1), 0);
   t = (const char *)sg_buf_head(&b);
-  assert_int_equal(check_exposition(t), 10 + 2 + 1 + 2);
+  assert_int_equal(check_exposition(t), 10 + 2 + 1 + 2 + 3 + 3);
   assert_null(strstr(t, "le=\"0.25\""));
   assert_non_null(strstr(t, "_sum NaN\n"));
   sg_buf_free(&b);
@@ -928,7 +951,7 @@ static void test_get_metrics(void **state) {
   assert_int_equal(r.status, 200);
   assert_true(has_header(
       &r, "Content-Type: text/plain; version=0.0.4; charset=utf-8\r\n"));
-  assert_int_equal(check_exposition(r.body), 17);
+  assert_int_equal(check_exposition(r.body), 10 + 4 + 3 + 3 + 3);
   assert_non_null(strstr(r.body, "stepguard_lighthouse_quorum_id 7\n"));
 }
 

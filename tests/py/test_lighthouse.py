@@ -456,6 +456,28 @@ def test_metrics_parse_and_counters_move():
             "stepguard_lighthouse_quorums_issued_total"] + 1
         assert m1["stepguard_lighthouse_quorum_id"] == q.quorum_id
         assert m1["stepguard_lighthouse_quorum_request_duration_seconds_count"] >= 1
+        # one decision time per quorum, on the server's clock
+        dec = "stepguard_lighthouse_decision_seconds"
+        assert m1[dec + "_count"] == m0[dec + "_count"] + 1
+        assert 0 < m1[dec + "_sum"] - m0[dec + "_sum"] < 10
+        st = status(s.port())
+        assert st["decisions_total"] == m1[dec + "_count"]
+        assert 0 < st["last_decision_us"] < 10e6
+        _, _, body = http_get(s.port(), "/metrics")
+        fam = [f for f in text_string_to_metric_families(body.decode())
+               if f.name == dec]
+        assert len(fam) == 1 and fam[0].type == "histogram"
+        buckets = [(float(x.labels["le"]), x.value) for x in fam[0].samples
+                   if x.name == dec + "_bucket"]
+        bounds = [b for b, _ in buckets]
+        assert bounds[0] <= 50e-6 and 1.0 in bounds and bounds[-1] == float("inf")
+        assert bounds == sorted(bounds)
+        counts = [v for _, v in buckets]
+        assert counts == sorted(counts) and counts[-1] == m1[dec + "_count"]
+        q2 = c.quorum("x", td(10))
+        m2 = _metrics(s.port())
+        assert m2[dec + "_count"] == m1[dec + "_count"] + 1
+        assert q2.quorum_id == q.quorum_id
 
 
 # RUST_LOG=warn: torchft's info lines go to the same pipe and could split
@@ -594,6 +616,22 @@ def test_cli_auth_token_file(procs, tmp_path):
     with pytest.raises(RuntimeError, match="UNAUTHENTICATED"):
         LighthouseClient(lh.addr, td(5), auth_token="").heartbeat("a")
     LighthouseClient(lh.addr, td(5), auth_token="file-token").heartbeat("a")
+
+
+def test_cli_status_burst_logs_latest_reason(procs):
+    """A burst of changes logs at most one status line per 100 ms, and the
+    latest reason still comes out without any tick (the wake timer)."""
+    lh = start_ours(procs, "--min_replicas", "50", "--quorum_tick_ms", "3600000")
+    c = LighthouseClient(lh.addr, td(5), auth_token="")
+    t0 = time.monotonic()
+    for i in range(20):
+        c.heartbeat(f"r{i}")
+    burst_s = time.monotonic() - t0
+    lh.wait_line(r"Quorum status: .*\[20 heartbeating\]", 5)
+    lines = [ln for ln in list(lh.lines) if "Quorum status:" in ln]
+    # the first line at start, then at most one per 100 ms of the burst
+    # (the last held-back change adds one)
+    assert len(lines) <= 3 + burst_s / 0.1, (burst_s, lines)
 
 
 def test_cli_logs_quorum_status_only_on_change(procs):

@@ -18,6 +18,16 @@
  * request names, so stripes from several sources only combine when every
  * source serves the same layout at the same step.  The protocol is described
  * in docs/internals/ckpt.md.
+ *
+ * Same host: when a fetch and a source are processes of one host, a MAP
+ * request (carrying the fetcher's sg_samehost_id) returns the source's id,
+ * a *beacon* (a 40-byte word in the source's memory that changes whenever
+ * the served state is released) and one {address, length} descriptor per
+ * region.  The fetch then copies with process_vm_readv (sg_samehost_read)
+ * and rereads the beacon after every chunk; the source holds the state as
+ * it does for a stream until the MAP connection closes.  Anything that
+ * fails before the first byte (no same-host id, another host, a failed
+ * probe) falls back to DATA requests on TCP.
  */
 #ifndef STEPGUARD_CKPT_H
 #define STEPGUARD_CKPT_H
@@ -26,6 +36,7 @@
 #include <stdint.h>
 
 #include "stepguard/base.h"
+#include "stepguard/samehost.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -55,23 +66,34 @@ typedef struct sg_ckpt_region_s {
 #define SG_CKPT_VERSION 1
 #define SG_CKPT_REQ_FIXED 48  /* request bytes before the token */
 #define SG_CKPT_RESP_FIXED 48 /* response bytes before the payload */
+/* the longest request: fixed part, token, a MAP's same-host id */
+#define SG_CKPT_REQ_MAX                                                        \
+  (SG_CKPT_REQ_FIXED + SG_CKPT_MAX_TOKEN + SG_SAMEHOST_ID_LEN)
+#define SG_CKPT_BEACON_LEN 40 /* beacon bytes: 32 random, 8 generation */
+/* MAP payload before the descriptors: id, beacon address, beacon bytes */
+#define SG_CKPT_MAP_FIXED (SG_SAMEHOST_ID_LEN + 8 + SG_CKPT_BEACON_LEN)
+#define SG_CKPT_DESC_LEN 16 /* one descriptor: u64 address, u64 length */
 
-enum { SG_CKPT_KIND_INFO = 1, SG_CKPT_KIND_DATA = 2 };
+enum { SG_CKPT_KIND_INFO = 1, SG_CKPT_KIND_DATA = 2, SG_CKPT_KIND_MAP = 3 };
+
+/* A MAP refusal that means "use TCP", not "this source failed". */
+#define SG_CKPT_NOT_SAME_HOST SG_EAGAIN
 
 typedef struct sg_ckpt_req_s {
   int kind;        /* SG_CKPT_KIND_* */
   int64_t step;    /* the step the client wants */
-  uint64_t layout; /* DATA: the layout id from INFO; INFO: 0 */
-  uint64_t offset; /* DATA: first byte of the range */
-  uint64_t length; /* DATA: bytes in the range; INFO: 0 */
+  uint64_t layout; /* DATA, MAP: the layout id from INFO; INFO: 0 */
+  uint64_t offset; /* DATA: first byte of the range; else 0 */
+  uint64_t length; /* DATA: bytes in the range; MAP: SG_SAMEHOST_ID_LEN */
   size_t token_len;
-  char token[SG_CKPT_MAX_TOKEN]; /* not NUL-terminated */
+  char token[SG_CKPT_MAX_TOKEN];       /* not NUL-terminated */
+  uint8_t peer_id[SG_SAMEHOST_ID_LEN]; /* MAP: the fetcher's encoded id */
 } sg_ckpt_req_t;
 
 typedef struct sg_ckpt_resp_s {
   int kind;          /* echoes the request's kind */
   int status;        /* 0 or a negative SG_E* code; then payload = message */
-  uint32_t nregions; /* INFO: number of data regions */
+  uint32_t nregions; /* INFO, MAP: number of data regions */
   int64_t step;      /* the step the server serves (-1: none) */
   uint64_t layout;   /* layout id of what is served */
   uint64_t payload;  /* bytes that follow the fixed part */
@@ -79,9 +101,8 @@ typedef struct sg_ckpt_resp_s {
 } sg_ckpt_resp_t;
 
 /*
- * sg_ckpt_req_encode: write `r` into `out` (room for SG_CKPT_REQ_FIXED +
- * SG_CKPT_MAX_TOKEN bytes); returns the bytes written or SG_EINVAL when a
- * field is out of range.
+ * sg_ckpt_req_encode: write `r` into `out` (room for SG_CKPT_REQ_MAX bytes);
+ * returns the bytes written or SG_EINVAL when a field is out of range.
  */
 SG_EXPORT int sg_ckpt_req_encode(const sg_ckpt_req_t *r, uint8_t *out);
 
@@ -89,7 +110,8 @@ SG_EXPORT int sg_ckpt_req_encode(const sg_ckpt_req_t *r, uint8_t *out);
  * sg_ckpt_req_parse: decode a request from the `len` bytes at `p`.
  * Returns the bytes it used (> 0), 0 when more bytes are needed, or
  * SG_EPROTO (bad magic, version, kind, reserved bits, token length, a
- * range that overflows or an INFO with a range).  Never reads past len.
+ * range that overflows, an INFO with a range, a MAP whose length is not
+ * SG_SAMEHOST_ID_LEN).  Never reads past len.
  */
 SG_EXPORT int sg_ckpt_req_parse(const uint8_t *p, size_t len, sg_ckpt_req_t *r);
 
@@ -101,7 +123,8 @@ SG_EXPORT void sg_ckpt_resp_encode(const sg_ckpt_resp_t *r, uint8_t *out);
  * SG_CKPT_RESP_FIXED bytes.  Returns 0, SG_EAGAIN when len is short, or
  * SG_EPROTO (bad magic, version, kind, a status that is no SG_E* code,
  * an error payload over SG_CKPT_MAX_ERRMSG, an INFO payload that does not
- * equal nregions * 8 + header, counts over the limits).
+ * equal nregions * 8 + header, a MAP payload that does not equal
+ * SG_CKPT_MAP_FIXED + nregions * SG_CKPT_DESC_LEN, counts over the limits).
  */
 SG_EXPORT int sg_ckpt_resp_parse(const uint8_t *p, size_t len,
                                  sg_ckpt_resp_t *r);
@@ -113,6 +136,32 @@ SG_EXPORT int sg_ckpt_resp_parse(const uint8_t *p, size_t len,
  */
 SG_EXPORT int sg_ckpt_lengths_parse(const uint8_t *p, size_t n, uint64_t *out,
                                     uint64_t *total);
+
+/* The fixed part of a MAP payload. */
+typedef struct sg_ckpt_map_s {
+  sg_samehost_id_t id;                /* the source process */
+  uint64_t beacon_addr;               /* where its beacon lives */
+  uint8_t beacon[SG_CKPT_BEACON_LEN]; /* what the beacon reads while served */
+} sg_ckpt_map_t;
+
+/* sg_ckpt_map_encode: write the SG_CKPT_MAP_FIXED bytes of `m`. */
+SG_EXPORT void sg_ckpt_map_encode(const sg_ckpt_map_t *m, uint8_t *out);
+
+/*
+ * sg_ckpt_map_parse: decode the fixed part of a MAP payload from `len`
+ * bytes.  0, SG_EAGAIN when len is short, SG_EPROTO for a zero beacon
+ * address or a nonzero reserved id field.
+ */
+SG_EXPORT int sg_ckpt_map_parse(const uint8_t *p, size_t len, sg_ckpt_map_t *m);
+
+/*
+ * sg_ckpt_desc_parse: decode `n` descriptors (n * SG_CKPT_DESC_LEN bytes at
+ * `p`) into `addrs`, checking each against the length the source announced
+ * in INFO (`lens`): a different length, a zero address for a nonempty
+ * region or a range that wraps past 2^63 is SG_EPROTO.  0 otherwise.
+ */
+SG_EXPORT int sg_ckpt_desc_parse(const uint8_t *p, size_t n,
+                                 const uint64_t *lens, uint64_t *addrs);
 
 /* sg_ckpt_layout_id: the layout id (FNV-1a 64) of `n` region lengths. */
 SG_EXPORT uint64_t sg_ckpt_layout_id(const uint64_t *lens, size_t n);
@@ -197,6 +246,7 @@ typedef struct sg_ckpt_server_stats_s {
   uint64_t bad_input;  /* connections dropped for malformed input */
   uint64_t timeouts;   /* connections dropped by a timeout */
   uint64_t cut;        /* responses cut by disallow's deadline */
+  uint64_t maps;       /* same-host MAP requests granted */
   uint64_t conns;      /* connections accepted */
   int open_conns;      /* connections open now */
 } sg_ckpt_server_stats_t;
@@ -231,6 +281,17 @@ SG_EXPORT void sg_ckpt_fetch_abort(sg_ckpt_fetch_t *f);
 /* sg_ckpt_fetch_free: free `f` (NULL ok); no call may be running on it. */
 SG_EXPORT void sg_ckpt_fetch_free(sg_ckpt_fetch_t *f);
 
+/* What the last sg_ckpt_fetch_data on a fetch moved, and how. */
+typedef struct sg_ckpt_fetch_stats_s {
+  uint64_t same_host_bytes;   /* copied from source memory (process_vm_readv) */
+  uint64_t tcp_bytes;         /* received in DATA responses */
+  uint32_t same_host_sources; /* sources that granted and passed the probe */
+} sg_ckpt_fetch_stats_t;
+
+/* sg_ckpt_fetch_stats: the counters of the last data call (none running). */
+SG_EXPORT void sg_ckpt_fetch_stats(const sg_ckpt_fetch_t *f,
+                                   sg_ckpt_fetch_stats_t *out);
+
 /* What INFO returns.  Owned by the caller; sg_ckpt_info_free releases it. */
 typedef struct sg_ckpt_info_s {
   int64_t step;
@@ -259,6 +320,10 @@ SG_EXPORT int sg_ckpt_fetch_info(sg_ckpt_fetch_t *f, const char *addr,
 typedef struct sg_ckpt_fetch_opts_s {
   int streams_per_source; /* parallel connections per source; 0 = 2 */
   uint64_t min_chunk;     /* smallest chunk handed to a stream; 0 = 1 MiB */
+  int same_host;          /* 0 = when possible, -1 = never (TCP only) */
+  /* called by a stream thread after each chunk it completed (may be NULL) */
+  void (*progress)(void *arg, size_t source, uint64_t bytes);
+  void *progress_arg;
 } sg_ckpt_fetch_opts_t;
 
 /*
@@ -266,7 +331,9 @@ typedef struct sg_ckpt_fetch_opts_s {
  * `layout` into `dst` (n regions whose lengths must equal the served ones,
  * in order), striped over the `naddr` sources: the concatenation is cut
  * into chunks that streams_per_source connections per source take in turn,
- * so a faster source takes more.  A chunk that fails on one source is taken
+ * so a faster source takes more.  A source on the same host (see the top of
+ * this file) is read with process_vm_readv instead, by the same streams and
+ * chunks.  A chunk that fails on one source is taken
  * again by another; a source that fails is dropped.  Blocks until every
  * byte has arrived, every source has failed, or `deadline`.  `bytes` (may
  * be NULL, else naddr entries) gets the bytes taken from each source.  On

@@ -205,12 +205,13 @@ static PyObject *srv_stats(PyObject *self_obj, PyObject *unused) {
   sg_ckpt_server_stats_t s;
   sg_ckpt_server_stats(self->srv, &s);
   return Py_BuildValue(
-      "{sKsKsKsKsKsKsKsi}", "bytes_sent", (unsigned long long)s.bytes_sent,
+      "{sKsKsKsKsKsKsKsKsi}", "bytes_sent", (unsigned long long)s.bytes_sent,
       "requests", (unsigned long long)s.requests, "refused",
       (unsigned long long)s.refused, "bad_input",
       (unsigned long long)s.bad_input, "timeouts",
       (unsigned long long)s.timeouts, "cut", (unsigned long long)s.cut, "conns",
-      (unsigned long long)s.conns, "open_conns", s.open_conns);
+      (unsigned long long)s.conns, "maps", (unsigned long long)s.maps,
+      "open_conns", s.open_conns);
 }
 
 static void srv_stop(srv_obj *self) {
@@ -398,18 +399,19 @@ static void data_run(void *p) {
 
 static PyObject *fetch_data(PyObject *self_obj, PyObject *args, PyObject *kw) {
   fetch_obj *self = (fetch_obj *)self_obj;
-  static char *kwlist[] = {"addrs", "token",   "step",      "layout",    "ptrs",
-                           "lens",  "streams", "timeout_s", "min_chunk", NULL};
+  static char *kwlist[] = {"addrs",     "token",     "step",    "layout",
+                           "ptrs",      "lens",      "streams", "timeout_s",
+                           "min_chunk", "same_host", NULL};
   struct data_call c;
   memset(&c, 0, sizeof(c));
   PyObject *addrs, *ptrs, *lens, *seq = NULL, *ret = NULL;
   long long step;
   unsigned long long layout, min_chunk = 0;
-  int streams = 0;
+  int streams = 0, same_host = 1;
   double timeout_s;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OzLKOOid|K:data", kwlist, &addrs,
-                                   &c.token, &step, &layout, &ptrs, &lens,
-                                   &streams, &timeout_s, &min_chunk))
+  if (!PyArg_ParseTupleAndKeywords(
+          args, kw, "OzLKOOid|Kp:data", kwlist, &addrs, &c.token, &step,
+          &layout, &ptrs, &lens, &streams, &timeout_s, &min_chunk, &same_host))
     return NULL;
   if (fetch_guard(self) < 0)
     return NULL;
@@ -443,6 +445,7 @@ static PyObject *fetch_data(PyObject *self_obj, PyObject *args, PyObject *kw) {
   c.layout = layout;
   c.o.streams_per_source = streams;
   c.o.min_chunk = min_chunk;
+  c.o.same_host = same_host ? 0 : -1;
   c.deadline = sg_deadline_in_ms(ms);
   if (sg_py_blocking(data_run, call_abort, &c) < 0)
     goto out;
@@ -472,6 +475,18 @@ out:
   return ret;
 }
 
+static PyObject *fetch_stats(PyObject *self_obj, PyObject *unused) {
+  fetch_obj *self = (fetch_obj *)self_obj;
+  if (fetch_guard(self) < 0)
+    return NULL;
+  sg_ckpt_fetch_stats_t s;
+  sg_ckpt_fetch_stats(self->f, &s);
+  return Py_BuildValue("{sKsKsI}", "same_host_bytes",
+                       (unsigned long long)s.same_host_bytes, "tcp_bytes",
+                       (unsigned long long)s.tcp_bytes, "same_host_sources",
+                       (unsigned int)s.same_host_sources);
+}
+
 static PyObject *fetch_abort(PyObject *self_obj, PyObject *unused) {
   fetch_obj *self = (fetch_obj *)self_obj;
   if (fetch_guard(self) < 0)
@@ -495,7 +510,10 @@ static PyMethodDef fetch_methods[] = {
     {"data", (PyCFunction)(void (*)(void))fetch_data,
      METH_VARARGS | METH_KEYWORDS,
      "data(addrs, token, step, layout, ptrs, lens, streams, timeout_s, "
-     "min_chunk=0) -> list[int]: bytes taken from each source."},
+     "min_chunk=0, same_host=True) -> list[int]: bytes taken from each "
+     "source (same_host=False: TCP only)."},
+    {"stats", fetch_stats, METH_NOARGS,
+     "stats() -> dict: what the last data() moved, same-host and TCP."},
     {"abort", fetch_abort, METH_NOARGS,
      "abort(): fail the running and every later call (any thread)."},
     {NULL, NULL, 0, NULL},

@@ -12,8 +12,22 @@
  * source that failed is dropped.  The caller's thread only starts and joins
  * the streams.
  *
+ * Same host: the first stream of each source to take a chunk sends a MAP
+ * request with this process's same-host id.  A grant (the source's id, its
+ * beacon and a descriptor per region, each checked against the announced
+ * lengths) that passes the probe (the beacon reads what the source said)
+ * turns the source's streams into copiers: each chunk is read from the
+ * source's memory with sg_samehost_read in pieces of at most PIECE bytes,
+ * and the beacon is reread after the chunk, so a source that stopped
+ * serving (disallow) or died (ESRCH, or another process at that pid) fails
+ * the chunk like a cut stream.  The MAP connection stays open until the
+ * fetch ends: the source keeps the state until then.  A refusal that says
+ * "not the same host", an id that does not match or a failed probe make the
+ * source a TCP one.
+ *
  * Every wait polls in slices of at most 100 ms and checks the fetch's abort
- * flag and the deadline between slices.
+ * flag and the deadline between slices; a same-host piece takes well under
+ * that.
  */
 #include <netdb.h>
 #include <netinet/in.h>
@@ -32,10 +46,16 @@
 
 #define SLICE_MS 100
 #define IOV_BATCH 256
+#define PIECE (8u << 20) /* bytes per same-host copy between abort checks */
 
 struct sg_ckpt_fetch_s {
   atomic_int aborted;
+  sg_ckpt_fetch_stats_t last; /* written by the data call */
 };
+
+void sg_ckpt_fetch_stats(const sg_ckpt_fetch_t *f, sg_ckpt_fetch_stats_t *out) {
+  *out = f->last;
+}
 
 int sg_ckpt_fetch_new(sg_ckpt_fetch_t **out) {
   sg_ckpt_fetch_t *f = sg_calloc(1, sizeof(*f));
@@ -231,7 +251,7 @@ static int recv_buf(sg_ckpt_fetch_t *f, int fd, void *p, size_t len,
 static int exchange(sg_ckpt_fetch_t *f, int fd, const char *addr,
                     const sg_ckpt_req_t *q, sg_deadline_t d, sg_ckpt_resp_t *r,
                     sg_err_t *err) {
-  uint8_t buf[SG_CKPT_REQ_FIXED + SG_CKPT_MAX_TOKEN];
+  uint8_t buf[SG_CKPT_REQ_MAX];
   int n = sg_ckpt_req_encode(q, buf);
   if (n < 0)
     return sg_err_set(err, n, "bad checkpoint request");
@@ -264,6 +284,12 @@ static int exchange(sg_ckpt_fetch_t *f, int fd, const char *addr,
                       "request (step %lld, %llu+%llu)",
                       addr, (long long)r->step, (unsigned long long)r->aux,
                       (unsigned long long)r->payload);
+  if (r->kind == SG_CKPT_KIND_MAP &&
+      (r->step != q->step || r->layout != q->layout))
+    return sg_err_set(err, SG_EPROTO,
+                      "checkpoint source %s: same-host grant for step %lld "
+                      "does not match the request",
+                      addr, (long long)r->step);
   if (r->kind == SG_CKPT_KIND_INFO && r->step != q->step)
     return sg_err_set(err, SG_EPROTO,
                       "checkpoint source %s: asked step %lld, got %lld", addr,
@@ -345,11 +371,32 @@ out:
 
 typedef struct job_s job_t;
 
+enum { MODE_UNKNOWN, MODE_TCP, MODE_MAPPED, MODE_FAILED };
+
+/* One source of a fetch: how it is read (decided by its first stream). */
+typedef struct source_s {
+  pthread_mutex_t mu; /* held while the mode is decided */
+  int mode;           /* under mu */
+  int map_fd;         /* MAPPED: the connection that holds the state */
+  uint32_t pid;       /* MAPPED: the source process */
+  uint64_t beacon_addr;
+  uint8_t beacon[SG_CKPT_BEACON_LEN];
+  uint64_t *raddr; /* MAPPED: region addresses in the source */
+  int rc;          /* FAILED: why, for the streams that come later */
+  sg_err_t err;
+} source_t;
+
+/* errno_text: what a negative errno from sg_samehost_read means. */
+static const char *errno_text(int rc) {
+  return rc < 0 && rc > -4096 ? strerror(-rc) : sg_strerror(rc);
+}
+
 typedef struct stream_s {
   job_t *job;
   size_t src;
   pthread_t th;
   int started;
+  int mode; /* the source's mode once known */
 } stream_t;
 
 struct job_s {
@@ -359,9 +406,15 @@ struct job_s {
   sg_ckpt_req_t proto; /* kind, step, layout, token */
   const sg_ckpt_region_t *dst;
   const uint64_t *prefix;
+  const uint64_t *lens; /* n announced region lengths */
   size_t n;
   uint64_t total, chunk, nchunks;
   sg_deadline_t deadline;
+  int self_ok; /* this process has a same-host id (and may use it) */
+  sg_samehost_id_t self;
+  source_t *srcs; /* naddr */
+  void (*progress)(void *arg, size_t source, uint64_t bytes);
+  void *progress_arg;
 
   pthread_mutex_t mu;
   pthread_cond_t cv;
@@ -374,7 +427,8 @@ struct job_s {
   int *src_dead;   /* per source */
   size_t alive;    /* sources not dead */
   uint64_t *bytes; /* per source */
-  int rc;          /* first abort/timeout, else last source error */
+  uint64_t same_host_bytes, tcp_bytes;
+  int rc; /* first abort/timeout, else last source error */
   sg_err_t err;
 };
 
@@ -408,6 +462,158 @@ static int64_t take_chunk(job_t *j, size_t src) {
   }
 }
 
+/*
+ * map_source: ask source `si` for a same-host grant on *fd (opened here if
+ * needed) and check it.  Sets the source's mode: MAPPED (the connection
+ * moves to the source, *fd = -1) or TCP (*fd stays usable, or is closed).
+ * Returns 0, or a source error (refusal, bad grant, I/O).  Under src->mu.
+ */
+static int map_source(job_t *j, size_t si, int *fd, sg_err_t *err) {
+  source_t *src = &j->srcs[si];
+  const char *addr = j->addrs[si];
+  uint8_t *buf = NULL;
+  uint64_t *raddr = NULL;
+  int rc;
+  if (!j->self_ok) {
+    src->mode = MODE_TCP;
+    return 0;
+  }
+  if (*fd < 0) {
+    rc = conn_open(j->f, addr, j->deadline, fd, err);
+    if (rc)
+      return rc;
+  }
+  sg_ckpt_req_t q = j->proto;
+  sg_ckpt_resp_t r;
+  q.kind = SG_CKPT_KIND_MAP;
+  q.length = SG_SAMEHOST_ID_LEN;
+  sg_samehost_encode(&j->self, q.peer_id);
+  rc = exchange(j->f, *fd, addr, &q, j->deadline, &r, err);
+  if (rc == SG_CKPT_NOT_SAME_HOST) {
+    sg_err_clear(err);
+    src->mode = MODE_TCP; /* the connection is still good for DATA */
+    return 0;
+  }
+  if (rc)
+    return rc;
+  if (r.nregions != j->n) {
+    rc = sg_err_set(err, SG_EPROTO,
+                    "checkpoint source %s: same-host grant has %u regions, "
+                    "%zu announced",
+                    addr, r.nregions, j->n);
+    goto out;
+  }
+  buf = sg_malloc((size_t)r.payload);
+  raddr = sg_malloc((j->n ? j->n : 1) * sizeof(*raddr));
+  if (!buf || !raddr) {
+    rc = sg_err_set(err, SG_ENOMEM, "out of memory");
+    goto out;
+  }
+  rc = recv_buf(j->f, *fd, buf, (size_t)r.payload, j->deadline);
+  if (rc) {
+    sg_err_set(err, rc == SG_EPEER ? SG_EPEER : rc, "checkpoint source %s: %s",
+               addr, rc == SG_EPEER ? "truncated response" : sg_strerror(rc));
+    goto out;
+  }
+  sg_ckpt_map_t m;
+  if (sg_ckpt_map_parse(buf, (size_t)r.payload, &m) ||
+      sg_ckpt_desc_parse(buf + SG_CKPT_MAP_FIXED, j->n, j->lens, raddr)) {
+    rc = sg_err_set(err, SG_EPROTO,
+                    "checkpoint source %s: same-host descriptor outside what "
+                    "the source announced",
+                    addr);
+    goto out;
+  }
+  if (!sg_samehost_match(&j->self, &m.id) ||
+      (rc = sg_samehost_probe(m.id.pid, m.beacon_addr, m.beacon,
+                              SG_CKPT_BEACON_LEN)) != 0) {
+    sg_log(SG_LOG_DEBUG, "ckpt", "source %s: same-host probe failed (%s), TCP",
+           addr, rc ? errno_text(rc) : "another host");
+    sg_sock_close(*fd); /* releases the source's hold */
+    *fd = -1;
+    src->mode = MODE_TCP;
+    rc = 0;
+    goto out;
+  }
+  src->mode = MODE_MAPPED;
+  src->map_fd = *fd;
+  *fd = -1;
+  src->pid = m.id.pid;
+  src->beacon_addr = m.beacon_addr;
+  memcpy(src->beacon, m.beacon, SG_CKPT_BEACON_LEN);
+  src->raddr = raddr;
+  raddr = NULL;
+out:
+  sg_free(buf);
+  sg_free(raddr);
+  return rc;
+}
+
+/*
+ * map_read: copy bytes [off, off + len) of the concatenation from a mapped
+ * source into the destination, then reread its beacon.
+ */
+static int map_read(job_t *j, size_t si, uint64_t off, uint64_t len,
+                    sg_err_t *err) {
+  source_t *src = &j->srcs[si];
+  size_t ri = sg__ckpt_find(j->prefix, j->n, off);
+  uint64_t roff = ri < j->n ? off - j->prefix[ri] : 0;
+  while (len > 0) {
+    if (atomic_load(&j->f->aborted))
+      return sg_err_set(err, SG_EABORTED, "fetch aborted");
+    if (sg_deadline_passed(j->deadline))
+      return sg_err_set(err, SG_ETIMEDOUT, "checkpoint fetch timed out");
+    if (ri >= j->n)
+      return sg_err_set(err, SG_EINVAL, "range past the destination");
+    uint64_t avail = j->dst[ri].len - roff;
+    if (avail == 0) {
+      ri++;
+      roff = 0;
+      continue;
+    }
+    uint64_t take = avail < len ? avail : len;
+    if (take > PIECE)
+      take = PIECE;
+    int rc = sg_samehost_read(src->pid, (uint8_t *)j->dst[ri].ptr + roff,
+                              src->raddr[ri] + roff, (size_t)take);
+    if (rc)
+      return sg_err_set(err, SG_EPEER,
+                        "checkpoint source %s: same-host read failed: %s",
+                        j->addrs[si], errno_text(rc));
+    roff += take;
+    len -= take;
+  }
+  int rc = sg_samehost_probe(src->pid, src->beacon_addr, src->beacon,
+                             SG_CKPT_BEACON_LEN);
+  if (rc)
+    return sg_err_set(err, SG_EPEER,
+                      "checkpoint source %s stopped serving during a "
+                      "same-host read (%s)",
+                      j->addrs[si], errno_text(rc));
+  return 0;
+}
+
+/* stream_mode: the source's mode, deciding it if this stream is first. */
+static int stream_mode(job_t *j, stream_t *st, int *fd, sg_err_t *err) {
+  source_t *src = &j->srcs[st->src];
+  int rc = 0;
+  pthread_mutex_lock(&src->mu);
+  if (src->mode == MODE_UNKNOWN) {
+    rc = map_source(j, st->src, fd, err);
+    if (rc) {
+      src->mode = MODE_FAILED;
+      src->rc = rc;
+      src->err = *err;
+    }
+  } else if (src->mode == MODE_FAILED) {
+    rc = src->rc;
+    *err = src->err;
+  }
+  st->mode = src->mode;
+  pthread_mutex_unlock(&src->mu);
+  return rc;
+}
+
 static void *stream_main(void *arg) {
   stream_t *st = arg;
   job_t *j = st->job;
@@ -426,9 +632,14 @@ static void *stream_main(void *arg) {
     uint64_t off = (uint64_t)c * j->chunk;
     uint64_t len = j->total - off < j->chunk ? j->total - off : j->chunk;
     int rc = 0;
-    if (fd < 0)
+    if (st->mode == MODE_UNKNOWN || st->mode == MODE_FAILED)
+      rc = stream_mode(j, st, &fd, &err);
+    if (rc == 0 && st->mode == MODE_MAPPED) {
+      rc = map_read(j, st->src, off, len, &err);
+    } else if (rc == 0 && fd < 0) {
       rc = conn_open(j->f, addr, j->deadline, &fd, &err);
-    if (rc == 0) {
+    }
+    if (rc == 0 && st->mode == MODE_TCP) {
       sg_ckpt_req_t q = j->proto;
       sg_ckpt_resp_t r;
       q.offset = off;
@@ -448,6 +659,10 @@ static void *stream_main(void *arg) {
     if (rc == 0) {
       j->done++;
       j->bytes[st->src] += len;
+      if (st->mode == MODE_MAPPED)
+        j->same_host_bytes += len;
+      else
+        j->tcp_bytes += len;
     } else {
       j->retry[j->nretry++] = (uint64_t)c;
       if (rc == SG_EABORTED || rc == SG_ETIMEDOUT) {
@@ -474,6 +689,8 @@ static void *stream_main(void *arg) {
     pthread_mutex_unlock(&j->mu);
     if (rc)
       break;
+    if (j->progress)
+      j->progress(j->progress_arg, st->src, len);
   }
   sg_sock_close(fd);
   return NULL;
@@ -490,6 +707,7 @@ int sg_ckpt_fetch_data(sg_ckpt_fetch_t *f, const char *const *addrs,
   size_t nstreams = 0;
   int rc = 0, k = o && o->streams_per_source ? o->streams_per_source : 2;
   memset(&j, 0, sizeof(j));
+  memset(&f->last, 0, sizeof(f->last));
   if (bytes)
     memset(bytes, 0, naddr * sizeof(*bytes));
   if (naddr == 0 || naddr > SG_CKPT_MAX_SOURCES || !addrs || step < 0 ||
@@ -532,7 +750,11 @@ int sg_ckpt_fetch_data(sg_ckpt_fetch_t *f, const char *const *addrs,
     goto out;
   j.dst = dst;
   j.prefix = prefix;
+  j.lens = lens;
   j.n = n;
+  j.self_ok = !(o && o->same_host < 0) && sg_samehost_self(&j.self) == 0;
+  j.progress = o ? o->progress : NULL;
+  j.progress_arg = o ? o->progress_arg : NULL;
   j.total = prefix[n];
   if (j.total == 0)
     goto out; /* nothing to move */
@@ -548,7 +770,9 @@ int sg_ckpt_fetch_data(sg_ckpt_fetch_t *f, const char *const *addrs,
   j.src_dead = sg_calloc(naddr, sizeof(*j.src_dead));
   j.bytes = sg_calloc(naddr, sizeof(*j.bytes));
   streams = sg_calloc(nstreams, sizeof(*streams));
-  if (!j.retry || !j.src_dead || !j.bytes || !streams || !j.lo || !j.hi) {
+  j.srcs = sg_calloc(naddr, sizeof(*j.srcs));
+  if (!j.retry || !j.src_dead || !j.bytes || !streams || !j.lo || !j.hi ||
+      !j.srcs) {
     rc = sg_err_set(err, SG_ENOMEM, "out of memory");
     goto free_job;
   }
@@ -562,6 +786,10 @@ int sg_ckpt_fetch_data(sg_ckpt_fetch_t *f, const char *const *addrs,
   pthread_mutex_init(&j.mu, NULL);
   pthread_cond_init(&j.cv, &ca);
   pthread_condattr_destroy(&ca);
+  for (size_t i = 0; i < naddr; i++) {
+    pthread_mutex_init(&j.srcs[i].mu, NULL);
+    j.srcs[i].map_fd = -1;
+  }
   size_t started = 0;
   for (size_t i = 0; i < nstreams; i++) {
     /* interleave sources so that each gets a stream before any gets two */
@@ -577,6 +805,16 @@ int sg_ckpt_fetch_data(sg_ckpt_fetch_t *f, const char *const *addrs,
       pthread_join(streams[i].th, NULL);
   pthread_mutex_destroy(&j.mu);
   pthread_cond_destroy(&j.cv);
+  for (size_t i = 0; i < naddr; i++) {
+    source_t *src = &j.srcs[i];
+    if (src->mode == MODE_MAPPED)
+      f->last.same_host_sources++;
+    sg_sock_close(src->map_fd); /* the source may release the state */
+    sg_free(src->raddr);
+    pthread_mutex_destroy(&src->mu);
+  }
+  f->last.same_host_bytes = j.same_host_bytes;
+  f->last.tcp_bytes = j.tcp_bytes;
   if (bytes)
     memcpy(bytes, j.bytes, naddr * sizeof(*bytes));
   if (j.done == j.nchunks) {
@@ -604,6 +842,7 @@ free_job:
   sg_free(j.hi);
   sg_free(j.src_dead);
   sg_free(j.bytes);
+  sg_free(j.srcs);
   sg_free(streams);
 out:
   sg_free(prefix);

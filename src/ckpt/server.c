@@ -11,6 +11,16 @@
  * fall to zero (cutting the rest at its deadline) before it releases the
  * memory, like a reader-writer lock whose writer is the optimizer step.
  *
+ * Same host: a MAP request from a process of this host is answered with
+ * this process's id, the address of the beacon and one descriptor per region
+ * (built once per serve), and the connection keeps its reference after the
+ * response, until the fetcher closes it or sends another request: the
+ * fetcher copies the regions itself meanwhile.  The beacon (32 random bytes
+ * and a generation that serve and disallow bump) changes before disallow
+ * releases the memory, so a fetcher that rereads it after each chunk knows
+ * the chunk was copied from the state it was promised, even when a timeout
+ * or disallow's deadline dropped its reference.
+ *
  * Fork: a forked child has no server thread, and the mutex may have been
  * held at the fork.  Every entry point compares sg_sock_fork_count() with
  * its value at start; in a child, serve and disallow fail or return at once
@@ -30,6 +40,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -47,13 +58,14 @@ typedef enum { S_IDLE, S_SERVING, S_DRAINING } srv_state_t;
 typedef struct conn_s {
   int fd;
   conn_state_t state;
-  uint8_t in[SG_CKPT_REQ_FIXED + SG_CKPT_MAX_TOKEN];
+  uint8_t in[SG_CKPT_REQ_MAX];
   size_t in_len;
   int64_t since_ns; /* READ: when it began waiting; SEND: last progress */
   uint8_t head[SG_CKPT_RESP_FIXED + SG_CKPT_MAX_ERRMSG];
   size_t head_len, head_off;
   int close_after;              /* close once the response is out */
   int holds_ref;                /* counted in server.active */
+  int mapped;                   /* keeps its reference for same-host reads */
   const sg_ckpt_region_t *regs; /* what the payload is cut from */
   const uint64_t *prefix;       /* prefix sums of regs (nregs + 1) */
   size_t nregs;
@@ -63,8 +75,19 @@ typedef struct conn_s {
   int is_data;   /* counts towards bytes_sent */
 } conn_t;
 
+/* The beacon a same-host fetcher rereads; its bytes are the wire form. */
+typedef struct beacon_s {
+  uint8_t cookie[32]; /* random, per server */
+  uint64_t gen;       /* bumped by serve and before disallow releases */
+} beacon_t;
+
+_Static_assert(sizeof(beacon_t) == SG_CKPT_BEACON_LEN, "beacon layout");
+
 struct sg_ckpt_server_s {
   int listen_fd, wake_fd, port;
+  sg_samehost_id_t self_id; /* valid when same_host */
+  int same_host;            /* MAP requests can be granted */
+  beacon_t beacon;          /* gen under mu; read by other processes */
   pthread_t thread;
   char *token;
   size_t token_len;
@@ -87,12 +110,15 @@ struct sg_ckpt_server_s {
   uint8_t *lens_le;         /* under mu: INFO payload part 1 */
   sg_ckpt_region_t info[2]; /* under mu: lens_le and the header */
   uint64_t info_prefix[3];
+  uint8_t *map_payload;     /* under mu: MAP payload (same_host only) */
+  sg_ckpt_region_t map_reg; /* under mu: the payload as a region */
+  uint64_t map_prefix[2];
 
   conn_t **conns; /* server thread only */
   int nconns;
 
   atomic_uint_fast64_t st_bytes, st_requests, st_refused, st_bad, st_timeouts,
-      st_cut, st_conns;
+      st_cut, st_conns, st_maps;
   atomic_int st_open;
 };
 
@@ -148,8 +174,14 @@ static int token_ok(const sg_ckpt_server_t *s, const sg_ckpt_req_t *r) {
 }
 
 /* start_response: answer a parsed request (called by the server thread). */
+static void drop_ref(sg_ckpt_server_t *s, conn_t *c);
+
 static void start_response(sg_ckpt_server_t *s, conn_t *c,
                            const sg_ckpt_req_t *r) {
+  if (c->mapped) { /* a new request ends the same-host reads */
+    c->mapped = 0;
+    drop_ref(s, c);
+  }
   atomic_fetch_add(&s->st_requests, 1);
   if (!token_ok(s, r)) {
     atomic_fetch_add(&s->st_refused, 1);
@@ -177,6 +209,34 @@ static void start_response(sg_ckpt_server_t *s, conn_t *c,
     c->ri = 0;
     c->roff = 0;
     c->is_data = 0;
+  } else if (r->kind == SG_CKPT_KIND_MAP) {
+    sg_samehost_id_t peer;
+    sg_samehost_decode(r->peer_id, &peer);
+    if (r->layout != s->layout) {
+      pthread_mutex_unlock(&s->mu);
+      atomic_fetch_add(&s->st_refused, 1);
+      set_error(c, r->kind, SG_ESTATE, 0,
+                "checkpoint layout mismatch at step %lld", (long long)r->step);
+      return;
+    }
+    if (!s->same_host || !s->map_payload ||
+        !sg_samehost_match(&s->self_id, &peer)) {
+      pthread_mutex_unlock(&s->mu);
+      set_error(c, r->kind, SG_CKPT_NOT_SAME_HOST, 0,
+                "same-host reads unavailable: %s",
+                s->same_host ? "not a process of this host" : "turned off");
+      return;
+    }
+    resp.nregions = (uint32_t)s->nregions;
+    resp.payload = s->map_reg.len;
+    c->regs = &s->map_reg;
+    c->prefix = s->map_prefix;
+    c->nregs = 1;
+    c->ri = 0;
+    c->roff = 0;
+    c->is_data = 0;
+    c->mapped = 1;
+    atomic_fetch_add(&s->st_maps, 1);
   } else {
     uint64_t total = s->prefix[s->nregions];
     if (r->layout != s->layout) {
@@ -220,6 +280,7 @@ static void drop_ref(sg_ckpt_server_t *s, conn_t *c) {
   if (!c->holds_ref)
     return;
   c->holds_ref = 0;
+  c->mapped = 0;
   pthread_mutex_lock(&s->mu);
   s->active--;
   pthread_cond_broadcast(&s->cv);
@@ -350,7 +411,8 @@ static void on_writable(sg_ckpt_server_t *s, conn_t *c) {
       break;
   }
   if (c->head_off == c->head_len && c->left == 0) {
-    drop_ref(s, c);
+    if (!c->mapped) /* a mapping holds the state until the fetcher is done */
+      drop_ref(s, c);
     if (c->close_after) {
       conn_close(s, c);
       return;
@@ -413,9 +475,9 @@ static void *server_main(void *arg) {
       conn_t *c = s->conns[i];
       pfd[i + 2] = (struct pollfd){
           .fd = c->fd, .events = c->state == C_SEND ? POLLOUT : POLLIN};
-      int64_t limit =
-          c->since_ns +
-          (c->state == C_SEND ? s->stall_timeout_ns : s->request_timeout_ns);
+      int64_t limit = c->since_ns + (c->state == C_SEND || c->mapped
+                                         ? s->stall_timeout_ns
+                                         : s->request_timeout_ns);
       if (limit < next)
         next = limit;
     }
@@ -453,8 +515,8 @@ static void *server_main(void *arg) {
         on_readable(s, c);
       if (c->state == C_DEAD)
         continue;
-      int64_t lim =
-          c->state == C_SEND ? s->stall_timeout_ns : s->request_timeout_ns;
+      int64_t lim = c->state == C_SEND || c->mapped ? s->stall_timeout_ns
+                                                    : s->request_timeout_ns;
       if (sg_now_ns() - c->since_ns > lim) {
         atomic_fetch_add(&s->st_timeouts, 1);
         conn_close(s, c);
@@ -487,6 +549,9 @@ static void release_served(sg_ckpt_server_t *s) {
   sg_free(s->regions);
   sg_free(s->prefix);
   sg_free(s->lens_le);
+  sg_free(s->map_payload);
+  s->map_payload = NULL;
+  memset(&s->map_reg, 0, sizeof(s->map_reg));
   s->regions = NULL;
   s->prefix = NULL;
   s->lens_le = NULL;
@@ -502,6 +567,10 @@ static void server_free(sg_ckpt_server_t *s) {
   if (s->wake_fd >= 0)
     close(s->wake_fd);
   release_served(s);
+  /* a fetcher that still rereads the beacon must not find it again */
+  volatile uint8_t *b = (volatile uint8_t *)&s->beacon;
+  for (size_t i = 0; i < sizeof(s->beacon); i++)
+    b[i] = 0;
   sg_free(s->conns);
   sg_free(s->token);
   pthread_mutex_destroy(&s->mu);
@@ -530,6 +599,14 @@ int sg_ckpt_server_start(const sg_ckpt_server_opts_t *o, sg_ckpt_server_t **out,
   s->wake_fd = -1;
   s->step = -1;
   s->fork_count = sg_sock_fork_count();
+  s->same_host = sg_samehost_self(&s->self_id) == 0;
+  if (getrandom(s->beacon.cookie, sizeof(s->beacon.cookie), 0) !=
+      (ssize_t)sizeof(s->beacon.cookie)) {
+    /* no entropy source: unique enough to tell this server from another */
+    uint64_t v[4] = {(uint64_t)sg_now_ns(), (uint64_t)getpid(),
+                     (uint64_t)(uintptr_t)s, (uint64_t)sg_wall_ns()};
+    memcpy(s->beacon.cookie, v, sizeof(v));
+  }
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -583,7 +660,7 @@ int sg_ckpt_server_serve(sg_ckpt_server_t *s, int64_t step, const void *header,
   int rc = 0;
   sg_ckpt_region_t *regs = NULL;
   uint64_t *prefix = NULL;
-  uint8_t *lens = NULL;
+  uint8_t *lens = NULL, *map = NULL;
   if (sg_sock_fork_count() != s->fork_count)
     return sg_err_set(err, SG_ESTATE,
                       "checkpoint server used in a forked "
@@ -626,12 +703,37 @@ int sg_ckpt_server_serve(sg_ckpt_server_t *s, int64_t step, const void *header,
   }
   uint64_t layout = sg_ckpt_layout_id(lv, n);
   sg_free(lv);
+  if (s->same_host) {
+    map = sg_malloc(SG_CKPT_MAP_FIXED + n * SG_CKPT_DESC_LEN);
+    if (!map) {
+      rc = sg_err_set(err, SG_ENOMEM, "out of memory");
+      goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+      uint8_t *d = map + SG_CKPT_MAP_FIXED + SG_CKPT_DESC_LEN * i;
+      sg__ckpt_put64(d, (uint64_t)(uintptr_t)regions[i].ptr);
+      sg__ckpt_put64(d + 8, regions[i].len);
+    }
+  }
   pthread_mutex_lock(&s->mu);
   if (s->state != S_IDLE) {
     pthread_mutex_unlock(&s->mu);
     rc = sg_err_set(err, SG_ESTATE, "already serving step %lld",
                     (long long)s->step);
     goto out;
+  }
+  s->beacon.gen++;
+  if (map) {
+    sg_ckpt_map_t m = {.id = s->self_id,
+                       .beacon_addr = (uint64_t)(uintptr_t)&s->beacon};
+    memcpy(m.beacon, &s->beacon, SG_CKPT_BEACON_LEN);
+    sg_ckpt_map_encode(&m, map);
+    s->map_payload = map;
+    s->map_reg = (sg_ckpt_region_t){
+        .ptr = map, .len = SG_CKPT_MAP_FIXED + (uint64_t)n * SG_CKPT_DESC_LEN};
+    s->map_prefix[0] = 0;
+    s->map_prefix[1] = s->map_reg.len;
+    map = NULL;
   }
   s->regions = regs;
   s->prefix = prefix;
@@ -653,6 +755,7 @@ out:
   sg_free(regs);
   sg_free(prefix);
   sg_free(lens);
+  sg_free(map);
   return rc;
 }
 
@@ -691,6 +794,10 @@ int sg_ckpt_server_disallow(sg_ckpt_server_t *s, sg_deadline_t deadline) {
     }
     s->cut_inflight = 0;
   }
+  /* the beacon changes before the memory may: a same-host reader that
+   * rereads it after its copy sees whether the copy can be trusted */
+  s->beacon.gen++;
+  atomic_thread_fence(memory_order_seq_cst);
   release_served(s);
   s->state = S_IDLE;
   pthread_mutex_unlock(&s->mu);
@@ -704,6 +811,7 @@ void sg_ckpt_server_stats(sg_ckpt_server_t *s, sg_ckpt_server_stats_t *o) {
   o->bad_input = atomic_load(&s->st_bad);
   o->timeouts = atomic_load(&s->st_timeouts);
   o->cut = atomic_load(&s->st_cut);
+  o->maps = atomic_load(&s->st_maps);
   o->conns = atomic_load(&s->st_conns);
   o->open_conns = atomic_load(&s->st_open);
 }

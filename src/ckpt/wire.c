@@ -3,8 +3,9 @@
  * splitting and the chunk plan.  Pure functions over byte spans: no I/O,
  * no allocation, so the fuzzer calls them directly.
  *
- * Every integer is little-endian.  A request is 48 fixed bytes and a token;
- * a response is 48 fixed bytes and a payload (see docs/internals/ckpt.md).
+ * Every integer is little-endian.  A request is 48 fixed bytes and a token
+ * (a MAP request then the fetcher's same-host id); a response is 48 fixed
+ * bytes and a payload (see docs/internals/ckpt.md).
  */
 #include <string.h>
 
@@ -46,9 +47,12 @@ uint64_t sg__ckpt_get64(const uint8_t *p) {
 void sg__ckpt_put64(uint8_t *p, uint64_t v) { put64(p, v); }
 
 int sg_ckpt_req_encode(const sg_ckpt_req_t *r, uint8_t *out) {
-  if ((r->kind != SG_CKPT_KIND_INFO && r->kind != SG_CKPT_KIND_DATA) ||
+  if ((r->kind != SG_CKPT_KIND_INFO && r->kind != SG_CKPT_KIND_DATA &&
+       r->kind != SG_CKPT_KIND_MAP) ||
       r->step < 0 || r->token_len > SG_CKPT_MAX_TOKEN)
     return SG_EINVAL;
+  uint64_t length =
+      r->kind == SG_CKPT_KIND_MAP ? SG_SAMEHOST_ID_LEN : r->length;
   memset(out, 0, SG_CKPT_REQ_FIXED);
   put32(out, SG_CKPT_REQ_MAGIC);
   put16(out + 4, SG_CKPT_VERSION);
@@ -56,11 +60,15 @@ int sg_ckpt_req_encode(const sg_ckpt_req_t *r, uint8_t *out) {
   put64(out + 8, (uint64_t)r->step);
   put64(out + 16, r->layout);
   put64(out + 24, r->offset);
-  put64(out + 32, r->length);
+  put64(out + 32, length);
   put16(out + 40, (uint16_t)r->token_len);
   if (r->token_len)
     memcpy(out + SG_CKPT_REQ_FIXED, r->token, r->token_len);
-  return (int)(SG_CKPT_REQ_FIXED + r->token_len);
+  if (r->kind != SG_CKPT_KIND_MAP)
+    return (int)(SG_CKPT_REQ_FIXED + r->token_len);
+  memcpy(out + SG_CKPT_REQ_FIXED + r->token_len, r->peer_id,
+         SG_SAMEHOST_ID_LEN);
+  return (int)(SG_CKPT_REQ_FIXED + r->token_len + SG_SAMEHOST_ID_LEN);
 }
 
 int sg_ckpt_req_parse(const uint8_t *p, size_t len, sg_ckpt_req_t *r) {
@@ -90,13 +98,19 @@ int sg_ckpt_req_parse(const uint8_t *p, size_t len, sg_ckpt_req_t *r) {
     if (r->offset > SG_CKPT_MAX_TOTAL || r->length > SG_CKPT_MAX_TOTAL ||
         r->offset + r->length > SG_CKPT_MAX_TOTAL)
       return SG_EPROTO;
+  } else if (r->kind == SG_CKPT_KIND_MAP) {
+    if (r->offset || r->length != SG_SAMEHOST_ID_LEN)
+      return SG_EPROTO;
   } else {
     return SG_EPROTO;
   }
-  if (len - SG_CKPT_REQ_FIXED < r->token_len)
+  size_t extra = r->kind == SG_CKPT_KIND_MAP ? SG_SAMEHOST_ID_LEN : 0;
+  if (len - SG_CKPT_REQ_FIXED < r->token_len + extra)
     return 0;
   memcpy(r->token, p + SG_CKPT_REQ_FIXED, r->token_len);
-  return (int)(SG_CKPT_REQ_FIXED + r->token_len);
+  if (extra)
+    memcpy(r->peer_id, p + SG_CKPT_REQ_FIXED + r->token_len, extra);
+  return (int)(SG_CKPT_REQ_FIXED + r->token_len + extra);
 }
 
 void sg_ckpt_resp_encode(const sg_ckpt_resp_t *r, uint8_t *out) {
@@ -125,7 +139,8 @@ int sg_ckpt_resp_parse(const uint8_t *p, size_t len, sg_ckpt_resp_t *r) {
   r->layout = sg__ckpt_get64(p + 24);
   r->payload = sg__ckpt_get64(p + 32);
   r->aux = sg__ckpt_get64(p + 40);
-  if (r->kind != SG_CKPT_KIND_INFO && r->kind != SG_CKPT_KIND_DATA)
+  if (r->kind != SG_CKPT_KIND_INFO && r->kind != SG_CKPT_KIND_DATA &&
+      r->kind != SG_CKPT_KIND_MAP)
     return SG_EPROTO;
   if (r->step < -1 || r->status > 0 || r->status < SG__EFATAL - 1000)
     return SG_EPROTO;
@@ -137,6 +152,11 @@ int sg_ckpt_resp_parse(const uint8_t *p, size_t len, sg_ckpt_resp_t *r) {
   if (r->kind == SG_CKPT_KIND_INFO) {
     if (r->nregions > SG_CKPT_MAX_REGIONS || r->aux > SG_CKPT_MAX_HEADER ||
         r->payload != (uint64_t)r->nregions * 8 + r->aux)
+      return SG_EPROTO;
+  } else if (r->kind == SG_CKPT_KIND_MAP) {
+    if (r->nregions > SG_CKPT_MAX_REGIONS || r->aux ||
+        r->payload !=
+            SG_CKPT_MAP_FIXED + (uint64_t)r->nregions * SG_CKPT_DESC_LEN)
       return SG_EPROTO;
   } else {
     if (r->nregions || r->payload > SG_CKPT_MAX_TOTAL ||
@@ -159,6 +179,40 @@ int sg_ckpt_lengths_parse(const uint8_t *p, size_t n, uint64_t *out,
     out[i] = v;
   }
   *total = sum;
+  return 0;
+}
+
+void sg_ckpt_map_encode(const sg_ckpt_map_t *m, uint8_t *out) {
+  sg_samehost_encode(&m->id, out);
+  put64(out + SG_SAMEHOST_ID_LEN, m->beacon_addr);
+  memcpy(out + SG_SAMEHOST_ID_LEN + 8, m->beacon, SG_CKPT_BEACON_LEN);
+}
+
+int sg_ckpt_map_parse(const uint8_t *p, size_t len, sg_ckpt_map_t *m) {
+  if (len < SG_CKPT_MAP_FIXED)
+    return SG_EAGAIN;
+  memset(m, 0, sizeof(*m));
+  sg_samehost_decode(p, &m->id);
+  m->beacon_addr = sg__ckpt_get64(p + SG_SAMEHOST_ID_LEN);
+  memcpy(m->beacon, p + SG_SAMEHOST_ID_LEN + 8, SG_CKPT_BEACON_LEN);
+  if (m->id.flags != 0 || m->id.pid == 0 || m->beacon_addr == 0 ||
+      m->beacon_addr > UINT64_MAX / 2)
+    return SG_EPROTO;
+  return 0;
+}
+
+int sg_ckpt_desc_parse(const uint8_t *p, size_t n, const uint64_t *lens,
+                       uint64_t *addrs) {
+  const uint64_t top = 1ull << 63;
+  if (n > SG_CKPT_MAX_REGIONS)
+    return SG_EPROTO;
+  for (size_t i = 0; i < n; i++) {
+    uint64_t a = sg__ckpt_get64(p + SG_CKPT_DESC_LEN * i);
+    uint64_t l = sg__ckpt_get64(p + SG_CKPT_DESC_LEN * i + 8);
+    if (l != lens[i] || (l && a == 0) || a > top || l > top - a)
+      return SG_EPROTO;
+    addrs[i] = a;
+  }
   return 0;
 }
 

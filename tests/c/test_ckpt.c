@@ -6,11 +6,20 @@
  * source takes over, alone it is a clean error); abort and deadline against
  * a source that never answers; and a bad peer (garbage, HTTP, truncated and
  * slow requests, a reader that vanishes) that the server survives.
+ *
+ * Same host (sources in forked child processes): round trips copied from
+ * the sources' memory, striped over two; the TCP path when it is turned off;
+ * a grant holds disallow until the fetcher lets go, and the beacon changes
+ * when disallow cuts it; a source killed between chunks (alone: a clean
+ * error; beside another: the other delivers); hostile descriptors.
  */
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
 #include <setjmp.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stddef.h>
@@ -150,7 +159,7 @@ static void test_request_codec(void **unused) {
                      .length = 10,
                      .token_len = 3};
   memcpy(q.token, "abc", 3);
-  uint8_t b[SG_CKPT_REQ_FIXED + SG_CKPT_MAX_TOKEN];
+  uint8_t b[SG_CKPT_REQ_MAX];
   int n = sg_ckpt_req_encode(&q, b);
   assert_int_equal(n, SG_CKPT_REQ_FIXED + 3);
   sg_ckpt_req_t r;
@@ -465,7 +474,7 @@ static void send_data_req(int fd, int64_t step, uint64_t layout, uint64_t off,
                      .layout = layout,
                      .offset = off,
                      .length = len};
-  uint8_t b[SG_CKPT_REQ_FIXED + SG_CKPT_MAX_TOKEN];
+  uint8_t b[SG_CKPT_REQ_MAX];
   int n = sg_ckpt_req_encode(&q, b);
   assert_int_equal(send(fd, b, (size_t)n, MSG_NOSIGNAL), n);
 }
@@ -532,9 +541,19 @@ static void *bad_main(void *arg) {
     if (sg_sock_accept(b->listen_fd, &fd))
       continue;
     fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
-    uint8_t req[SG_CKPT_REQ_FIXED + SG_CKPT_MAX_TOKEN];
+    uint8_t req[SG_CKPT_REQ_MAX];
     ssize_t n = recv(fd, req, sizeof(req), 0);
     sg_ckpt_req_t q;
+    if (n > 0 && sg_ckpt_req_parse(req, (size_t)n, &q) > 0 &&
+        q.kind == SG_CKPT_KIND_MAP) {
+      /* decline same-host reads, as a server of this process does */
+      sg_ckpt_resp_t r = {
+          .kind = q.kind, .status = SG_CKPT_NOT_SAME_HOST, .step = -1};
+      uint8_t h[SG_CKPT_RESP_FIXED];
+      sg_ckpt_resp_encode(&r, h);
+      send(fd, h, sizeof(h), MSG_NOSIGNAL);
+      n = recv(fd, req, sizeof(req), 0);
+    }
     if (n > 0 && sg_ckpt_req_parse(req, (size_t)n, &q) > 0) {
       if (b->mode == BAD_TRUNCATE) {
         sg_ckpt_resp_t r = {.kind = q.kind,
@@ -864,6 +883,456 @@ static void test_forked_child_stop(void **unused) {
   free(st.mem);
 }
 
+/* ---- same host: sources in child processes --------------------------------
+ */
+
+typedef struct {
+  pid_t pid;
+  int port;
+  int ctl, rep; /* parent ends: commands to, replies from the child */
+} child_t;
+
+static int write_all(int fd, const void *p, size_t n) {
+  const uint8_t *b = p;
+  while (n > 0) {
+    ssize_t w = write(fd, b, n);
+    if (w < 0 && errno == EINTR)
+      continue;
+    if (w <= 0)
+      return -1;
+    b += w;
+    n -= (size_t)w;
+  }
+  return 0;
+}
+
+static int read_all(int fd, void *p, size_t n) {
+  uint8_t *b = p;
+  while (n > 0) {
+    ssize_t r = read(fd, b, n);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r <= 0)
+      return -1;
+    b += r;
+    n -= (size_t)r;
+  }
+  return 0;
+}
+
+/* child_serve: the child's side: serve `st` at `step` until told to stop.
+ * Command 'd': disallow with a 300 ms deadline; replies rc and ms taken. */
+static void child_serve(int in, int out, const state_t *st, int64_t step,
+                        const char *token) {
+  sg_ckpt_server_opts_t o;
+  sg_ckpt_server_opts_init(&o);
+  o.bind = "127.0.0.1:0";
+  o.auth_token = token;
+  o.stall_timeout_ms = 20000;
+  sg_ckpt_server_t *s = NULL;
+  sg_err_t err;
+  if (sg_ckpt_server_start(&o, &s, &err) ||
+      sg_ckpt_server_serve(s, step, header, sizeof(header), st->regs, st->n,
+                           &err))
+    _exit(2);
+  int port = sg_ckpt_server_port(s);
+  if (write_all(out, &port, sizeof(port)))
+    _exit(2);
+  char cmd;
+  while (read_all(in, &cmd, 1) == 0) {
+    if (cmd == 'd') {
+      int64_t t0 = sg_now_ns();
+      int r[2];
+      r[0] = sg_ckpt_server_disallow(s, sg_deadline_in_ms(300));
+      r[1] = (int)((sg_now_ns() - t0) / 1000000);
+      if (write_all(out, r, sizeof(r)))
+        break;
+    }
+  }
+  sg_ckpt_server_stop(s);
+  _exit(0);
+}
+
+static void child_start(child_t *c, const state_t *st, int64_t step,
+                        const char *token) {
+  int down[2], up[2];
+  assert_int_equal(pipe2(down, O_CLOEXEC), 0);
+  assert_int_equal(pipe2(up, O_CLOEXEC), 0);
+  pid_t pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0) {
+    alarm(120); /* a hang kills the child, never the run */
+    close(down[1]);
+    close(up[0]);
+    child_serve(down[0], up[1], st, step, token);
+  }
+  close(down[0]);
+  close(up[1]);
+  c->pid = pid;
+  c->ctl = down[1];
+  c->rep = up[0];
+  assert_int_equal(read_all(c->rep, &c->port, sizeof(c->port)), 0);
+}
+
+static void child_stop(child_t *c) {
+  close(c->ctl);
+  close(c->rep);
+  if (c->pid > 0) {
+    kill(c->pid, SIGKILL);
+    waitpid(c->pid, NULL, 0);
+  }
+  c->pid = -1;
+}
+
+static uint64_t layout_of(const state_t *st) {
+  uint64_t lens[8];
+  for (size_t i = 0; i < st->n; i++)
+    lens[i] = st->regs[i].len;
+  return sg_ckpt_layout_id(lens, st->n);
+}
+
+/* fetch_from: fetch `st`'s layout at `step` into a fresh destination. */
+static int fetch_from(const char *const *addrs, size_t naddr, const char *token,
+                      int64_t step, const state_t *st, sg_ckpt_fetch_opts_t *o,
+                      state_t *d, uint64_t *bytes, sg_ckpt_fetch_stats_t *fs,
+                      sg_err_t *err) {
+  sg_ckpt_fetch_t *f = NULL;
+  assert_int_equal(sg_ckpt_fetch_new(&f), 0);
+  dst_like(st, d);
+  sg_err_clear(err);
+  int rc =
+      sg_ckpt_fetch_data(f, addrs, naddr, token, step, layout_of(st), d->regs,
+                         d->n, o, sg_deadline_in_ms(60000), bytes, err);
+  sg_ckpt_fetch_stats(f, fs);
+  sg_ckpt_fetch_free(f);
+  return rc;
+}
+
+static void test_same_host_round_trip(void **unused) {
+  state_t st;
+  make_state(&st, 11, 40); /* about 11 MB */
+  child_t a, b;
+  child_start(&a, &st, 6, "tok");
+  child_start(&b, &st, 6, "tok");
+  char aa[64], ab[64];
+  sprintf(aa, "127.0.0.1:%d", a.port);
+  sprintf(ab, "127.0.0.1:%d", b.port);
+  const char *one[] = {aa}, *two[] = {aa, ab};
+  sg_ckpt_fetch_opts_t o = {.streams_per_source = 2, .min_chunk = 64 << 10};
+  state_t d;
+  uint64_t bytes[2];
+  sg_ckpt_fetch_stats_t fs;
+  sg_err_t err;
+  /* one source: every byte copied from its memory */
+  int rc = fetch_from(one, 1, "tok", 6, &st, &o, &d, bytes, &fs, &err);
+  if (rc)
+    fail_msg("%s", err.msg);
+  assert_memory_equal(d.mem, st.mem, st.total);
+  assert_int_equal(fs.same_host_bytes, st.total);
+  assert_int_equal(fs.tcp_bytes, 0);
+  assert_int_equal(fs.same_host_sources, 1);
+  free(d.mem);
+  /* striped over two: both contribute, all of it same-host */
+  rc = fetch_from(two, 2, "tok", 6, &st, &o, &d, bytes, &fs, &err);
+  if (rc)
+    fail_msg("%s", err.msg);
+  assert_memory_equal(d.mem, st.mem, st.total);
+  assert_true(bytes[0] > 0 && bytes[1] > 0);
+  assert_int_equal(bytes[0] + bytes[1], st.total);
+  assert_int_equal(fs.same_host_bytes, st.total);
+  assert_int_equal(fs.same_host_sources, 2);
+  free(d.mem);
+  /* the auth token guards the grant */
+  rc = fetch_from(one, 1, "wrong", 6, &st, &o, &d, bytes, &fs, &err);
+  assert_int_equal(rc, SG_EAUTH);
+  assert_int_equal(fs.same_host_bytes, 0);
+  free(d.mem);
+  /* a wrong step is refused, not granted */
+  rc = fetch_from(one, 1, "tok", 5, &st, &o, &d, bytes, &fs, &err);
+  assert_int_equal(rc, SG_ESTATE);
+  free(d.mem);
+  /* turned off by the option, then by the environment: TCP */
+  o.same_host = -1;
+  rc = fetch_from(two, 2, "tok", 6, &st, &o, &d, bytes, &fs, &err);
+  if (rc)
+    fail_msg("%s", err.msg);
+  assert_memory_equal(d.mem, st.mem, st.total);
+  assert_int_equal(fs.tcp_bytes, st.total);
+  assert_int_equal(fs.same_host_sources, 0);
+  free(d.mem);
+  o.same_host = 0;
+  setenv("STEPGUARD_SAME_HOST", "0", 1);
+  rc = fetch_from(one, 1, "tok", 6, &st, &o, &d, bytes, &fs, &err);
+  unsetenv("STEPGUARD_SAME_HOST");
+  if (rc)
+    fail_msg("%s", err.msg);
+  assert_memory_equal(d.mem, st.mem, st.total);
+  assert_int_equal(fs.tcp_bytes, st.total);
+  assert_int_equal(fs.same_host_bytes, 0);
+  free(d.mem);
+  child_stop(&a);
+  child_stop(&b);
+  free(st.mem);
+}
+
+/* send_map_req: a raw MAP request for `step` and `layout` from this process */
+static void send_map_req(int fd, int64_t step, uint64_t layout) {
+  sg_ckpt_req_t q = {.kind = SG_CKPT_KIND_MAP, .step = step, .layout = layout};
+  sg_samehost_id_t me;
+  assert_int_equal(sg_samehost_self(&me), 0);
+  sg_samehost_encode(&me, q.peer_id);
+  uint8_t b[SG_CKPT_REQ_MAX];
+  int n = sg_ckpt_req_encode(&q, b);
+  assert_true(n == SG_CKPT_REQ_FIXED + SG_SAMEHOST_ID_LEN);
+  assert_int_equal(send(fd, b, (size_t)n, MSG_NOSIGNAL), n);
+}
+
+static void test_same_host_grant_holds_the_state(void **unused) {
+  state_t st;
+  make_state(&st, 12, 2);
+  child_t a;
+  child_start(&a, &st, 3, NULL);
+  int fd = raw_connect(a.port);
+  send_map_req(fd, 3, layout_of(&st));
+  sg_ckpt_resp_t r;
+  assert_int_equal(read_resp(fd, &r), 0);
+  assert_int_equal(r.status, 0);
+  assert_int_equal(r.kind, SG_CKPT_KIND_MAP);
+  assert_int_equal(r.nregions, st.n);
+  uint8_t *pay = malloc((size_t)r.payload);
+  assert_non_null(pay);
+  size_t got = 0;
+  while (got < r.payload) {
+    ssize_t k = recv(fd, pay + got, (size_t)r.payload - got, 0);
+    assert_true(k > 0);
+    got += (size_t)k;
+  }
+  sg_ckpt_map_t m;
+  assert_int_equal(sg_ckpt_map_parse(pay, got, &m), 0);
+  assert_int_equal(m.id.pid, (uint32_t)a.pid);
+  uint64_t lens[8], addrs[8];
+  for (size_t i = 0; i < st.n; i++)
+    lens[i] = st.regs[i].len;
+  assert_int_equal(
+      sg_ckpt_desc_parse(pay + SG_CKPT_MAP_FIXED, st.n, lens, addrs), 0);
+  assert_int_equal(
+      sg_samehost_probe(m.id.pid, m.beacon_addr, m.beacon, SG_CKPT_BEACON_LEN),
+      0);
+  /* the grant names the child's copy of the regions (forked: same addresses) */
+  uint8_t probe[64];
+  assert_int_equal(sg_samehost_read(m.id.pid, probe, addrs[4], sizeof(probe)),
+                   0);
+  assert_memory_equal(probe, st.regs[4].ptr, sizeof(probe));
+  /* while granted, disallow waits for the fetcher, then cuts it */
+  char cmd = 'd';
+  int rep[2];
+  assert_int_equal(write_all(a.ctl, &cmd, 1), 0);
+  assert_int_equal(read_all(a.rep, rep, sizeof(rep)), 0);
+  assert_int_equal(rep[0], SG_ETIMEDOUT);
+  assert_true(rep[1] >= 250);
+  /* the beacon no longer reads what was granted: a copy made now is void */
+  assert_int_not_equal(
+      sg_samehost_probe(m.id.pid, m.beacon_addr, m.beacon, SG_CKPT_BEACON_LEN),
+      0);
+  assert_true(eof_after(fd) >= 0); /* and the grant's connection is closed */
+  sg_sock_close(fd);
+  free(pay);
+  child_stop(&a);
+
+  /* a fetcher that is done (closed the grant) does not hold disallow up */
+  child_start(&a, &st, 3, NULL);
+  char aa[64];
+  sprintf(aa, "127.0.0.1:%d", a.port);
+  const char *one[] = {aa};
+  state_t d;
+  uint64_t bytes[1];
+  sg_ckpt_fetch_stats_t fs;
+  sg_err_t err;
+  int rc = fetch_from(one, 1, NULL, 3, &st, NULL, &d, bytes, &fs, &err);
+  if (rc)
+    fail_msg("%s", err.msg);
+  assert_int_equal(fs.same_host_bytes, st.total);
+  assert_memory_equal(d.mem, st.mem, st.total);
+  free(d.mem);
+  assert_int_equal(write_all(a.ctl, &cmd, 1), 0);
+  assert_int_equal(read_all(a.rep, rep, sizeof(rep)), 0);
+  assert_int_equal(rep[0], 0);
+  child_stop(&a);
+  free(st.mem);
+}
+
+typedef struct {
+  child_t *victim;
+  size_t source; /* the victim's index in the fetch */
+  atomic_int killed;
+} killer_t;
+
+/* kill_after_first_chunk: progress callback that kills the victim source
+ * (and reaps it) once it has delivered one chunk. */
+static void kill_after_first_chunk(void *arg, size_t source, uint64_t bytes) {
+  killer_t *k = arg;
+  (void)bytes;
+  if (source != k->source || atomic_exchange(&k->killed, 1))
+    return;
+  kill(k->victim->pid, SIGKILL);
+  waitpid(k->victim->pid, NULL, 0);
+  k->victim->pid = -1;
+}
+
+static void test_same_host_source_killed(void **unused) {
+  state_t st;
+  make_state(&st, 13, 20); /* about 5 MB: four chunks per stream */
+  child_t a, b;
+  char aa[64], ab[64];
+  state_t d;
+  uint64_t bytes[2];
+  sg_ckpt_fetch_stats_t fs;
+  sg_err_t err;
+  /* alone: the read after the kill fails cleanly */
+  child_start(&a, &st, 4, NULL);
+  sprintf(aa, "127.0.0.1:%d", a.port);
+  const char *one[] = {aa};
+  killer_t k = {.victim = &a, .source = 0};
+  sg_ckpt_fetch_opts_t o = {.streams_per_source = 1,
+                            .min_chunk = 64 << 10,
+                            .progress = kill_after_first_chunk,
+                            .progress_arg = &k};
+  int rc = fetch_from(one, 1, NULL, 4, &st, &o, &d, bytes, &fs, &err);
+  assert_int_equal(atomic_load(&k.killed), 1);
+  assert_int_equal(rc, SG_EPEER);
+  assert_non_null(strstr(err.msg, "same-host"));
+  assert_true(fs.same_host_bytes > 0 && fs.same_host_bytes < st.total);
+  free(d.mem);
+  child_stop(&a);
+  /* beside another source: that one delivers the rest */
+  child_start(&a, &st, 4, NULL);
+  child_start(&b, &st, 4, NULL);
+  sprintf(aa, "127.0.0.1:%d", a.port);
+  sprintf(ab, "127.0.0.1:%d", b.port);
+  const char *two[] = {aa, ab};
+  atomic_store(&k.killed, 0);
+  rc = fetch_from(two, 2, NULL, 4, &st, &o, &d, bytes, &fs, &err);
+  if (rc)
+    fail_msg("%s", err.msg);
+  assert_int_equal(atomic_load(&k.killed), 1);
+  assert_memory_equal(d.mem, st.mem, st.total);
+  assert_true(bytes[0] > 0 && bytes[0] < st.total);
+  assert_true(bytes[1] > 0);
+  assert_int_equal(bytes[0] + bytes[1], st.total);
+  assert_int_equal(fs.same_host_bytes, st.total);
+  free(d.mem);
+  child_stop(&a);
+  child_stop(&b);
+  free(st.mem);
+}
+
+typedef enum { HOSTILE_LENGTH, HOSTILE_UNMAPPED, HOSTILE_WRAP } hostile_t;
+
+/* hostile_serve: the child's side: grant every MAP with one bad descriptor
+ * (region 4); its id and beacon are genuine. */
+static void hostile_serve(int lfd, const state_t *st, hostile_t mode) {
+  static uint8_t beacon[SG_CKPT_BEACON_LEN];
+  memset(beacon, 0x42, sizeof(beacon));
+  sg_ckpt_map_t m = {.beacon_addr = (uint64_t)(uintptr_t)beacon};
+  memcpy(m.beacon, beacon, sizeof(beacon));
+  if (sg_samehost_self(&m.id))
+    _exit(2);
+  size_t plen = SG_CKPT_MAP_FIXED + st->n * SG_CKPT_DESC_LEN;
+  uint8_t out[SG_CKPT_RESP_FIXED + SG_CKPT_MAP_FIXED + 8 * SG_CKPT_DESC_LEN];
+  for (;;) {
+    int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+    if (fd < 0)
+      _exit(2);
+    uint8_t req[SG_CKPT_REQ_MAX];
+    size_t have = 0;
+    sg_ckpt_req_t q;
+    int used = 0;
+    while (used == 0) {
+      ssize_t k = recv(fd, req + have, sizeof(req) - have, 0);
+      if (k <= 0)
+        break;
+      have += (size_t)k;
+      used = sg_ckpt_req_parse(req, have, &q);
+    }
+    if (used > 0 && q.kind == SG_CKPT_KIND_MAP) {
+      sg_ckpt_resp_t r = {.kind = q.kind,
+                          .step = q.step,
+                          .layout = q.layout,
+                          .nregions = (uint32_t)st->n,
+                          .payload = plen};
+      sg_ckpt_resp_encode(&r, out);
+      sg_ckpt_map_encode(&m, out + SG_CKPT_RESP_FIXED);
+      for (size_t i = 0; i < st->n; i++) {
+        uint8_t *dsc =
+            out + SG_CKPT_RESP_FIXED + SG_CKPT_MAP_FIXED + SG_CKPT_DESC_LEN * i;
+        uint64_t a = (uint64_t)(uintptr_t)st->regs[i].ptr, l = st->regs[i].len;
+        if (i == 4 && mode == HOSTILE_LENGTH)
+          l += 4096; /* more than was announced: past the region */
+        if (i == 4 && mode == HOSTILE_UNMAPPED)
+          a = 4096; /* below mmap_min_addr: never mapped */
+        if (i == 4 && mode == HOSTILE_WRAP)
+          a = UINT64_MAX - 100;
+        for (int b = 0; b < 8; b++) {
+          dsc[b] = (uint8_t)(a >> (8 * b));
+          dsc[8 + b] = (uint8_t)(l >> (8 * b));
+        }
+      }
+      write_all(fd, out, SG_CKPT_RESP_FIXED + plen);
+      char sink[256];
+      while (recv(fd, sink, sizeof(sink), 0) > 0) {
+      }
+    }
+    close(fd);
+  }
+}
+
+static void test_same_host_hostile_descriptor(void **unused) {
+  state_t st;
+  make_state(&st, 14, 1);
+  static const hostile_t modes[] = {HOSTILE_LENGTH, HOSTILE_UNMAPPED,
+                                    HOSTILE_WRAP};
+  static const int want[] = {SG_EPROTO, SG_EPEER, SG_EPROTO};
+  static const char *const text[] = {"descriptor", "same-host read failed",
+                                     "descriptor"};
+  for (size_t mi = 0; mi < 3; mi++) {
+    /* a plain socket: the fork rule would close a registered one in the
+     * child */
+    int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    assert_true(lfd >= 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET,
+                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof(sa);
+    assert_int_equal(bind(lfd, (struct sockaddr *)&sa, sizeof(sa)), 0);
+    assert_int_equal(listen(lfd, 16), 0);
+    assert_int_equal(getsockname(lfd, (struct sockaddr *)&sa, &sl), 0);
+    int port = ntohs(sa.sin_port);
+    sg_err_t err;
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+      alarm(60);
+      hostile_serve(lfd, &st, modes[mi]);
+    }
+    close(lfd);
+    char ah[64];
+    sprintf(ah, "127.0.0.1:%d", port);
+    const char *one[] = {ah};
+    sg_ckpt_fetch_opts_t o = {.streams_per_source = 2};
+    state_t d;
+    uint64_t bytes[1];
+    sg_ckpt_fetch_stats_t fs;
+    int rc = fetch_from(one, 1, NULL, 1, &st, &o, &d, bytes, &fs, &err);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    assert_int_equal(rc, want[mi]);
+    if (!strstr(err.msg, text[mi]))
+      fail_msg("mode %zu: %s", mi, err.msg);
+    assert_int_equal(fs.same_host_bytes, 0);
+    free(d.mem);
+  }
+  free(st.mem);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_request_codec),
@@ -879,6 +1348,10 @@ int main(void) {
       cmocka_unit_test(test_server_survives_bad_clients),
       cmocka_unit_test(test_max_conns),
       cmocka_unit_test(test_forked_child_stop),
+      cmocka_unit_test(test_same_host_round_trip),
+      cmocka_unit_test(test_same_host_grant_holds_the_state),
+      cmocka_unit_test(test_same_host_source_killed),
+      cmocka_unit_test(test_same_host_hostile_descriptor),
   };
   int rc = cmocka_run_group_tests(tests, NULL, NULL);
   if (sg_sock_registered_count() != 0) {

@@ -1,5 +1,6 @@
 """NativeTransport: bit-identical round trips, refusals, striping, sources
-killed mid-transfer (real processes), bad input, and the torchft interface.
+killed mid-transfer (real processes, over TCP and same-host reads), bad
+input, and the torchft interface.
 """
 
 from __future__ import annotations
@@ -279,30 +280,33 @@ from datetime import timedelta
 import torch
 from stepguard.checkpointing.native_transport import NativeTransport
 mb, die_after = int(sys.argv[1]), int(sys.argv[2])
+on_map = len(sys.argv) > 3 and sys.argv[3] == "map"
 g = torch.Generator().manual_seed(5)
 sd = {"w": torch.randn(mb << 18, generator=g), "k": "v"}
 t = NativeTransport(timedelta(seconds=60), hostname="127.0.0.1", streams_per_source=1)
 t.send_checkpoint([1], 9, sd, timedelta(seconds=60))
 print(t.metadata(), flush=True)
 while True:
-    if die_after >= 0 and t.stats()["bytes_sent"] > die_after:
+    st = t.stats()
+    if die_after >= 0 and (st["maps"] if on_map else st["bytes_sent"]) > die_after:
         os.kill(os.getpid(), signal.SIGKILL)  # mid-transfer
     time.sleep(0.0005)
 """
 
 
-def _spawn_source(procs, mb: int, die_after: int) -> str:
+def _spawn_source(procs, mb: int, die_after: int, on: str = "bytes") -> str:
     import subprocess
 
     p = procs.spawn(
-        _SERVE_AND_DIE, str(mb), str(die_after), stdout=subprocess.PIPE, text=True
+        _SERVE_AND_DIE, str(mb), str(die_after), on, stdout=subprocess.PIPE, text=True
     )
     line = p.stdout.readline().strip()
     assert line.startswith("sgckpt://"), line
     return line
 
 
-def test_source_killed_mid_transfer(procs) -> None:
+def test_source_killed_mid_transfer(procs, monkeypatch) -> None:
+    monkeypatch.setenv("STEPGUARD_SAME_HOST", "0")  # the TCP path
     mb = 128
     expect = torch.randn(mb << 18, generator=torch.Generator().manual_seed(5))
     b = NativeTransport(T60, hostname="127.0.0.1", streams_per_source=1)
@@ -321,6 +325,47 @@ def test_source_killed_mid_transfer(procs) -> None:
         assert torch.equal(got["w"], expect)
         assert b.last_recv_bytes[1] >= (mb << 20) // 2
         assert sum(b.last_recv_bytes) == mb << 20
+        assert b.last_recv_stats["tcp_bytes"] == mb << 20
+    finally:
+        b.shutdown()
+
+
+def test_same_host_round_trip_and_tcp_fallback(procs, monkeypatch) -> None:
+    """A source in another process of this host is read from its memory; with
+    STEPGUARD_SAME_HOST=0 the same fetch goes over TCP; both bit-identical."""
+    mb = 16
+    expect = torch.randn(mb << 18, generator=torch.Generator().manual_seed(5))
+    b = NativeTransport(T60, hostname="127.0.0.1", streams_per_source=2)
+    try:
+        src = _spawn_source(procs, mb, -1)
+        got = b.recv_checkpoint(0, src, 9, T60)
+        assert torch.equal(got["w"], expect) and got["k"] == "v"
+        assert b.last_recv_stats["same_host_bytes"] == mb << 20
+        assert b.last_recv_stats["tcp_bytes"] == 0
+        assert b.last_recv_stats["same_host_sources"] == 1
+        monkeypatch.setenv("STEPGUARD_SAME_HOST", "0")
+        got = b.recv_checkpoint(0, src, 9, T60)
+        assert torch.equal(got["w"], expect)
+        assert b.last_recv_stats["tcp_bytes"] == mb << 20
+        assert b.last_recv_stats["same_host_bytes"] == 0
+    finally:
+        b.shutdown()
+
+
+def test_same_host_source_killed_while_granted(procs) -> None:
+    """A source that dies once it has granted a same-host read: striped with a
+    healthy one, the healthy one delivers what the dead one could not."""
+    mb = 64
+    expect = torch.randn(mb << 18, generator=torch.Generator().manual_seed(5))
+    b = NativeTransport(T60, hostname="127.0.0.1", streams_per_source=1)
+    try:
+        healthy = _spawn_source(procs, mb, -1)
+        dying = _spawn_source(procs, mb, 0, "map")
+        got = b.recv_checkpoint_striped([dying, healthy], 9, T60)
+        assert torch.equal(got["w"], expect)
+        assert sum(b.last_recv_bytes) == mb << 20
+        assert b.last_recv_stats["same_host_bytes"] == mb << 20
+        assert procs.popens[-1].wait(timeout=30) < 0  # it did die
     finally:
         b.shutdown()
 

@@ -100,7 +100,10 @@ def net():
         n.close()
 
 
-def test_two_shaped_sources_beat_one(net, procs) -> None:
+def test_two_shaped_sources_beat_one(net, procs, monkeypatch) -> None:
+    # the namespaces share this host's pid namespace: without this the
+    # healer would copy from the sources' memory and never touch the links
+    monkeypatch.setenv("STEPGUARD_SAME_HOST", "0")
     metas = []
     for ns, host in zip(net.names, net.hosts):
         # `ip netns exec` execs the interpreter: the pid is the source's
@@ -129,6 +132,7 @@ def test_two_shaped_sources_beat_one(net, procs) -> None:
                 split = healer.last_recv_bytes
                 assert all(b > 0 for b in split), split
                 assert sum(split) == MB << 20
+                assert healer.last_recv_stats["tcp_bytes"] == MB << 20
         one, two = min(times["one"]), times["two"][0]
         print(
             f"\n{MB} MiB over {RATE} links: one source {one:.2f}s, "

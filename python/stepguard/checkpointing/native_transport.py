@@ -159,6 +159,9 @@ class NativeTransport(CheckpointTransport[T]):
         self._serving_step = -1
         self._held: List[Any] = []  # keeps served memory alive
         self.last_recv_bytes: List[int] = []  # bytes from each source
+        # how the last fetch moved them: same_host_bytes (copied from the
+        # sources' memory), tcp_bytes, same_host_sources
+        self.last_recv_stats: dict = {}
 
     # ---- serving ---------------------------------------------------------
 
@@ -271,7 +274,8 @@ class NativeTransport(CheckpointTransport[T]):
         :class:`TimeoutError` past ``timeout`` and :class:`RuntimeError`
         when every source fails or none serves ``step``; never returns a
         partly received state.  ``last_recv_bytes`` then holds the bytes
-        taken from each source.
+        taken from each source, and ``last_recv_stats`` how many of them were
+        copied straight from a same-host source's memory.
         """
         items = [m for s in sources for m in s.split(",") if m.strip()]
         is_http = [m.strip().startswith(("http://", "https://")) for m in items]
@@ -282,6 +286,7 @@ class NativeTransport(CheckpointTransport[T]):
             from stepguard.checkpointing.http_transport import HTTPTransport
 
             self.last_recv_bytes = []
+            self.last_recv_stats = {}
             return HTTPTransport._load_from_address(f"{http[0]}{step}/full", timeout)
         addrs = parse_sources(native)
         deadline = time.monotonic() + _seconds(timeout)
@@ -338,6 +343,7 @@ class NativeTransport(CheckpointTransport[T]):
             self._streams,
             max(deadline - time.monotonic(), 0.0),
         )
+        self.last_recv_stats = fetch.stats()
         it = iter(bufs)
         for i, m in enumerate(meta["leaves"]):
             if m[0] != "t":

@@ -62,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cross-replica process group: gloo (torchft's "
                    "ProcessGroupGloo), or tcp (stepguard's native ProcessGroupTCP, "
                    "which notices a dead peer at once; stepguard only)")
+    p.add_argument("--step-sleep", type=float, default=0.0, metavar="SECONDS",
+                   help="sleep this long after each step (paces tiny models in tests)")
     p.add_argument("--save-dir", default=None,
                    help="write the final parameters to SAVE_DIR/params_g{group}_r{rank}.pt")
     return p.parse_args(argv)
@@ -177,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                committed=committed, loss=round(loss.item(), 5), healed=healed,
                quorum_id=quorum_id, participants=participants,
                step_time=round(time.time() - t0, 6))
+        if args.step_sleep > 0:
+            time.sleep(args.step_sleep)
 
     final = manager.current_step() if manager is not None else step
     if args.save_dir:

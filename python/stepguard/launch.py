@@ -13,15 +13,20 @@ On request it injects failures on a schedule:
               the default) or SIGKILL (``then=kill``) after ``duration``;
 ``slow``      limit a group to a fraction of one CPU for ``duration``:
               cgroup v2 ``cpu.max`` when a writable cgroup v2 hierarchy
-              with the cpu controller exists, else SIGSTOP/SIGCONT duty
-              cycling (the timeline says which);
-``partition`` refused with an error: it needs a network namespace per
-              group with routed links to the lighthouse and the peers.
+              with the cpu controller exists, else cgroup v1
+              ``cpu.cfs_quota_us``, else SIGSTOP/SIGCONT duty cycling (the
+              timeline says which);
+``partition`` cut a group off the network for ``duration``, then heal it.
+              Every group then runs in its own network namespace (root and
+              the ``ip`` and ``unshare`` commands are needed; see
+              :class:`_Netns`), also available without partitions as
+              ``--netns``.
 
 A spec reads ``KIND:key=value,...``, e.g. ``kill:every=20s``,
 ``kill:every=20s,random,seed=3`` (intervals drawn uniformly from
 [0.5, 1.5] x every), ``hang:every=30s,duration=10s,then=kill``,
-``slow:start=10s,duration=30s,cpu=0.25,group=1``.  Other keys: ``start``
+``slow:start=10s,duration=30s,cpu=0.25,group=1``,
+``partition:start=20s,duration=8s,group=2``.  Other keys: ``start``
 (first injection, default ``every``), ``stop`` (no injection after this
 time), ``count``, ``group``, ``rank``.
 
@@ -30,8 +35,9 @@ launches, exits, restarts, injections, and the workers' own events, which
 they send with :func:`report` over a pipe the launcher reads; from those the
 launcher derives quorum changes, commits, discards, and recoveries with
 their durations (a worker that reports ``ready`` once its setup is done
-also gets the time from there to its first commit, ``join_s``).  Ctrl-C (or SIGTERM) ends every process it started, by
-process group id.
+also gets the time from there to its first commit, ``join_s``).  Ctrl-C
+(or SIGTERM) ends every process it started, by process group id, and
+removes the namespaces and cgroups it created.
 
 Worker helpers (dependency-free, usable from any training script):
 :func:`report` sends an event, :func:`stop_step` reads the step at which the
@@ -42,13 +48,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import errno
+import fcntl
 import json
 import logging
 import os
 import queue
 import random
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -62,6 +73,7 @@ __all__ = [
     "LaunchConfig",
     "Launcher",
     "main",
+    "netns_unavailable",
     "parse_failure_spec",
     "report",
     "stop_step",
@@ -159,7 +171,7 @@ class FailureSpec:
     seed: int = 0
     group: int | None = None  # victim group (default: random)
     rank: int | None = None  # victim rank for kill (default: random)
-    duration: float = 10.0  # hang and slow
+    duration: float = 10.0  # hang, slow and partition
     then: str = "cont"  # hang: "cont" or "kill" after duration
     cpu: float = 0.25  # slow: fraction of one CPU
 
@@ -175,13 +187,6 @@ def parse_failure_spec(text: str) -> FailureSpec:
     kind = kind.strip()
     if kind not in _KINDS:
         raise ValueError(f"{text!r}: unknown failure kind {kind!r} (one of {', '.join(_KINDS)})")
-    if kind == "partition":
-        raise ValueError(
-            "partition injection is not supported: it needs a network namespace "
-            "per replica group with routed links to the lighthouse and the other "
-            "groups (root, veth, routing); use hang (SIGSTOP) to make a group "
-            "silent instead"
-        )
     spec = FailureSpec(kind=kind)
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, eq, value = item.partition("=")
@@ -211,11 +216,480 @@ def parse_failure_spec(text: str) -> FailureSpec:
             raise ValueError(f"{text!r}: unknown key {key!r}")
     if spec.every is not None and spec.every <= 0:
         raise ValueError(f"{text!r}: every must be positive")
-    if kind in ("kill", "hang") and spec.every is None and spec.start is None:
+    if kind in ("kill", "hang", "partition") and spec.every is None and spec.start is None:
         raise ValueError(f"{text!r}: give every= or start=")
     if kind == "slow" and spec.every is None and spec.count is None:
         spec.count = 1
     return spec
+
+
+# ---- network namespaces (partition, --netns) -------------------------------
+#
+# Layout for a launch with tag T = "sgln<launcher pid>":
+#
+#   root namespace          hub namespace "Tx"              group namespace "Tg<G>"
+#   lighthouse, launcher    bridge br0 (no addresses)       the group's ranks and its
+#   Tr 198.18.N.1/24 <----> up0 -+- br0 -+- g<G> <-------> eth0 198.18.N.<10+G>/24
+#
+# The bridge sits in a namespace of its own, so neither the host's iptables
+# (br_netfilter sends bridged frames through them) nor IP forwarding is
+# involved.  A partition sets g<G> down in the hub: the group keeps its
+# loopback (its ranks and its store still talk) and loses everything else.
+# Each group also gets its own UTS namespace, hostname "T-g<G>", and an
+# /etc/netns/Tg<G>/hosts (which `ip netns exec` mounts over /etc/hosts)
+# naming every group, so code that advertises socket.gethostname() (torch's
+# Gloo, torchft) is reachable too.  198.18.0.0/15 is the block reserved for
+# network tests (RFC 2544); the /24 is one no route on the host uses yet.
+
+_NS_PREFIX = "sgln"
+_NS_NAME_RE = re.compile(r"^sgln(\d+)(?:x|g\d+)$")
+_NS_ROOT_IF_RE = re.compile(r"^\d+:\s+(sgln(\d+)r)[@:]")
+_NS_LOCK = "/run/stepguard-launch.lock"
+_NS_MAX_GROUPS = 240  # addresses .10 to .249 of the /24
+_CLONE_NEWNET = 0x40000000
+_IP_TIMEOUT = 30.0  # seconds for one `ip` command
+
+
+def netns_unavailable() -> str | None:
+    """Why the launcher cannot run groups in network namespaces here.
+
+    Returns:
+        None when it can (Linux, root, ``ip`` and ``unshare`` installed),
+        else the reason, in words.
+    """
+    if not sys.platform.startswith("linux"):
+        return "network namespaces are a Linux feature"
+    if os.geteuid() != 0:
+        return "network namespaces need root (the launcher runs as uid %d)" % os.geteuid()
+    for tool, package in (("ip", "iproute2"), ("unshare", "util-linux")):
+        if shutil.which(tool) is None:
+            return f"network namespaces need the {tool!r} command ({package})"
+    return None
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    try:
+        p = subprocess.run(["ip", *args], capture_output=True, text=True,
+                           timeout=_IP_TIMEOUT, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"ip {' '.join(args)}: no answer in {_IP_TIMEOUT:.0f} s") from None
+    if check and p.returncode != 0:
+        why = p.stderr.strip() or f"exit status {p.returncode}"
+        raise RuntimeError(f"ip {' '.join(args)}: {why}")
+    return p
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _host_lock(path: str, timeout: float = 30.0) -> Any:
+    """An exclusive flock shared by every launcher on this host, so two
+    launches never pick the same subnet or sweep each other's setup."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{path} stayed locked for {timeout:.0f} s") from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+class _Netns:
+    """The network namespaces, links and files of one launch (see above).
+
+    Nothing is created before :meth:`setup`; :meth:`cleanup` removes what
+    was created, and a later launch's :meth:`sweep` removes what a launcher
+    that died without cleaning up left behind.
+    """
+
+    def __init__(self, groups: int) -> None:
+        if groups > _NS_MAX_GROUPS:
+            raise ValueError(f"at most {_NS_MAX_GROUPS} groups in network namespaces")
+        self.groups = groups
+        self.tag = f"{_NS_PREFIX}{os.getpid()}"
+        self.hub = self.tag + "x"
+        self.root_if = self.tag + "r"
+        self.group_ns = [f"{self.tag}g{g}" for g in range(groups)]
+        self.subnet = ""  # "198.18.N", chosen by setup
+        self._made_ns: list[str] = []
+        self._made_root_if = False
+        self._etc_dirs: list[Path] = []
+        self._libc: Any = None
+
+    @property
+    def host_ip(self) -> str:
+        return f"{self.subnet}.1"
+
+    def ip_of(self, g: int) -> str:
+        return f"{self.subnet}.{10 + g}"
+
+    def hostname_of(self, g: int) -> str:
+        return f"{self.tag}-g{g}"
+
+    @staticmethod
+    def sweep() -> list[str]:
+        """Removes namespaces, links and /etc/netns entries of this
+        launcher's prefix whose launcher process is gone; returns their
+        names."""
+        removed: list[str] = []
+        for line in _ip("netns", "list", check=False).stdout.splitlines():
+            name = line.split()[0] if line.split() else ""
+            m = _NS_NAME_RE.match(name)
+            if m and not _pid_alive(int(m.group(1))):
+                _ip("netns", "del", name, check=False)
+                shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
+                removed.append(name)
+        for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
+            m = _NS_ROOT_IF_RE.match(line)
+            if m and not _pid_alive(int(m.group(2))):
+                _ip("link", "del", m.group(1), check=False)
+                removed.append(m.group(1))
+        etc = Path("/etc/netns")
+        if etc.is_dir():
+            for d in etc.iterdir():
+                m = _NS_NAME_RE.match(d.name)
+                if m and not _pid_alive(int(m.group(1))) and d.name not in removed:
+                    shutil.rmtree(d, ignore_errors=True)
+                    removed.append(str(d))
+        return removed
+
+    def _pick_subnet(self) -> str:
+        used: set[str] = set()
+        for args in (("-4", "-o", "addr", "show"), ("-4", "route", "show", "table", "all")):
+            for m in re.finditer(r"\b(198\.1[89]\.\d+)\.\d+", _ip(*args, check=False).stdout):
+                used.add(m.group(1))
+        first = os.getpid() % 512
+        for i in range(512):
+            n = (first + i) % 512
+            subnet = f"198.{18 + n // 256}.{n % 256}"
+            if subnet not in used:
+                return subnet
+        raise RuntimeError("every /24 of 198.18.0.0/15 is in use on this host")
+
+    def setup(self) -> list[str]:
+        """Creates the namespaces and links; returns the names of stale
+        ones swept first.  Raises RuntimeError (after undoing what it did)
+        when something cannot be created."""
+        with _host_lock(_NS_LOCK):
+            swept = self.sweep()
+            try:
+                self._setup()
+            except BaseException:
+                self.cleanup()
+                raise
+        return swept
+
+    def _setup(self) -> None:
+        self.subnet = self._pick_subnet()
+        hub = self.hub
+        _ip("netns", "add", hub)
+        self._made_ns.append(hub)
+        _ip("-n", hub, "link", "add", "br0", "type", "bridge")
+        _ip("-n", hub, "link", "set", "br0", "up")
+        _ip("link", "add", self.root_if, "type", "veth", "peer", "name", self.tag + "u")
+        self._made_root_if = True
+        _ip("link", "set", self.tag + "u", "netns", hub)
+        _ip("-n", hub, "link", "set", self.tag + "u", "name", "up0")
+        _ip("-n", hub, "link", "set", "up0", "master", "br0", "up")
+        _ip("addr", "add", f"{self.host_ip}/24", "dev", self.root_if)
+        _ip("link", "set", self.root_if, "up")
+        hosts = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback",
+                 f"{self.host_ip} {self.tag}-host {socket.gethostname()}"]
+        hosts += [f"{self.ip_of(g)} {self.hostname_of(g)}" for g in range(self.groups)]
+        for g, ns in enumerate(self.group_ns):
+            _ip("netns", "add", ns)
+            self._made_ns.append(ns)
+            a, c = f"{self.tag}a{g}", f"{self.tag}c{g}"
+            _ip("link", "add", a, "type", "veth", "peer", "name", c)
+            _ip("link", "set", a, "netns", hub)
+            _ip("link", "set", c, "netns", ns)
+            _ip("-n", hub, "link", "set", a, "name", f"g{g}")
+            _ip("-n", hub, "link", "set", f"g{g}", "master", "br0", "up")
+            _ip("-n", ns, "link", "set", c, "name", "eth0")
+            _ip("-n", ns, "addr", "add", f"{self.ip_of(g)}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "route", "add", "default", "via", self.host_ip)
+            d = Path("/etc/netns") / ns
+            d.mkdir(parents=True, exist_ok=True)
+            self._etc_dirs.append(d)
+            (d / "hosts").write_text("\n".join(hosts) + "\n")
+
+    def wrap(self, g: int, cmd: list[str]) -> list[str]:
+        """``cmd`` run in group ``g``'s network namespace, with its own
+        hostname; every wrapper execs, so the pid is the command's."""
+        return ["ip", "netns", "exec", self.group_ns[g], "unshare", "--uts", "--",
+                "sh", "-c", 'echo "$0" > /proc/sys/kernel/hostname && exec "$@"',
+                self.hostname_of(g), *cmd]
+
+    def cut(self, g: int) -> None:
+        _ip("-n", self.hub, "link", "set", f"g{g}", "down")
+
+    def heal(self, g: int) -> None:
+        _ip("-n", self.hub, "link", "set", f"g{g}", "up")
+
+    def call_in(self, g: int, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
+        """Runs ``fn`` on a short-lived thread that entered group ``g``'s
+        network namespace, so the sockets it opens (a TCPStore's) live
+        there; returns its result or raises its exception."""
+        if self._libc is None:
+            self._libc = ctypes.CDLL(None, use_errno=True)
+        out: dict[str, Any] = {}
+
+        def body() -> None:
+            try:
+                fd = os.open(f"/run/netns/{self.group_ns[g]}", os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    if self._libc.setns(fd, _CLONE_NEWNET) != 0:
+                        err = ctypes.get_errno()
+                        raise OSError(err, f"setns: {os.strerror(err)}")
+                finally:
+                    os.close(fd)
+                out["value"] = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                out["error"] = e
+
+        t = threading.Thread(target=body, name=f"netns-g{g}", daemon=True)
+        t.start()
+        t.join(timeout)
+        if t.is_alive():
+            raise RuntimeError(f"no answer in {timeout:.0f} s inside {self.group_ns[g]}")
+        if "error" in out:
+            raise out["error"]
+        return out.get("value")
+
+    def cleanup(self) -> list[str]:
+        """Removes everything setup created (idempotent); returns the
+        problems met, as text."""
+        problems: list[str] = []
+        for ns in reversed(self._made_ns):
+            p = _ip("netns", "del", ns, check=False)
+            if p.returncode != 0:
+                problems.append(f"ip netns del {ns}: {p.stderr.strip()}")
+        self._made_ns = []
+        if self._made_root_if:
+            # Usually gone with the hub already; this catches a setup that
+            # failed before the peer moved there.
+            _ip("link", "del", self.root_if, check=False)
+            self._made_root_if = False
+        for d in self._etc_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        self._etc_dirs = []
+        return problems
+
+
+# ---- CPU limits (slow) -----------------------------------------------------
+
+
+def _mounts() -> list[tuple[str, str, list[str]]]:
+    """(mount point, fs type, options) from /proc/self/mounts."""
+    out = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 4:
+                out.append((parts[1].replace("\\040", " "), parts[2], parts[3].split(",")))
+    return out
+
+
+def _own_cgroup(pid: int | str, v1_controller: str | None) -> str | None:
+    """The cgroup path of ``pid``: in the v2 hierarchy (``v1_controller``
+    None) or in the v1 hierarchy that holds that controller."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if v1_controller is None and parts[0] == "0" and parts[1] == "":
+            return parts[2]
+        if v1_controller is not None and v1_controller in parts[1].split(","):
+            return parts[2]
+    return None
+
+
+class _CpuLimit:
+    """Per-group CPU quotas in a cgroup created for this launch.
+
+    ``version`` 2 writes ``cpu.max`` in a cgroup v2 hierarchy whose root
+    offers the cpu controller; version 1 writes ``cpu.cfs_quota_us`` in the
+    v1 hierarchy with the cpu controller, under the launcher's own cgroup.
+    A process leaves its group's cgroup for the one it came from when the
+    slowdown ends, and the cgroup is removed.
+    """
+
+    PERIOD_US = 100000
+
+    def __init__(self, version: int, mount: Path, base: Path) -> None:
+        self.version = version
+        self.mount = mount
+        self.base = base  # created for this launch
+        self.groups: dict[int, Path] = {}
+        self.origin: dict[int, str] = {}  # pid -> cgroup path it came from
+
+    @property
+    def mechanism(self) -> str:
+        return "cgroup v2 cpu.max" if self.version == 2 else "cgroup v1 cpu.cfs_quota_us"
+
+    @classmethod
+    def detect(cls) -> _CpuLimit | None:
+        """A usable CPU limiter (v2 first, then v1), or None."""
+        if not sys.platform.startswith("linux"):
+            return None
+        name = f"stepguard-launch-{os.getpid()}"
+        for mnt, fstype, opts in _mounts():
+            if fstype != "cgroup2":
+                continue
+            root = Path(mnt)
+            d = root / name
+            try:
+                if "cpu" not in (root / "cgroup.controllers").read_text().split():
+                    continue
+                if "cpu" not in (root / "cgroup.subtree_control").read_text().split():
+                    (root / "cgroup.subtree_control").write_text("+cpu")
+                d.mkdir(exist_ok=True)
+                if "cpu" not in (d / "cgroup.controllers").read_text().split():
+                    d.rmdir()
+                    continue
+                (d / "cgroup.subtree_control").write_text("+cpu")
+                return cls(2, root, d)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+        for mnt, fstype, opts in _mounts():
+            if fstype != "cgroup" or "cpu" not in opts:
+                continue
+            root = Path(mnt)
+            own = _own_cgroup("self", "cpu") or "/"
+            parent = root / own.lstrip("/")
+            if not (parent / "cpu.cfs_quota_us").exists():
+                parent = root
+            d = parent / name
+            try:
+                d.mkdir(exist_ok=True)
+                if not (d / "cpu.cfs_quota_us").exists():
+                    d.rmdir()
+                    continue
+                return cls(1, root, d)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+        return None
+
+    def limit(self, gid: int, cpu: float) -> None:
+        d = self.base / f"group{gid}"
+        d.mkdir(exist_ok=True)
+        quota = max(1000, int(self.PERIOD_US * cpu))
+        if self.version == 2:
+            (d / "cpu.max").write_text(f"{quota} {self.PERIOD_US}")
+        else:
+            (d / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
+            (d / "cpu.cfs_quota_us").write_text(str(quota))
+        self.groups[gid] = d
+
+    def add(self, gid: int, pids: list[int]) -> int:
+        """Moves processes into group ``gid``'s cgroup; returns how many
+        moved (a process that is gone is skipped)."""
+        d = self.groups.get(gid)
+        if d is None:
+            return 0
+        moved = 0
+        for pid in pids:
+            came = _own_cgroup(pid, None if self.version == 2 else "cpu")
+            try:
+                (d / "cgroup.procs").write_text(str(pid))
+            except OSError:
+                continue
+            if came is not None and pid not in self.origin:
+                self.origin[pid] = came
+            moved += 1
+        return moved
+
+    def throttled(self, gid: int) -> int | None:
+        """Periods in which group ``gid`` was throttled so far."""
+        d = self.groups.get(gid)
+        if d is None:
+            return None
+        with contextlib.suppress(OSError, ValueError):
+            for line in (d / "cpu.stat").read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "nr_throttled":
+                    return int(value)
+        return None
+
+    def release(self, gid: int) -> None:
+        """Lifts group ``gid``'s quota, moves its processes back, removes
+        its cgroup."""
+        d = self.groups.pop(gid, None)
+        if d is None:
+            return
+        with contextlib.suppress(OSError):
+            if self.version == 2:
+                (d / "cpu.max").write_text(f"max {self.PERIOD_US}")
+            else:
+                (d / "cpu.cfs_quota_us").write_text("-1")
+        deadline = time.monotonic() + 5.0
+        while True:
+            try:
+                pids = [int(x) for x in (d / "cgroup.procs").read_text().split()]
+            except (OSError, ValueError):
+                pids = []
+            for pid in pids:
+                back = self.mount / self.origin.pop(pid, "/").lstrip("/")
+                if not (back / "cgroup.procs").exists():
+                    back = self.mount
+                with contextlib.suppress(OSError):
+                    (back / "cgroup.procs").write_text(str(pid))
+            try:
+                d.rmdir()
+                return
+            except OSError as e:
+                # EBUSY while an exiting process is still listed
+                if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                    _log.warning("could not remove %s: %s", d, e)
+                    return
+                time.sleep(0.05)
+
+    def close(self) -> None:
+        for gid in list(self.groups):
+            self.release(gid)
+        with contextlib.suppress(OSError):
+            self.base.rmdir()
+
+
+def _group_pids(leaders: list[int]) -> list[int]:
+    """Every live process whose process group one of ``leaders`` leads
+    (each worker leads its own), so a worker's children move with it."""
+    want = set(leaders)
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 2 and int(fields[2]) in want and fields[0] not in ("Z", "X"):
+            out.append(int(entry))
+    return out
 
 
 # ---- launcher --------------------------------------------------------------
@@ -245,7 +719,9 @@ class LaunchConfig:
     timeline: str | None = None
     log_dir: str | None = None
     stop_file: str | None = None
-    master_addr: str = "127.0.0.1"
+    master_addr: str = "127.0.0.1"  # ignored with netns (each group's own address)
+    # Each group in its own network namespace (implied by a partition).
+    netns: bool = False
     env: dict[str, str] = field(default_factory=dict)
     term_grace: float = 2.0  # SIGTERM -> SIGKILL when ending a group
     quiet: bool = False
@@ -277,6 +753,7 @@ class _Group:
         self.first_commit_seen = False
         self.last_quorum: tuple[Any, Any] | None = None
         self.stopped = False  # hang injection in effect
+        self.partitioned = False  # partition injection in effect
 
 
 class _Injector:
@@ -345,8 +822,23 @@ class Launcher:
         self._omp = config.omp_threads or max(
             1, (os.cpu_count() or 1) // (config.groups * config.nproc_per_group)
         )
-        self._cgroup_root: Path | None = None
+        self._cpu_limit: _CpuLimit | None = None
+        self._cpu_limit_probed = False
+        self._pending_heals: list[dict[str, Any]] = []  # partitions awaiting a commit
         self.bad_events = 0  # worker event lines dropped as malformed
+        self.net: _Netns | None = None
+        if config.netns or any(s.kind == "partition" for s in config.failures):
+            why = netns_unavailable()
+            if why is not None:
+                what = ("partition injection" if any(s.kind == "partition"
+                                                     for s in config.failures) else "--netns")
+                raise RuntimeError(f"{what} runs each group in a network namespace, "
+                                   f"and {why}")
+            if config.lighthouse is not None and _is_loopback_url(config.lighthouse):
+                raise ValueError(f"lighthouse {config.lighthouse} is a loopback address, "
+                                 "which the groups' network namespaces cannot reach; "
+                                 "give a routable address or let the launcher start one")
+            self.net = _Netns(config.groups)
 
     # -- public controls (call from on_tick or another thread) --
 
@@ -400,8 +892,9 @@ class Launcher:
 
     def _start_lighthouse(self) -> None:
         c = self.cfg
+        host = self.net.host_ip if self.net is not None else "127.0.0.1"
         flags = [
-            "--bind", "127.0.0.1:0",
+            "--bind", f"{host}:0",
             "--min_replicas", str(c.min_replicas),
             "--join_timeout_ms", str(c.join_timeout_ms),
             "--quorum_tick_ms", str(c.quorum_tick_ms),
@@ -453,27 +946,39 @@ class Launcher:
                 f"(exit status {self._lh_popen.poll()})"
             )
         port = int(advertised.rstrip("/").rsplit(":", 1)[1])
-        self.lighthouse_addr = f"http://127.0.0.1:{port}"
+        self.lighthouse_addr = f"http://{host}:{port}"
         self._record("lighthouse", impl=c.lighthouse_impl, address=self.lighthouse_addr,
                      pid=self._lh_popen.pid)
         self._say(f"{c.lighthouse_impl} lighthouse at {self.lighthouse_addr}")
 
     # -- groups --
 
-    def _new_store(self) -> Any:
+    def _master_addr(self, g: _Group) -> str:
+        return self.net.ip_of(g.gid) if self.net is not None else self.cfg.master_addr
+
+    def _new_store(self, g: _Group) -> Any:
         from torch.distributed import TCPStore  # deferred: torch is slow to import
 
-        return TCPStore(self.cfg.master_addr, 0, None, True, wait_for_workers=False)
+        addr = self._master_addr(g)
+        if self.net is None:
+            return TCPStore(addr, 0, None, True, wait_for_workers=False)
+        # Hosted inside the group's namespace, as torchrun's store lives on
+        # the group's own machine: a partition cuts the group off from the
+        # others, not from its store.
+        return self.net.call_in(
+            g.gid, lambda: TCPStore(addr, 0, None, True, wait_for_workers=False))
 
     def _launch(self, g: _Group) -> None:
         c = self.cfg
         g.incarnation += 1
         g.store = None  # the previous incarnation's store goes away
-        g.store = self._new_store()
+        g.store = self._new_store(g)
         g.workers = []
         g.first_commit_seen = False
         g.ready_at = None
-        g.injected = False
+        # An incarnation started inside a partition cannot reach the others:
+        # its failure is the injection's, not its own.
+        g.injected = g.partitioned
         g.last_quorum = None
         g.stopped = False
         base = dict(os.environ)
@@ -482,7 +987,7 @@ class Launcher:
             "WORLD_SIZE": str(c.nproc_per_group),
             "LOCAL_WORLD_SIZE": str(c.nproc_per_group),
             "GROUP_RANK": "0",
-            "MASTER_ADDR": c.master_addr,
+            "MASTER_ADDR": self._master_addr(g),
             "MASTER_PORT": str(g.store.port),
             "REPLICA_GROUP_ID": str(g.gid),
             "NUM_REPLICA_GROUPS": str(c.groups),
@@ -496,6 +1001,10 @@ class Launcher:
         })
         if c.stop_file:
             base[STOP_FILE_ENV] = c.stop_file
+        cmd = c.cmd
+        if self.net is not None:
+            base["STEPGUARD_ADVERTISE_HOST"] = self.net.ip_of(g.gid)
+            cmd = self.net.wrap(g.gid, c.cmd)
         for r in range(c.nproc_per_group):
             env = dict(base)
             env.update({"RANK": str(r), "LOCAL_RANK": str(r)})
@@ -506,7 +1015,7 @@ class Launcher:
                 )
             try:
                 p = subprocess.Popen(
-                    c.cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                    cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                     stdin=subprocess.DEVNULL, start_new_session=True,
                     pass_fds=(self._pipe_w,),
                 )
@@ -521,8 +1030,9 @@ class Launcher:
                      pids=[w.pid for w in g.workers], master_port=g.store.port)
         self._say(f"group {g.gid} {kind}ed (incarnation {g.incarnation}, "
                   f"pids {[w.pid for w in g.workers]})")
-        if g.gid in self._slow and self._slow[g.gid].get("cgroup"):
-            self._cgroup_add(self._slow[g.gid]["cgroup"], g)
+        if g.gid in self._slow and self._slow[g.gid]["cgroup"]:
+            assert self._cpu_limit is not None
+            self._cpu_limit.add(g.gid, [w.pid for w in g.workers])
 
     def _signal_group(self, g: _Group, sig: int) -> None:
         for w in g.workers:
@@ -694,6 +1204,13 @@ class Launcher:
                          step=rec.get("step"))
         if not committed:
             return
+        for h in [h for h in self._pending_heals if h["group"] == gid and t > h["t"]]:
+            self._pending_heals.remove(h)
+            self._record("recovery", t=t, kind="partition_heal", failure=h["failure"],
+                         group=gid, incarnation=g.incarnation,
+                         relaunched=g.incarnation != h["incarnation"], step=rec.get("step"),
+                         healed=rec.get("healed"), participants=rec.get("participants"),
+                         duration_s=round(t - h["t"], 6))
         if not g.first_commit_seen:
             g.first_commit_seen = True
             if g.incarnation > 0:
@@ -720,7 +1237,8 @@ class Launcher:
     def _pick_group(self, inj: _Injector) -> _Group | None:
         s = inj.spec
         running = [g for g in self.groups if g.state == "running" and not g.stopped
-                   and not (s.kind == "slow" and g.gid in self._slow)]
+                   and not (s.kind == "slow" and g.gid in self._slow)
+                   and not (s.kind == "partition" and g.partitioned)]
         if s.group is not None:
             cands = [g for g in running if g.gid == s.group]
         else:
@@ -775,73 +1293,87 @@ class Launcher:
             self._timers.append((time.monotonic() + s.duration, resume))
         elif s.kind == "slow":
             self._start_slow(g, s, fid)
+        elif s.kind == "partition":
+            self._start_partition(g, s, fid)
 
-    # slow: cgroup v2 cpu.max when possible, else duty cycling
-
-    def _cgroup_v2(self) -> Path | None:
-        root = Path("/sys/fs/cgroup")
-        try:
-            if "cpu" not in (root / "cgroup.controllers").read_text().split():
-                return None
-            if "cpu" not in (root / "cgroup.subtree_control").read_text().split():
-                (root / "cgroup.subtree_control").write_text("+cpu")
-            d = root / f"stepguard-launch-{os.getpid()}"
-            d.mkdir(exist_ok=True)
-            if "cpu" not in (d / "cgroup.controllers").read_text().split():
-                return None
-            (d / "cgroup.subtree_control").write_text("+cpu")
-            return d
-        except OSError:
-            return None
-
-    def _cgroup_add(self, cg: Path, g: _Group) -> None:
-        for w in g.workers:
-            with contextlib.suppress(OSError):
-                (cg / "cgroup.procs").write_text(str(w.pid))
+    # slow: cgroup v2 cpu.max, else cgroup v1 cfs quota, else duty cycling
 
     def _start_slow(self, g: _Group, s: FailureSpec, fid: int) -> None:
         now = time.time()
-        if self._cgroup_root is None:
-            self._cgroup_root = self._cgroup_v2()
-        st: dict[str, Any] = {"failure": fid, "cpu": s.cpu, "cgroup": None}
+        if not self._cpu_limit_probed:
+            self._cpu_limit_probed = True
+            self._cpu_limit = _CpuLimit.detect()
+        st: dict[str, Any] = {"failure": fid, "cpu": s.cpu, "cgroup": False}
         mechanism = "duty-cycle SIGSTOP/SIGCONT (100 ms period)"
-        if self._cgroup_root is not None:
-            cg = self._cgroup_root / f"group{g.gid}"
+        extra: dict[str, Any] = {}
+        lim = self._cpu_limit
+        if lim is not None:
             try:
-                cg.mkdir(exist_ok=True)
-                period = 100000
-                (cg / "cpu.max").write_text(f"{int(period * s.cpu)} {period}")
-                st["cgroup"] = cg
-                self._cgroup_add(cg, g)
-                mechanism = "cgroup v2 cpu.max"
-            except OSError:
-                st["cgroup"] = None
-        if st["cgroup"] is None:
+                lim.limit(g.gid, s.cpu)
+                moved = lim.add(g.gid, _group_pids([w.pid for w in g.workers]))
+                st["cgroup"] = True
+                mechanism = lim.mechanism
+                extra = {"cgroup": str(lim.groups[g.gid]), "processes": moved}
+            except OSError as e:
+                _log.warning("cgroup CPU limit failed (%s); duty cycling instead", e)
+                with contextlib.suppress(OSError):
+                    lim.release(g.gid)
+        if not st["cgroup"]:
             st["phase_until"] = time.monotonic()
             st["running"] = True
         self._slow[g.gid] = st
         self._record("inject", t=now, failure=fid, kind="slow", group=g.gid, cpu=s.cpu,
-                     duration_s=s.duration, mechanism=mechanism)
+                     duration_s=s.duration, mechanism=mechanism, **extra)
         self._say(f"injected slow #{fid}: group {g.gid} at {s.cpu:.0%} CPU via {mechanism}")
 
         def end() -> None:
             st2 = self._slow.pop(g.gid, None)
             if st2 is None:
                 return
-            if st2.get("cgroup") is not None:
-                with contextlib.suppress(OSError):
-                    (st2["cgroup"] / "cpu.max").write_text("max 100000")
+            fields: dict[str, Any] = {}
+            if st2["cgroup"] and self._cpu_limit is not None:
+                fields["throttled_periods"] = self._cpu_limit.throttled(g.gid)
+                self._cpu_limit.release(g.gid)
             else:
                 self._signal_group(g, signal.SIGCONT)
-            self._record("slow_end", failure=fid, group=g.gid)
+            self._record("slow_end", failure=fid, group=g.gid, **fields)
 
         self._timers.append((time.monotonic() + s.duration, end))
+
+    # partition: the group's link in the hub namespace goes down, then up
+
+    def _start_partition(self, g: _Group, s: FailureSpec, fid: int) -> None:
+        assert self.net is not None
+        now = time.time()
+        self.net.cut(g.gid)
+        g.partitioned = True
+        self._record("inject", t=now, failure=fid, kind="partition", group=g.gid,
+                     incarnation=g.incarnation, duration_s=s.duration,
+                     address=self.net.ip_of(g.gid),
+                     mechanism="veth link down in the hub namespace")
+        self._say(f"injected partition #{fid}: group {g.gid} ({self.net.ip_of(g.gid)}) "
+                  f"cut off for {s.duration}s")
+        self._pending_kills.append({"t": now, "group": g.gid, "failure": fid})
+        inc = g.incarnation
+
+        def heal() -> None:
+            assert self.net is not None
+            self.net.heal(g.gid)
+            g.partitioned = False
+            t = time.time()
+            self._record("partition_end", t=t, failure=fid, group=g.gid,
+                         incarnation=g.incarnation, duration_s=round(t - now, 6))
+            self._say(f"partition #{fid} healed: group {g.gid} is reachable again")
+            self._pending_heals.append({"t": t, "group": g.gid, "failure": fid,
+                                        "incarnation": inc})
+
+        self._timers.append((time.monotonic() + s.duration, heal))
 
     def _duty_cycle(self) -> None:
         now = time.monotonic()
         period = 0.1
         for gid, st in self._slow.items():
-            if st.get("cgroup") is not None or now < st["phase_until"]:
+            if st["cgroup"] or now < st["phase_until"]:
                 continue
             g = self.groups[gid]
             if g.state != "running" or g.stopped:
@@ -891,6 +1423,17 @@ class Launcher:
             self._record("start", groups=c.groups, nproc_per_group=c.nproc_per_group,
                          cmd=c.cmd, omp_threads=self._omp,
                          failures=[vars(s) for s in c.failures])
+            if self.net is not None:
+                swept = self.net.setup()
+                self._record("netns", subnet=f"{self.net.subnet}.0/24",
+                             host=self.net.host_ip, hub=self.net.hub,
+                             namespaces=self.net.group_ns,
+                             addresses=[self.net.ip_of(g.gid) for g in self.groups],
+                             hostnames=[self.net.hostname_of(g.gid) for g in self.groups],
+                             swept=swept)
+                self._say(f"groups in network namespaces {self.net.tag}g*, "
+                          f"{self.net.subnet}.0/24" +
+                          (f" (removed stale {', '.join(swept)})" if swept else ""))
             if self.lighthouse_addr is None:
                 self._start_lighthouse()
             for g in self.groups:
@@ -953,34 +1496,43 @@ class Launcher:
         # Ignore a second Ctrl-C while cleaning up, so nothing is left behind.
         in_main = threading.current_thread() is threading.main_thread()
         old_int = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
+        cleanup_problems: list[str] = []
         try:
-            live = [g for g in self.groups if any(w.returncode is None for w in g.workers)]
-            for g in live:
-                self._signal_group(g, signal.SIGCONT)
-                self._signal_group(g, signal.SIGTERM)
-            end = time.monotonic() + self.cfg.term_grace
-            for g in live:
-                for w in g.workers:
-                    if w.returncode is None:
-                        try:
-                            w.returncode = w.popen.wait(timeout=max(0.0, end - time.monotonic()))
-                        except subprocess.TimeoutExpired:
-                            pass
-            for g in self.groups:
-                self._signal_group(g, signal.SIGKILL)
-                for w in g.workers:
-                    if w.returncode is None:
-                        w.returncode = w.popen.wait()
-            if self._lh_popen is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self._lh_popen.pid, signal.SIGKILL)
-                self._lh_popen.wait()
-            if self._cgroup_root is not None:
-                for d in sorted(self._cgroup_root.glob("group*")):
-                    with contextlib.suppress(OSError):
-                        d.rmdir()
-                with contextlib.suppress(OSError):
-                    self._cgroup_root.rmdir()
+            try:
+                live = [g for g in self.groups if any(w.returncode is None for w in g.workers)]
+                for g in live:
+                    self._signal_group(g, signal.SIGCONT)
+                    self._signal_group(g, signal.SIGTERM)
+                end = time.monotonic() + self.cfg.term_grace
+                for g in live:
+                    for w in g.workers:
+                        if w.returncode is None:
+                            left = max(0.0, end - time.monotonic())
+                            try:
+                                w.returncode = w.popen.wait(timeout=left)
+                            except subprocess.TimeoutExpired:
+                                pass
+                for g in self.groups:
+                    self._signal_group(g, signal.SIGKILL)
+                    for w in g.workers:
+                        if w.returncode is None:
+                            w.returncode = w.popen.wait()
+                if self._lh_popen is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(self._lh_popen.pid, signal.SIGKILL)
+                    self._lh_popen.wait()
+            finally:
+                for g in self.groups:
+                    g.store = None  # a store's sockets keep its namespace alive
+                if self._cpu_limit is not None:
+                    try:
+                        self._cpu_limit.close()
+                    except OSError as e:
+                        cleanup_problems.append(f"cgroup: {e}")
+                if self.net is not None:
+                    cleanup_problems += self.net.cleanup()
+                for problem in cleanup_problems:
+                    _log.warning("cleanup: %s", problem)
         finally:
             # Every writer is gone now, so closing our write end lets the
             # reader see end-of-file after the last event.
@@ -998,7 +1550,7 @@ class Launcher:
                 except queue.Empty:
                     break
             self._record("end", restarts=sum(g.restarts for g in self.groups),
-                         bad_events=self.bad_events)
+                         bad_events=self.bad_events, cleanup_problems=cleanup_problems)
             for g in self.groups:
                 g.store = None
             if self._timeline is not None:
@@ -1020,10 +1572,16 @@ _MAX_EVENT = 65536  # longest accepted worker event line, in bytes
 # recorded as "worker_<name>" so it cannot be mistaken for one.
 _LAUNCHER_EVENTS = frozenset({
     "start", "lighthouse", "launch", "restart", "exit", "group_end", "group_done",
-    "give_up", "inject", "inject_skipped", "hang_end", "slow_end", "finish",
+    "give_up", "inject", "inject_skipped", "hang_end", "slow_end", "partition_end",
+    "netns", "finish",
     "duration_reached", "interrupted", "end", "commit", "discard", "quorum_change",
     "recovery",
 })
+
+
+def _is_loopback_url(url: str) -> bool:
+    host = re.sub(r"^[a-z]+://", "", url).rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _is_int(v: object) -> bool:
@@ -1077,6 +1635,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-file", default=None,
                    help="file through which finish(step) tells workers where to stop")
     p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--netns", action="store_true",
+                   help="run each group in its own network namespace (root; implied by "
+                   "partition injection)")
     p.add_argument("--no-python", action="store_true",
                    help="run SCRIPT as an executable, not with this Python")
     p.add_argument("-m", "--module", action="store_true",
@@ -1111,7 +1672,14 @@ def main(argv: list[str] | None = None) -> int:
         restart_delay=args.restart_delay, duration=args.duration, failures=failures,
         timeline=args.timeline, log_dir=args.log_dir, stop_file=args.stop_file,
         master_addr=args.master_addr, quiet=args.quiet, term_grace=args.term_grace,
+        netns=args.netns,
     )
+    if cfg.netns or any(f.kind == "partition" for f in failures):
+        why = netns_unavailable()
+        if why is not None:
+            print("stepguard-launch: partition injection and --netns run each group in "
+                  f"a network namespace, and {why}", file=sys.stderr)
+            return 2
     try:
         return Launcher(cfg).run()
     except (RuntimeError, ValueError, OSError) as e:

@@ -19,7 +19,12 @@ from pathlib import Path
 
 import pytest
 
+import stepguard.launch as launch_mod
 from stepguard.launch import LaunchConfig, Launcher, main, parse_failure_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_LLAMA = [str(ROOT / "examples" / "train_llama.py"), "--dim", "32", "--layers", "1",
+              "--heads", "2", "--hidden", "64", "--seq-len", "32", "--batch-size", "4"]
 
 FAKE_WORKER = r'''
 import os, subprocess, sys, time
@@ -309,19 +314,86 @@ def test_hang_then_kill(tmp_path: Path) -> None:
     assert len(_of(tl, "restart")) == 1
 
 
-def test_slow_duty_cycle_or_cgroup(tmp_path: Path) -> None:
-    """slow names its mechanism, and the group runs on afterwards."""
+def test_slow_duty_cycle_fallback(tmp_path: Path, monkeypatch) -> None:
+    """Without a usable cgroup, slow duty-cycles the group with SIGSTOP and
+    SIGCONT, says so, and the group runs on afterwards."""
+    monkeypatch.setattr(launch_mod._CpuLimit, "detect", classmethod(lambda cls: None))
     spec = parse_failure_spec("slow:start=0.2s,duration=1s,cpu=0.5,group=0")
     cfg = _config(tmp_path, groups=1, failures=[spec], env={"FAKE_STEPS": "60"})
     assert Launcher(cfg).run() == 0
     tl = _timeline(tmp_path / "tl.jsonl")
     inj = _of(tl, "inject", kind="slow")
     assert len(inj) == 1
-    assert inj[0]["mechanism"] in ("cgroup v2 cpu.max",
-                                   "duty-cycle SIGSTOP/SIGCONT (100 ms period)")
+    assert inj[0]["mechanism"] == "duty-cycle SIGSTOP/SIGCONT (100 ms period)"
     assert len(_of(tl, "slow_end")) == 1
     assert _of(tl, "group_done")
     assert len(_of(tl, "commit")) == 60
+
+
+def _cgroup_of(pid: int) -> str:
+    return Path(f"/proc/{pid}/cgroup").read_text()
+
+
+def test_slow_cgroup_during_training(tmp_path: Path) -> None:
+    """Two groups train a tiny Llama; once both commit together, group 1
+    gets 10% of a CPU for 4 s through a cgroup (v2 cpu.max, else v1 CFS
+    quota): its trainer is in the cgroup with that quota and is throttled,
+    afterwards it is back where it was and the cgroup is gone, and both
+    groups finish every step."""
+    probe = launch_mod._CpuLimit.detect()
+    if probe is None:
+        why = "no writable cgroup hierarchy with the cpu controller (needs root)"
+        print(f"SKIP: {why}", file=sys.stderr)
+        pytest.skip(why)
+    probe.close()
+    spec = parse_failure_spec("slow:start=600s,duration=4s,cpu=0.1,group=1")
+    seen: dict[str, object] = {}
+
+    def on_event(rec: dict) -> None:
+        ev = rec["event"]
+        if ev == "commit" and rec.get("participants") == 2 and "inject" not in seen:
+            seen[f"full{rec['group']}"] = True
+            if "full0" in seen and "full1" in seen:
+                seen["inject"] = True
+                launcher.injectors[0].next_at = launcher.elapsed()  # now
+        if ev == "inject":
+            tl = _timeline(tmp_path / "tl.jsonl")
+            starts = _of(tl, "launch", group=1) + _of(tl, "restart", group=1)
+            pid = starts[-1]["pids"][0]  # the incarnation now running
+            seen["pid"] = pid
+            seen["during"] = _cgroup_of(pid)
+            cg = Path(rec["cgroup"])
+            seen["quota"] = ((cg / "cpu.max").read_text() if (cg / "cpu.max").exists()
+                             else (cg / "cpu.cfs_quota_us").read_text())
+        if ev == "slow_end":
+            seen["after"] = _cgroup_of(seen["pid"])
+
+    cfg = LaunchConfig(
+        cmd=[sys.executable, *TINY_LLAMA, "--steps", "200", "--pg", "tcp",
+             "--step-sleep", "0.02"],
+        groups=2, failures=[spec], lighthouse=None, omp_threads=1, duration=150,
+        timeline=str(tmp_path / "tl.jsonl"), log_dir=str(tmp_path / "logs"), quiet=True)
+    launcher = Launcher(cfg, on_event=on_event)
+    assert launcher.run() == 0
+    tl = _timeline(tmp_path / "tl.jsonl")
+    inj = _of(tl, "inject", kind="slow")
+    assert len(inj) == 1, [r for r in tl if r["event"] not in ("commit", "discard")]
+    assert inj[0]["mechanism"] in ("cgroup v2 cpu.max", "cgroup v1 cpu.cfs_quota_us")
+    assert inj[0]["processes"] >= 1
+    cg = inj[0]["cgroup"]
+    name = f"stepguard-launch-{os.getpid()}/group1"
+    assert cg.endswith(name)
+    assert name in seen["during"]
+    assert seen["quota"].split()[0] == "10000"
+    end = _of(tl, "slow_end", group=1)
+    assert len(end) == 1 and end[0]["throttled_periods"] > 0
+    assert name not in seen["after"]
+    assert not Path(cg).exists() and not Path(cg).parent.exists()
+    # training went on through and after the slowdown, to the last step
+    after = [c for c in _of(tl, "commit", group=1) if c["t"] > end[0]["t"]]
+    assert after and after[-1]["step"] == 199
+    assert sorted(f["group"] for f in _of(tl, "finished", step=200)) == [0, 1]
+    assert len(_of(tl, "group_done")) == 2
 
 
 def test_sigint_stops_everything(tmp_path: Path) -> None:
@@ -360,7 +432,7 @@ def test_sigint_stops_everything(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("spec,needle", [
-    ("partition:every=10s", "not supported"),
+    ("partition:duration=5s", "give every= or start="),
     ("explode:every=1s", "unknown failure kind"),
     ("kill:every=soon", "expected a duration"),
     ("kill", "give every= or start="),
@@ -381,3 +453,26 @@ def test_schedule_parsing() -> None:
     assert (s.every, s.start, s.stop, s.random, s.seed, s.group, s.rank) == (
         20.0, 5.0, 120.0, True, 7, 1, 0)
     assert parse_failure_spec("hang:every=500ms").every == 0.5
+
+
+def test_partition_refused_without_root(tmp_path: Path, monkeypatch, capsys) -> None:
+    """partition and --netns need root and iproute2: refused, with the
+    reason, before anything starts."""
+    spec = parse_failure_spec("partition:start=5s,duration=2s")
+    assert (spec.kind, spec.start, spec.duration) == ("partition", 5.0, 2.0)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    cfg = _config(tmp_path, failures=[spec])
+    with pytest.raises(RuntimeError, match="network namespace, and network namespaces "
+                       "need root"):
+        Launcher(cfg)
+    assert main(["--inject", "partition:start=5s", "true"]) == 2
+    assert "need root" in capsys.readouterr().err
+    assert main(["--netns", "true"]) == 2
+    assert "need root" in capsys.readouterr().err
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    real_which = launch_mod.shutil.which
+    monkeypatch.setattr(launch_mod.shutil, "which",
+                        lambda name: None if name == "ip" else real_which(name))
+    with pytest.raises(RuntimeError, match="'ip' command"):
+        Launcher(_config(tmp_path, netns=True))
+    assert not (tmp_path / "tl.jsonl").exists()  # nothing started

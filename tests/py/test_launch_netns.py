@@ -1,0 +1,297 @@
+"""stepguard-launch with each replica group in its own network namespace:
+addresses and hostnames, cleanup on Ctrl-C and after a crashed launcher,
+and a partition of one group during real training (the others drop it and
+keep committing; healed, it rejoins; the timeline accounts for it).
+
+Needs root and iproute2; skipped, with the reason printed, elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stepguard.launch import LaunchConfig, Launcher, netns_unavailable, parse_failure_spec
+
+
+def _why_not() -> str | None:
+    why = netns_unavailable()
+    if why is not None:
+        return why
+    probe = f"sgln{os.getpid()}x"  # the launcher's own pattern: swept if left
+    p = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True,
+                       timeout=30)
+    if p.returncode != 0:
+        return f"cannot create a network namespace: {p.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
+    return None
+
+
+_WHY = _why_not()
+if _WHY is not None:
+    print(f"SKIP test_launch_netns: {_WHY}", file=sys.stderr)
+    pytest.skip(_WHY, allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = str(ROOT / "examples" / "train_llama.py")
+TINY = ["--dim", "32", "--layers", "1", "--heads", "2", "--hidden", "64",
+        "--seq-len", "32", "--batch-size", "4"]
+
+# Reports what the group sees of the network, then steps until told to stop.
+NET_WORKER = r'''
+import os, socket, sys, time
+from stepguard.launch import report, stop_step
+
+def reach(host, port):
+    try:
+        socket.create_connection((host, int(port)), timeout=3).close()
+        return True
+    except OSError as e:
+        return str(e)
+
+lh_host, lh_port = os.environ["TORCHFT_LIGHTHOUSE"].split("//")[1].rsplit(":", 1)
+name = socket.gethostname()
+peer = name.rsplit("-g", 1)[0] + "-g1"  # every group's name resolves in every group
+report("hello", pid=os.getpid(), hostname=name, resolved=socket.gethostbyname(name),
+       env={k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT",
+            "TORCHFT_LIGHTHOUSE", "STEPGUARD_ADVERTISE_HOST")},
+       lighthouse=reach(lh_host, lh_port),
+       store=reach(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]),
+       peer=reach(peer, 9) if not name.endswith("-g1") else None)
+step = 0
+while True:
+    stop = stop_step()
+    if stop is not None and step >= stop:
+        sys.exit(0)
+    time.sleep(0.05)
+    report("step", step=step, committed=True, participants=1)
+    step += 1
+'''
+
+
+def _timeline(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def _of(tl: list[dict], event: str, **match) -> list[dict]:
+    return [r for r in tl if r["event"] == event
+            and all(r.get(k) == v for k, v in match.items())]
+
+
+def _ours(tag: str) -> list[str]:
+    """Namespaces, root links and /etc/netns entries named after ``tag``."""
+    found = [n.split()[0] for n in subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True, timeout=30
+    ).stdout.splitlines() if n.startswith(tag)]
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True,
+                           timeout=30).stdout
+    found += [w.split("@")[0] for w in links.split() if w.startswith(tag)]
+    etc = Path("/etc/netns")
+    if etc.is_dir():
+        found += [str(d) for d in etc.iterdir() if d.name.startswith(tag)]
+    return found
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _wait_for(pred, timeout: float, what: str, p: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if p is not None and p.poll() is not None:
+            raise AssertionError(f"launcher exited with {p.returncode} before {what}: "
+                                 f"{p.stderr.read().decode(errors='replace')[-3000:]}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def _cli(tmp_path: Path, worker: Path, name: str, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "stepguard.launch", "--groups", "2", "--netns",
+         "--timeline", str(tmp_path / f"{name}.jsonl"), "--log-dir", str(tmp_path / name),
+         "--quiet", "--duration", "120", *extra, str(worker)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def test_sigint_removes_namespaces(tmp_path: Path) -> None:
+    """Ctrl-C ends the workers and removes every namespace, link and
+    /etc/netns entry of the launch."""
+    worker = tmp_path / "net_worker.py"
+    worker.write_text(NET_WORKER)
+    p = _cli(tmp_path, worker, "a")
+    pids: list[int] = []
+    try:
+        tl_path = tmp_path / "a.jsonl"
+        _wait_for(lambda: len(_of(_timeline(tl_path), "hello")) == 2, 90, "two workers", p)
+        tl = _timeline(tl_path)
+        pids = [h["pid"] for h in _of(tl, "hello")]
+        tag = f"sgln{p.pid}"
+        net = _of(tl, "netns")[0]
+        assert net["namespaces"] == [f"{tag}g0", f"{tag}g1"]
+        assert len(_ours(tag)) >= 4, _ours(tag)  # hub, 2 groups, root link, /etc
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=30) == 130
+        assert _ours(tag) == []
+        tl = _timeline(tl_path)
+        assert tl[-1]["event"] == "end" and tl[-1]["cleanup_problems"] == []
+        for pid in pids:
+            assert not Path(f"/proc/{pid}").exists() or \
+                Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=30)
+        _kill(pids)
+
+
+def test_addresses_and_sweep_after_a_crashed_launcher(tmp_path: Path) -> None:
+    """A SIGKILLed launcher leaves its namespaces; the next launch sweeps
+    them, and its groups get their own addresses and hostnames, reach the
+    lighthouse, their store and each other."""
+    worker = tmp_path / "net_worker.py"
+    worker.write_text(NET_WORKER)
+    p = _cli(tmp_path, worker, "crashed")
+    pids: list[int] = []
+    try:
+        tl_path = tmp_path / "crashed.jsonl"
+        _wait_for(lambda: len(_of(_timeline(tl_path), "hello")) == 2, 90, "two workers", p)
+        pids = [h["pid"] for h in _of(_timeline(tl_path), "hello")]
+        p.kill()
+        p.wait(timeout=30)
+        _kill(pids)
+        stale = f"sgln{p.pid}"
+        left = _ours(stale)
+        assert f"{stale}g0" in left and f"{stale}x" in left, left
+
+        tl2 = tmp_path / "tl.jsonl"
+        hellos_seen: list[dict] = []
+
+        def on_event(rec: dict) -> None:
+            if rec["event"] == "hello":
+                hellos_seen.append(rec)
+                if len(hellos_seen) == 2:
+                    launcher.finish(step=3)
+
+        cfg = LaunchConfig(cmd=[sys.executable, str(worker)], groups=2, netns=True,
+                           timeline=str(tl2), log_dir=str(tmp_path / "logs"),
+                           stop_file=str(tmp_path / "stop"), quiet=True, duration=90)
+        launcher = Launcher(cfg, on_event=on_event)
+        assert launcher.run() == 0
+        tl = _timeline(tl2)
+        net = _of(tl, "netns")[0]
+        assert f"{stale}g0" in net["swept"] and f"{stale}x" in net["swept"]
+        assert _ours(stale) == []
+        hellos = {h["group"]: h for h in _of(tl, "hello")}
+        for g in (0, 1):
+            h = hellos[g]
+            addr = net["addresses"][g]
+            assert h["hostname"] == net["hostnames"][g]
+            assert h["resolved"] == addr  # gethostname() resolves to the group's address
+            assert h["env"]["MASTER_ADDR"] == h["env"]["STEPGUARD_ADVERTISE_HOST"] == addr
+            assert h["env"]["TORCHFT_LIGHTHOUSE"].startswith(f"http://{net['host']}:")
+            assert h["lighthouse"] is True and h["store"] is True
+        # port 9 is closed: a refusal proves the packet got there and back
+        assert "refused" in str(hellos[0]["peer"]), hellos[0]["peer"]
+        assert _ours(f"sgln{os.getpid()}") == []
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=30)
+        _kill(pids)
+
+
+def test_loopback_lighthouse_is_refused() -> None:
+    cfg = LaunchConfig(cmd=["true"], netns=True, lighthouse="http://127.0.0.1:29510")
+    with pytest.raises(ValueError, match="loopback"):
+        Launcher(cfg)
+
+
+def test_partition_drops_the_group_then_it_rejoins(tmp_path: Path) -> None:
+    """Three groups train a tiny Llama; once all three commit together,
+    group 2 is cut off for 6 s.  The other two drop it and commit as two;
+    group 2 commits nothing while cut off; healed, it commits with all
+    three again (healing by recovery, or relaunched), and every replica
+    ends with the same parameters."""
+    spec = parse_failure_spec("partition:start=600s,duration=6s,group=2")
+    seen: dict[str, float] = {}
+    launcher: Launcher | None = None
+
+    def on_event(rec: dict) -> None:
+        ev = rec["event"]
+        if ev == "commit" and rec.get("participants") == 3 and "inject" not in seen:
+            seen.setdefault(f"full{rec['group']}", rec["t"])
+            if all(f"full{g}" in seen for g in range(3)):
+                seen["inject"] = rec["t"]
+                launcher.injectors[0].next_at = launcher.elapsed()  # now
+        if ev == "recovery" and rec.get("kind") == "partition_heal":
+            seen["healed"] = rec["t"]
+        if (ev == "commit" and "healed" in seen and rec.get("group") == 2
+                and rec.get("participants") == 3 and not launcher._finishing):
+            launcher.finish(step=rec["step"] + 5)
+
+    cfg = LaunchConfig(
+        cmd=[sys.executable, TRAIN, *TINY, "--pg", "tcp", "--pg-timeout", "2",
+             "--timeout", "4", "--quorum-timeout", "8", "--step-sleep", "0.1",
+             "--save-dir", str(tmp_path / "params")],
+        groups=3, failures=[spec], heartbeat_timeout_ms=1000,
+        timeline=str(tmp_path / "tl.jsonl"), log_dir=str(tmp_path / "logs"),
+        stop_file=str(tmp_path / "stop"), quiet=True, duration=150, omp_threads=1)
+    launcher = Launcher(cfg, on_event=on_event)
+    rc = launcher.run()
+    tl = _timeline(tmp_path / "tl.jsonl")
+    assert rc == 0 and not _of(tl, "duration_reached"), \
+        [r for r in tl if r["event"] not in ("commit", "discard")][-20:]
+    inj = _of(tl, "inject", kind="partition")
+    assert len(inj) == 1 and inj[0]["group"] == 2
+    end = _of(tl, "partition_end", failure=inj[0]["failure"])
+    assert len(end) == 1 and 5.5 < end[0]["t"] - inj[0]["t"] < 10
+    t0, t1 = inj[0]["t"], end[0]["t"]
+
+    commits = _of(tl, "commit")
+    # the others dropped group 2 and kept committing, as two
+    for g in (0, 1):
+        alone = [c for c in commits if c["group"] == g and t0 < c["t"] < t1
+                 and c["participants"] == 2]
+        assert len(alone) >= 3, (g, len(alone))
+    # group 2 could commit nothing while cut off (a step in flight at the
+    # cut gets a second)
+    cut = [c for c in commits if c["group"] == 2 and t0 + 1.0 < c["t"] < t1]
+    assert cut == [], cut
+    # healed, it commits with all three again
+    heal = _of(tl, "recovery", kind="partition_heal", failure=inj[0]["failure"])
+    assert len(heal) == 1 and heal[0]["group"] == 2 and heal[0]["t"] > t1
+    before = max(c["step"] for c in commits if c["group"] == 2 and c["t"] < t0 + 1.0)
+    after = [c for c in commits if c["group"] == 2 and c["t"] > t1]
+    assert after and after[0]["step"] > before + 1  # it caught up by recovery
+    assert any(c["participants"] == 3 for c in after)
+    relaunched = [r for r in _of(tl, "restart", group=2) if r["t"] > t0]
+    assert heal[0]["relaunched"] == bool(relaunched)
+    # the survivors' recovery is accounted to the same failure
+    surv = _of(tl, "recovery", kind="survivors", failure=inj[0]["failure"])
+    assert surv and all(s["group"] != 2 for s in surv)
+    # bit-identical replicas at the stop step
+    import torch
+
+    saved = [torch.load(tmp_path / "params" / f"params_g{g}_r0.pt") for g in range(3)]
+    assert len({s["step"] for s in saved}) == 1
+    for name, t in saved[0]["params"].items():
+        for other in saved[1:]:
+            assert torch.equal(t, other["params"][name]), name
+    assert _ours(f"sgln{os.getpid()}") == []

@@ -157,6 +157,14 @@ SG_EXPORT int sg_rpc_call_respond(sg_rpc_call_t *c, int grpc_status,
  */
 SG_EXPORT sg_rpc_blob_t *sg_rpc_blob_new(const uint8_t *body, size_t len);
 
+/*
+ * sg_rpc_blob_alloc: a blob of `len` bytes with one reference, for the
+ * caller to fill through *data before it first responds with it (so a
+ * body can be written in place instead of copied).  Returns NULL on
+ * SG_ENOMEM or when len > 4 GiB - 1.
+ */
+SG_EXPORT sg_rpc_blob_t *sg_rpc_blob_alloc(size_t len, uint8_t **data);
+
 /* sg_rpc_blob_unref: drop one reference (NULL is a no-op).  Loop thread. */
 SG_EXPORT void sg_rpc_blob_unref(sg_rpc_blob_t *b);
 

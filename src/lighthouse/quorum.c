@@ -20,10 +20,18 @@
  * the state in steps that cannot fail, so an SG_ENOMEM leaves the state as
  * it was.  Growing capacity is not a visible change.
  *
- * Cost of a decision with H heartbeat records, P participants and Q members
- * in the previous quorum: O(H + P + Q) hash lookups, O(P log Q) for the
- * shrink_only filter (binary search in the sorted previous quorum) and one
- * O(P log P) sort of the candidates.
+ * Cost.  The decision runs on every request, so with N replicas a round
+ * costs N decisions: each must be a pass over flat arrays, not N hash
+ * lookups on N cold strings.  A participant entry therefore carries the
+ * index of its heartbeat record (kept right when records move) and its index
+ * in the previous quorum (found once, at join, through a hash index of the
+ * previous quorum's ids).  A decision with H heartbeat records and P
+ * participants is O(H + P) without string compares; the fast quorum is a
+ * count; the candidates that were members of the previous quorum are put in
+ * order by their old index (it is sorted), so only newcomers are sorted by
+ * string, O(k log k) for k newcomers.  Applying a quorum that takes every
+ * participant clears the index at once, and the previous quorum's strings
+ * are freed after the caller has answered (sg__lh_free_retired).
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -216,9 +224,13 @@ typedef struct hb_s {
   int64_t last_ns; /* monotonic time last seen */
 } hb_t;
 
+#define NO_INDEX SIZE_MAX
+
 typedef struct part_s {
   sg__lh_member_t m; /* owned copy of the request */
   int64_t joined_ns; /* monotonic time of the request (or of its re-entry) */
+  size_t hb_idx;     /* its heartbeat record (every participant has one) */
+  size_t prev_idx;   /* its index in the previous quorum, or NO_INDEX */
 } part_t;
 
 struct sg__lh_state_s {
@@ -229,10 +241,13 @@ struct sg__lh_state_s {
   part_t *part; /* dense participant entries */
   size_t part_cap;
   idmap_t part_map;
-  int has_prev;         /* prev holds the last issued quorum */
-  sg__lh_quorum_t prev; /* owned */
-  int64_t quorum_id;    /* last issued id, or the restored floor */
-  size_t pruned_total;  /* heartbeat records dropped by prune */
+  int has_prev;            /* prev holds the last issued quorum */
+  sg__lh_quorum_t prev;    /* owned */
+  idmap_t prev_map;        /* replica id -> index in prev.members */
+  size_t prev_parts;       /* participants that are members of prev */
+  sg__lh_quorum_t retired; /* owned: the quorum prev replaced, to free */
+  int64_t quorum_id;       /* last issued id, or the restored floor */
+  size_t pruned_total;     /* heartbeat records dropped by prune */
 };
 
 static void quorum_clear(sg__lh_quorum_t *q) {
@@ -267,7 +282,9 @@ void sg__lh_state_free(sg__lh_state_t *st) {
   sg_free(st->part);
   idmap_free(&st->hb_map);
   idmap_free(&st->part_map);
+  idmap_free(&st->prev_map);
   quorum_clear(&st->prev);
+  quorum_clear(&st->retired);
   sg_free(st);
 }
 
@@ -278,15 +295,15 @@ void sg__lh_member_free(sg__lh_member_t *m) {
   sg_free(m->address);
   sg_free(m->store_address);
   sg_free(m->data);
-  sg_free(m->extra);
+  sg_free(m->wire);
   for (size_t i = 0; i < m->n_reconfigure_handles; i++)
     sg_free(m->reconfigure_handles[i]);
   sg_free(m->reconfigure_handles);
   m->reconfigure_handles = NULL;
   m->n_reconfigure_handles = 0;
   m->replica_id = m->address = m->store_address = m->data = NULL;
-  m->extra = NULL;
-  m->extra_len = 0;
+  m->wire = NULL;
+  m->wire_len = 0;
 }
 
 int sg__lh_member_copy(sg__lh_member_t *dst, const sg__lh_member_t *src) {
@@ -297,11 +314,11 @@ int sg__lh_member_copy(sg__lh_member_t *dst, const sg__lh_member_t *src) {
   dst->address = sg_strdup(src->address ? src->address : "");
   dst->store_address = sg_strdup(src->store_address ? src->store_address : "");
   dst->data = sg_strdup(src->data ? src->data : "");
-  if (src->extra_len && src->extra) {
-    dst->extra = sg_malloc(src->extra_len);
-    if (dst->extra) {
-      memcpy(dst->extra, src->extra, src->extra_len);
-      dst->extra_len = src->extra_len;
+  if (src->wire) {
+    dst->wire = sg_malloc(src->wire_len ? src->wire_len : 1);
+    if (dst->wire) {
+      memcpy(dst->wire, src->wire, src->wire_len);
+      dst->wire_len = src->wire_len;
     }
   }
   int nomem = 0;
@@ -317,7 +334,7 @@ int sg__lh_member_copy(sg__lh_member_t *dst, const sg__lh_member_t *src) {
     }
   }
   if (nomem || !dst->replica_id || !dst->address || !dst->store_address ||
-      !dst->data || (src->extra_len && src->extra && !dst->extra)) {
+      !dst->data || (src->wire && !dst->wire)) {
     sg__lh_member_free(dst);
     memset(dst, 0, sizeof(*dst));
     return SG_ENOMEM;
@@ -345,9 +362,17 @@ static int part_reserve(sg__lh_state_t *st) {
   return rc ? rc : idmap_reserve(&st->part_map, st->part_map.n + 1);
 }
 
-/* hb_remove: drop heartbeat record `idx`, freeing its id. */
+/* hb_remove: drop heartbeat record `idx`, freeing its id.  No participant
+ * may refer to it; the participant of the record moved into its place (if
+ * any) is told the new index. */
 static void hb_remove(sg__lh_state_t *st, size_t idx) {
   size_t last = st->hb_map.n - 1;
+  if (idx != last) {
+    long pi =
+        idmap_find(&st->part_map, st->hb[last].id, st->hb_map.hashes[last]);
+    if (pi >= 0)
+      st->part[pi].hb_idx = idx;
+  }
   sg_free(st->hb[idx].id);
   idmap_remove(&st->hb_map, idx);
   if (idx != last)
@@ -358,6 +383,8 @@ static void hb_remove(sg__lh_state_t *st, size_t idx) {
  * `keep_strings` (they were moved elsewhere). */
 static void part_remove(sg__lh_state_t *st, size_t idx, int keep_strings) {
   size_t last = st->part_map.n - 1;
+  if (st->part[idx].prev_idx != NO_INDEX)
+    st->prev_parts--;
   if (!keep_strings)
     sg__lh_member_free(&st->part[idx].m);
   idmap_remove(&st->part_map, idx);
@@ -365,15 +392,11 @@ static void part_remove(sg__lh_state_t *st, size_t idx, int keep_strings) {
     st->part[idx] = st->part[last];
 }
 
-/* in_prev: nonzero if `id` is a member of the previous quorum (sorted). */
-static int cmp_id_member(const void *key, const void *elem) {
-  return strcmp((const char *)key, ((const sg__lh_member_t *)elem)->replica_id);
-}
-
-static int in_prev(const sg__lh_state_t *st, const char *id) {
-  return st->has_prev && st->prev.n > 0 &&
-         bsearch(id, st->prev.members, st->prev.n, sizeof(*st->prev.members),
-                 cmp_id_member) != NULL;
+/* prev_index: the index of `id` (hash h) in the previous quorum, or
+ * NO_INDEX. */
+static size_t prev_index(const sg__lh_state_t *st, const char *id, uint64_t h) {
+  long k = st->has_prev ? idmap_find(&st->prev_map, id, h) : -1;
+  return k < 0 ? NO_INDEX : (size_t)k;
 }
 
 /* ---- inputs -------------------------------------------------------------- */
@@ -452,8 +475,12 @@ int sg__lh_join(sg__lh_state_t *st, const sg__lh_member_t *m, int64_t now_ns) {
   } else {
     pi = (long)idmap_insert(&st->part_map, copy.replica_id, h);
     st->part[pi].m = copy;
+    st->part[pi].prev_idx = prev_index(st, id, h);
+    if (st->part[pi].prev_idx != NO_INDEX)
+      st->prev_parts++;
   }
   st->part[pi].joined_ns = now_ns;
+  st->part[pi].hb_idx = (size_t)hi;
   memset(&copy, 0, sizeof(copy));
 out:
   sg_free(hb_id);
@@ -491,22 +518,62 @@ int sg__lh_mark_dead(sg__lh_state_t *st, const char *replica_id) {
 /* part_healthy: participant `i` has a heartbeat younger than hb_ns. */
 static int part_healthy(const sg__lh_state_t *st, size_t i, int64_t now,
                         uint64_t hb_ns) {
-  long hi =
-      idmap_find(&st->hb_map, st->part_map.keys[i], st->part_map.hashes[i]);
-  return hi >= 0 && age_ns(now, st->hb[hi].last_ns) < hb_ns;
+  return age_ns(now, st->hb[st->part[i].hb_idx].last_ns) < hb_ns;
 }
 
-static int cmp_member_ptr(const void *a, const void *b) {
-  const sg__lh_member_t *x = *(const sg__lh_member_t *const *)a;
-  const sg__lh_member_t *y = *(const sg__lh_member_t *const *)b;
-  return strcmp(x->replica_id, y->replica_id);
+/* A candidate that was not a member of the previous quorum. */
+typedef struct newcomer_s {
+  const char *id;
+  size_t idx; /* participant index */
+} newcomer_t;
+
+static int cmp_newcomer(const void *a, const void *b) {
+  return strcmp(((const newcomer_t *)a)->id, ((const newcomer_t *)b)->id);
+}
+
+/*
+ * order_candidates: sort the n candidates (participant indexes in idx[])
+ * by replica_id, in place.  Members of the previous quorum go by their
+ * index there (prev is sorted, so that is their string order) and only
+ * newcomers are compared as strings, then the two runs are merged.
+ * Scratch: `slot` has room for prev.n indexes, `nc` for n newcomers.
+ */
+static void order_candidates(const sg__lh_state_t *st, size_t *idx, size_t n,
+                             size_t *slot, newcomer_t *nc) {
+  size_t nprev = 0, nnew = 0;
+  for (size_t k = 0; k < st->prev.n; k++)
+    slot[k] = NO_INDEX;
+  for (size_t k = 0; k < n; k++) {
+    size_t q = st->part[idx[k]].prev_idx;
+    if (q != NO_INDEX) {
+      slot[q] = idx[k];
+      nprev++;
+    } else {
+      nc[nnew].id = st->part[idx[k]].m.replica_id;
+      nc[nnew++].idx = idx[k];
+    }
+  }
+  /* compact the members of prev, in prev's order, to slot[0..nprev) */
+  size_t j = 0;
+  for (size_t k = 0; j < nprev && k < st->prev.n; k++)
+    if (slot[k] != NO_INDEX)
+      slot[j++] = slot[k];
+  if (nnew > 1)
+    qsort(nc, nnew, sizeof(*nc), cmp_newcomer);
+  size_t a = 0, b = 0;
+  for (size_t o = 0; o < n; o++) {
+    int take_new =
+        b < nnew &&
+        (a == nprev || strcmp(nc[b].id, st->part[slot[a]].m.replica_id) < 0);
+    idx[o] = take_new ? nc[b++].idx : slot[a++];
+  }
 }
 
 /*
  * sg__lh_decide follows torchft's quorum_compute step by step: count the
  * healthy replicas and participants, build the metadata suffix, then try
  * the fast quorum, min_replicas, split brain and the join timeout in that
- * order.  Candidates are gathered and sorted only once a quorum is met.
+ * order.  Candidates are gathered and ordered only once a quorum is met.
  */
 int sg__lh_decide(const sg__lh_state_t *st, int64_t now_ns,
                   const sg__lh_opts_t *o, sg__lh_decision_t *out) {
@@ -519,12 +586,13 @@ int sg__lh_decide(const sg__lh_state_t *st, int64_t now_ns,
   uint64_t join_ns = ms_to_ns(o->join_timeout_ms);
   uint64_t min_replicas = o->min_replicas < 0 ? 0 : (uint64_t)o->min_replicas;
 
-  /* steps 1, 2 and 4 */
+  /* steps 1, 2 and 4, and how many previous members are healthy
+   * participants (a participant's prev_idx is unique to it) */
   size_t healthy_replicas = 0;
   for (size_t i = 0; i < st->hb_map.n; i++)
     if (age_ns(now_ns, st->hb[i].last_ns) < hb_ns)
       healthy_replicas++;
-  size_t healthy = 0;
+  size_t healthy = 0, prev_healthy = 0;
   int shrink_only = 0;
   int64_t first_joined = now_ns;
   for (size_t i = 0; i < st->part_map.n; i++) {
@@ -535,6 +603,8 @@ int sg__lh_decide(const sg__lh_state_t *st, int64_t now_ns,
     healthy++;
     if (st->part[i].m.shrink_only)
       shrink_only = 1;
+    if (st->part[i].prev_idx != NO_INDEX)
+      prev_healthy++;
   }
 
   /* step 5 */
@@ -546,17 +616,9 @@ int sg__lh_decide(const sg__lh_state_t *st, int64_t now_ns,
 
   /* step 6: fast quorum, when every previous member is a healthy
    * participant; it skips the checks below */
-  int met = 0;
-  if (st->has_prev) {
-    met = 1;
-    for (size_t k = 0; k < st->prev.n && met; k++) {
-      const char *id = st->prev.members[k].replica_id;
-      long pi = idmap_find(&st->part_map, id, hash_id(id));
-      met = pi >= 0 && part_healthy(st, (size_t)pi, now_ns, hb_ns);
-    }
-    if (met)
-      snprintf(out->reason, sizeof(out->reason), "Fast quorum found! %s", meta);
-  }
+  int met = st->has_prev && prev_healthy == st->prev.n;
+  if (met)
+    snprintf(out->reason, sizeof(out->reason), "Fast quorum found! %s", meta);
   if (!met) {
     if ((uint64_t)healthy < min_replicas) { /* step 7 */
       snprintf(out->reason, sizeof(out->reason),
@@ -583,30 +645,45 @@ int sg__lh_decide(const sg__lh_state_t *st, int64_t now_ns,
     snprintf(out->reason, sizeof(out->reason), "Valid quorum found %s", meta);
   }
 
-  /* steps 3 and 6 (shrink_only filter), then one sort */
-  const sg__lh_member_t **c = NULL;
-  size_t n = 0;
+  /* steps 3 and 6 (shrink_only filter), then the order.  One block holds
+   * the member pointers, their participant indexes and the scratch. */
+  size_t n = 0, nprev = 0;
   if (healthy > 0) {
-    c = sg_malloc(healthy * sizeof(*c));
-    if (!c)
+    size_t np = st->has_prev ? st->prev.n : 0;
+    size_t bytes = healthy * (sizeof(*out->members) + sizeof(size_t) +
+                              sizeof(newcomer_t)) +
+                   np * sizeof(size_t);
+    void *block = sg_malloc(bytes);
+    if (!block)
       return SG_ENOMEM; /* out->met stays 0; the reason is kept */
+    const sg__lh_member_t **c = block;
+    size_t *idx = (size_t *)(c + healthy);
+    newcomer_t *nc = (newcomer_t *)(idx + healthy);
+    size_t *slot = (size_t *)(nc + healthy);
     int filter = st->has_prev && shrink_only;
     for (size_t i = 0; i < st->part_map.n; i++) {
       if (!part_healthy(st, i, now_ns, hb_ns))
         continue;
-      if (filter && !in_prev(st, st->part_map.keys[i]))
+      int was_member = st->part[i].prev_idx != NO_INDEX;
+      if (filter && !was_member)
         continue;
-      c[n++] = &st->part[i].m;
+      nprev += (size_t)was_member;
+      idx[n++] = i;
     }
-    qsort(c, n, sizeof(*c), cmp_member_ptr);
+    order_candidates(st, idx, n, slot, nc);
+    for (size_t k = 0; k < n; k++)
+      c[k] = &st->part[idx[k]].m;
+    out->members = c;
+    out->part_idx = idx;
   }
   if (n == 0) {
-    sg_free(c);
-    c = NULL;
+    sg_free((void *)out->members);
+    out->members = NULL;
+    out->part_idx = NULL;
   }
   out->met = 1;
   out->n = n;
-  out->members = c;
+  out->same_as_prev = st->has_prev && nprev == n && n == st->prev.n;
   return 0;
 }
 
@@ -615,20 +692,25 @@ void sg__lh_decision_free(sg__lh_decision_t *d) {
     return;
   sg_free((void *)d->members);
   d->members = NULL;
+  d->part_idx = NULL;
   d->n = 0;
   d->met = 0;
+  d->same_as_prev = 0;
 }
 
 /*
- * sg__lh_tick: one allocation (the new quorum's member array) besides the
- * decision's; the members' strings move from the participant entries into
- * the quorum, so applying it cannot fail.
+ * sg__lh_tick: two allocations (the new quorum's member array and its id
+ * index) besides the decision's; the members' strings move from the
+ * participant entries into the quorum, so applying it cannot fail.  The
+ * quorum it replaces is retired, not freed (sg__lh_free_retired).
  */
 int sg__lh_tick(sg__lh_state_t *st, int64_t now_ns, int64_t wall_ns,
                 const sg__lh_opts_t *o, const sg__lh_quorum_t **issued,
                 char *reason, size_t reason_len) {
   sg__lh_decision_t d;
   sg__lh_member_t *qm = NULL;
+  idmap_t map;
+  memset(&map, 0, sizeof(map));
   if (issued)
     *issued = NULL;
   if (reason && reason_len > 0)
@@ -641,19 +723,20 @@ int sg__lh_tick(sg__lh_state_t *st, int64_t now_ns, int64_t wall_ns,
 
   if (d.n > 0) {
     qm = sg_malloc(d.n * sizeof(*qm));
-    if (!qm) {
-      rc = SG_ENOMEM;
+    rc = qm ? idmap_reserve(&map, d.n) : SG_ENOMEM;
+    if (rc)
       goto out;
-    }
   }
-  /* shallow copies first: removing entries below moves them in memory */
-  for (size_t k = 0; k < d.n; k++)
+  /* shallow copies and the new id index first: removing entries below
+   * moves them in memory */
+  for (size_t k = 0; k < d.n; k++) {
     qm[k] = *d.members[k];
+    idmap_insert(&map, qm[k].replica_id, st->part_map.hashes[d.part_idx[k]]);
+  }
 
-  /* the bump rule (reference 2.3) */
-  int changed = !st->has_prev || st->prev.n != d.n;
-  for (size_t k = 0; k < d.n && !changed; k++)
-    changed = strcmp(st->prev.members[k].replica_id, qm[k].replica_id) != 0;
+  /* the bump rule (reference 2.3): the ordered id lists differ unless the
+   * members are exactly the previous ones */
+  int changed = !d.same_as_prev;
   int failures = 0;
   for (size_t k = 0; k < d.n && !failures; k++)
     failures = qm[k].commit_failures > 0;
@@ -662,28 +745,49 @@ int sg__lh_tick(sg__lh_state_t *st, int64_t now_ns, int64_t wall_ns,
 
   /* included entries leave (their strings now belong to qm); the others
    * stay, re-entered at now_ns like torchft's waiting requesters */
-  for (size_t k = 0; k < d.n; k++) {
-    const char *id = qm[k].replica_id;
-    long pi = idmap_find(&st->part_map, id, hash_id(id));
-    part_remove(st, (size_t)pi, 1);
+  if (d.n == st->part_map.n) {
+    if (st->part_map.nslots)
+      memset(st->part_map.slots, 0,
+             st->part_map.nslots * sizeof(*st->part_map.slots));
+    st->part_map.n = 0;
+  } else {
+    for (size_t k = 0; k < d.n; k++) {
+      long pi = idmap_find(&st->part_map, qm[k].replica_id, map.hashes[k]);
+      part_remove(st, (size_t)pi, 1);
+    }
   }
-  for (size_t i = 0; i < st->part_map.n; i++)
-    st->part[i].joined_ns = now_ns;
 
-  quorum_clear(&st->prev);
+  quorum_clear(&st->retired);
+  st->retired = st->prev;
+  idmap_free(&st->prev_map);
+  st->prev_map = map;
+  memset(&map, 0, sizeof(map));
   st->prev.quorum_id = st->quorum_id;
   st->prev.created_wall_ns = wall_ns;
   st->prev.n = d.n;
   st->prev.members = qm;
   st->has_prev = 1;
   qm = NULL;
+  st->prev_parts = 0;
+  for (size_t i = 0; i < st->part_map.n; i++) {
+    part_t *p = &st->part[i];
+    p->joined_ns = now_ns;
+    p->prev_idx = prev_index(st, p->m.replica_id, st->part_map.hashes[i]);
+    st->prev_parts += p->prev_idx != NO_INDEX;
+  }
   if (issued)
     *issued = &st->prev;
   rc = 1;
 out:
+  idmap_free(&map);
   sg_free(qm);
   sg__lh_decision_free(&d);
   return rc;
+}
+
+void sg__lh_free_retired(sg__lh_state_t *st) {
+  if (st)
+    quorum_clear(&st->retired);
 }
 
 int64_t sg__lh_next_deadline(const sg__lh_state_t *st, int64_t now_ns,
@@ -730,7 +834,7 @@ size_t sg__lh_prune(sg__lh_state_t *st, int64_t now_ns, int64_t older_than_ms) {
       continue;
     const char *id = st->hb[i].id;
     if (idmap_find(&st->part_map, id, st->hb_map.hashes[i]) >= 0 ||
-        in_prev(st, id))
+        prev_index(st, id, st->hb_map.hashes[i]) != NO_INDEX)
       continue;
     hb_remove(st, i);
     dropped++;
@@ -784,6 +888,12 @@ int sg__lh_is_participant(const sg__lh_state_t *st, const char *replica_id) {
   if (!st || !replica_id)
     return 0;
   return idmap_find(&st->part_map, replica_id, hash_id(replica_id)) >= 0;
+}
+
+int sg__lh_is_member(const sg__lh_state_t *st, const char *replica_id) {
+  if (!st || !replica_id)
+    return 0;
+  return prev_index(st, replica_id, hash_id(replica_id)) != NO_INDEX;
 }
 
 size_t sg__lh_pruned_total(const sg__lh_state_t *st) {

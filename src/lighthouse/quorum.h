@@ -41,9 +41,10 @@ typedef struct sg__lh_member_s {
   int shrink_only;            /* bool */
   char **reconfigure_handles; /* owned: one per group rank, carried unread */
   size_t n_reconfigure_handles;
-  uint8_t *extra; /* owned: protobuf fields this version does not know,
-                     as wire bytes, sent back verbatim (forward compat) */
-  size_t extra_len;
+  uint8_t *wire; /* owned: this member's QuorumMember encoding, copied
+                    into answers (it keeps fields this version does not
+                    know); NULL: encoded from the fields above */
+  size_t wire_len;
 } sg__lh_member_t;
 
 typedef struct sg__lh_opts_s {
@@ -122,7 +123,9 @@ typedef struct sg__lh_decision_s {
   const sg__lh_member_t **members; /* owned array of pointers borrowed from
                                       the state, sorted by replica_id; NULL
                                       when n == 0 */
-  char reason[512];                /* torchft's reason string */
+  size_t *part_idx; /* the members' participant indexes (same block) */
+  int same_as_prev; /* the members are exactly the previous quorum's */
+  char reason[512]; /* torchft's reason string */
 } sg__lh_decision_t;
 
 /*
@@ -149,11 +152,16 @@ void sg__lh_decision_free(sg__lh_decision_t *d);
  * `reason` (may be NULL) receives the decision's reason, truncated to
  * reason_len.  Returns 1 with *issued set (borrowed, valid until the next
  * sg__lh_tick or sg__lh_state_free) when a quorum was issued, 0 when not,
- * or SG_EINVAL / SG_ENOMEM (state unchanged).
+ * or SG_EINVAL / SG_ENOMEM (state unchanged).  The quorum an issued one
+ * replaces is kept until sg__lh_free_retired, the next issue or
+ * sg__lh_state_free, so that freeing its strings need not delay answers.
  */
 int sg__lh_tick(sg__lh_state_t *st, int64_t now_ns, int64_t wall_ns,
                 const sg__lh_opts_t *o, const sg__lh_quorum_t **issued,
                 char *reason, size_t reason_len);
+
+/* sg__lh_free_retired: free the quorum the last issued one replaced. */
+void sg__lh_free_retired(sg__lh_state_t *st);
 
 /*
  * sg__lh_next_deadline: the earliest monotonic time > now_ns at which
@@ -204,6 +212,10 @@ const sg__lh_member_t *sg__lh_participant_at(const sg__lh_state_t *st, size_t i,
  */
 int sg__lh_is_healthy(const sg__lh_state_t *st, const char *replica_id,
                       int64_t now_ns, const sg__lh_opts_t *o);
+
+/* sg__lh_is_member: 1 if `replica_id` is a member of the last issued
+ * quorum, else 0.  O(1). */
+int sg__lh_is_member(const sg__lh_state_t *st, const char *replica_id);
 
 /* sg__lh_is_participant: 1 if `replica_id` has a pending entry, else 0. */
 int sg__lh_is_participant(const sg__lh_state_t *st, const char *replica_id);

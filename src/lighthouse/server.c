@@ -25,6 +25,7 @@
 
 #include <uv.h>
 
+#include "lighthouse/answer.h"
 #include "lighthouse/http.h"
 #include "lighthouse/quorum.h"
 #include "lighthouse/status.h"
@@ -176,108 +177,9 @@ static int check_wire(sg_lh_server_t *s, sg_rpc_call_t *call,
   return 0;
 }
 
-/* ---- unknown fields ---------------------------------------------------------
- *
- * A newer torchft may send QuorumMember fields this version does not know.
- * protobuf-c keeps them as (tag, wire type, raw value bytes); we store them
- * as their wire encoding in sg__lh_member_t.extra and give them back to
- * protobuf-c when the member is sent, so they reach every peer unchanged.
- */
-
-static size_t varint_put(uint8_t *out, uint64_t v) {
-  size_t n = 0;
-  do {
-    uint8_t b = v & 0x7f;
-    v >>= 7;
-    out[n++] = (uint8_t)(b | (v ? 0x80 : 0));
-  } while (v);
-  return n;
-}
-
-/* unknown_pack: the wire bytes of msg's unknown fields (sg_malloc'd). */
-static int unknown_pack(const ProtobufCMessage *msg, uint8_t **out,
-                        size_t *len) {
-  *out = NULL;
-  *len = 0;
-  size_t total = 0;
-  for (unsigned i = 0; i < msg->n_unknown_fields; i++)
-    total += 10 + msg->unknown_fields[i].len;
-  if (total == 0)
-    return 0;
-  uint8_t *buf = sg_malloc(total);
-  if (!buf)
-    return SG_ENOMEM;
-  size_t off = 0;
-  for (unsigned i = 0; i < msg->n_unknown_fields; i++) {
-    const ProtobufCMessageUnknownField *f = &msg->unknown_fields[i];
-    off += varint_put(buf + off, (uint64_t)f->tag << 3 | f->wire_type);
-    memcpy(buf + off, f->data, f->len);
-    off += f->len;
-  }
-  *out = buf;
-  *len = off;
-  return 0;
-}
-
-/* varint_len: length of the varint at p[0..n), 0 if malformed. */
-static size_t varint_len(const uint8_t *p, size_t n, uint64_t *v) {
-  uint64_t x = 0;
-  for (size_t i = 0; i < n && i < 10; i++) {
-    x |= (uint64_t)(p[i] & 0x7f) << (7 * i);
-    if (!(p[i] & 0x80)) {
-      *v = x;
-      return i + 1;
-    }
-  }
-  return 0;
-}
-
-/*
- * unknown_unpack: split wire bytes (made by unknown_pack, so well formed)
- * into protobuf-c unknown fields pointing into `p`.  Returns the count
- * placed in `out` (at most cap).
- */
-static size_t unknown_unpack(const uint8_t *p, size_t n,
-                             ProtobufCMessageUnknownField *out, size_t cap) {
-  size_t off = 0, k = 0;
-  while (off < n && k < cap) {
-    uint64_t key, v;
-    size_t kl = varint_len(p + off, n - off, &key);
-    if (!kl)
-      break;
-    off += kl;
-    size_t vl = 0;
-    switch (key & 7) {
-    case PROTOBUF_C_WIRE_TYPE_VARINT:
-      vl = varint_len(p + off, n - off, &v);
-      break;
-    case PROTOBUF_C_WIRE_TYPE_64BIT:
-      vl = 8;
-      break;
-    case PROTOBUF_C_WIRE_TYPE_32BIT:
-      vl = 4;
-      break;
-    case PROTOBUF_C_WIRE_TYPE_LENGTH_PREFIXED: {
-      size_t ll = varint_len(p + off, n - off, &v);
-      vl = ll && v <= n - off - ll ? ll + (size_t)v : 0;
-      break;
-    }
-    default:
-      vl = 0;
-    }
-    if (vl == 0 || vl > n - off)
-      break;
-    out[k].tag = (uint32_t)(key >> 3);
-    out[k].wire_type = (ProtobufCWireType)(key & 7);
-    out[k].len = vl;
-    out[k].data = (uint8_t *)p + off;
-    off += vl;
-    k++;
-  }
-  return k;
-}
-
-#define MAX_UNKNOWN 64 /* unknown fields kept per member */
+/* Unknown QuorumMember fields (from a newer torchft) kept per member: they
+ * stay in the member's encoding made at join, so they reach every peer. */
+#define MAX_UNKNOWN 64
 
 /* ---- quorum id persistence ----------------------------------------------- */
 
@@ -372,71 +274,6 @@ static void observe_decision(sg_lh_server_t *s, int64_t ns) {
 /* ---- the decision ----------------------------------------------------------
  */
 
-static sg_rpc_blob_t *encode_quorum(const sg__lh_quorum_t *q) {
-  Torchft__QuorumMember *members = NULL, **ptrs = NULL;
-  ProtobufCMessageUnknownField *unknown = NULL;
-  uint8_t *buf = NULL;
-  sg_rpc_blob_t *blob = NULL;
-  size_t n_unknown = 0;
-  for (size_t i = 0; i < q->n; i++)
-    n_unknown += q->members[i].extra_len ? MAX_UNKNOWN : 0;
-  members = sg_calloc(q->n ? q->n : 1, sizeof(*members));
-  ptrs = sg_calloc(q->n ? q->n : 1, sizeof(*ptrs));
-  unknown = sg_calloc(n_unknown ? n_unknown : 1, sizeof(*unknown));
-  if (!members || !ptrs || !unknown)
-    goto out;
-  ProtobufCMessageUnknownField *next_unknown = unknown;
-  for (size_t i = 0; i < q->n; i++) {
-    const sg__lh_member_t *m = &q->members[i];
-    torchft__quorum_member__init(&members[i]);
-    members[i].replica_id = m->replica_id;
-    members[i].address = m->address;
-    members[i].store_address = m->store_address;
-    members[i].data = m->data;
-    members[i].step = m->step;
-    members[i].world_size = m->world_size;
-    members[i].shrink_only = m->shrink_only != 0;
-    members[i].commit_failures = m->commit_failures;
-    members[i].n_reconfigure_handles = m->n_reconfigure_handles;
-    members[i].reconfigure_handles = m->reconfigure_handles;
-    if (m->extra_len) {
-      size_t k =
-          unknown_unpack(m->extra, m->extra_len, next_unknown, MAX_UNKNOWN);
-      members[i].base.n_unknown_fields = (unsigned)k;
-      members[i].base.unknown_fields = next_unknown;
-      next_unknown += k;
-    }
-    ptrs[i] = &members[i];
-  }
-  Google__Protobuf__Timestamp created = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
-  created.seconds = q->created_wall_ns / 1000000000;
-  created.nanos = (int32_t)(q->created_wall_ns % 1000000000);
-  Torchft__Quorum quorum = TORCHFT__QUORUM__INIT;
-  quorum.quorum_id = q->quorum_id;
-  quorum.n_participants = q->n;
-  quorum.participants = ptrs;
-  quorum.created = &created;
-  Torchft__LighthouseQuorumResponse resp =
-      TORCHFT__LIGHTHOUSE_QUORUM_RESPONSE__INIT;
-  resp.quorum = &quorum;
-  size_t len = torchft__lighthouse_quorum_response__get_packed_size(&resp);
-  buf = sg_malloc(len);
-  if (!buf)
-    goto out;
-  torchft__lighthouse_quorum_response__pack(&resp, buf);
-  blob = sg_rpc_blob_new(buf, len);
-out:
-  sg_free(buf);
-  sg_free(unknown);
-  sg_free(ptrs);
-  sg_free(members);
-  return blob;
-}
-
-static int cmp_id_member(const void *key, const void *elem) {
-  return strcmp((const char *)key, ((const sg__lh_member_t *)elem)->replica_id);
-}
-
 static void log_quorum(const sg__lh_quorum_t *q) {
   char line[900];
   size_t off = 0;
@@ -461,14 +298,12 @@ static void log_quorum(const sg__lh_quorum_t *q) {
  */
 static void answer_quorum(sg_lh_server_t *s, const sg__lh_quorum_t *q,
                           int64_t event_ns) {
-  sg_rpc_blob_t *blob = encode_quorum(q);
+  sg_rpc_blob_t *blob = sg__lh_answer_encode(q);
   observe_decision(s, sg_now_ns() - event_ns);
   struct pending *p = s->pending;
   while (p) {
     struct pending *next = p->next;
-    /* the members are sorted by replica_id (quorum.h) */
-    if (bsearch(p->replica_id, q->members, q->n, sizeof(*q->members),
-                cmp_id_member)) {
+    if (sg__lh_is_member(s->st, p->replica_id)) {
       pending_unlink(s, p);
       observe_latency(s, p->start_ns);
       if (blob)
@@ -592,6 +427,7 @@ static void process(sg_lh_server_t *s, int64_t event_ns) {
                "Detected quorum change, quorum id is now %lld",
                (long long)q->quorum_id);
       log_quorum(q);
+      sg__lh_free_retired(s->st);
       s->reason[0] = '\0'; /* log the next status afresh */
     }
   }
@@ -789,7 +625,7 @@ static void handle_quorum(sg_lh_server_t *s, sg_rpc_call_t *call,
            "requester has too many unknown fields");
     goto out;
   }
-  int rc = unknown_pack(&r->base, &m.extra, &m.extra_len);
+  int rc = sg__lh_member_wire(r, &m.wire, &m.wire_len);
   p = rc ? NULL : sg_calloc(1, sizeof(*p));
   if (p)
     p->replica_id = sg_strdup(r->replica_id);
@@ -810,10 +646,10 @@ static void handle_quorum(sg_lh_server_t *s, sg_rpc_call_t *call,
            sg_strerror(rc));
     if (p)
       pending_free(p);
-    sg_free(m.extra);
+    sg_free(m.wire);
     goto out;
   }
-  sg_free(m.extra); /* the state keeps its own copy */
+  sg_free(m.wire); /* the state keeps its own copy */
   p->call = call;
   p->start_ns = sg_now_ns();
   p->next = s->pending;

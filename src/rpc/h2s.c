@@ -706,7 +706,7 @@ int sg_rpc_call_respond_blob(sg_rpc_call_t *c, sg_rpc_blob_t *b) {
   return call_reply(c->h2, c, "200", SG_GRPC_OK, NULL, b);
 }
 
-sg_rpc_blob_t *sg_rpc_blob_new(const uint8_t *body, size_t len) {
+sg_rpc_blob_t *sg_rpc_blob_alloc(size_t len, uint8_t **data) {
   if (len > UINT32_MAX)
     return NULL;
   sg_rpc_blob_t *b = sg_malloc(sizeof(*b) + len);
@@ -714,8 +714,16 @@ sg_rpc_blob_t *sg_rpc_blob_new(const uint8_t *body, size_t len) {
     return NULL;
   b->refs = 1;
   b->len = len;
-  if (len)
-    memcpy(b->data, body, len);
+  if (data)
+    *data = b->data;
+  return b;
+}
+
+sg_rpc_blob_t *sg_rpc_blob_new(const uint8_t *body, size_t len) {
+  uint8_t *p;
+  sg_rpc_blob_t *b = sg_rpc_blob_alloc(len, &p);
+  if (b && len)
+    memcpy(p, body, len);
   return b;
 }
 

@@ -2,7 +2,8 @@
  * test_lighthouse.c: the lighthouse server and client in one process,
  * under the sanitizers: quorums from concurrent clients, connection
  * liveness, the HTTP side read while quorums change, auth, id persistence,
- * and stopping with calls in flight.
+ * stopping with calls in flight, and the answer's encoding (byte for byte
+ * what protobuf-c makes, unknown member fields carried to every peer).
  */
 #include <pthread.h>
 #include <setjmp.h>
@@ -18,8 +19,12 @@
 
 #include <cmocka.h>
 
+#include "lighthouse/answer.h"
+#include "rpc/h2s.h" /* the blob layout */
 #include "stepguard/base.h"
 #include "stepguard/lighthouse.h"
+#include "stepguard/rpc_client.h"
+#include "torchft.pb-c.h"
 
 static sg_lh_server_t *start(sg_lh_opts_t *o) {
   sg_lh_server_t *s = NULL;
@@ -355,6 +360,182 @@ static void test_stop_with_calls_in_flight(void **state) {
   sg_lh_client_free(c);
 }
 
+/* ---- the answer on the wire ------------------------------------------------
+ */
+
+/* A requester as a newer client sends it: known fields, then two this
+ * version does not know (field 100 varint 7, field 101 bytes "hi"). */
+static Torchft__QuorumMember *unpack_with_unknown(const char *id) {
+  Torchft__QuorumMember m = TORCHFT__QUORUM_MEMBER__INIT;
+  char *handles[] = {(char *)"h0", (char *)""};
+  m.replica_id = (char *)id;
+  m.address = (char *)"http://a:1";
+  m.store_address = (char *)"a:2";
+  m.data = (char *)"{\"x\": 1}";
+  m.step = -3;
+  m.world_size = 8;
+  m.shrink_only = 1;
+  m.commit_failures = 2;
+  m.n_reconfigure_handles = 2;
+  m.reconfigure_handles = handles;
+  uint8_t buf[256];
+  size_t n = torchft__quorum_member__pack(&m, buf);
+  static const uint8_t extra[] = {0xa0, 0x06, 0x07, 0xaa, 0x06, 2, 'h', 'i'};
+  memcpy(buf + n, extra, sizeof(extra));
+  Torchft__QuorumMember *r =
+      torchft__quorum_member__unpack(NULL, n + sizeof(extra), buf);
+  assert_non_null(r);
+  assert_int_equal(r->base.n_unknown_fields, 2);
+  return r;
+}
+
+static void test_answer_encoding_matches_protobuf_c(void **state) {
+  (void)state;
+  Torchft__QuorumMember *r = unpack_with_unknown("rep-a");
+  sg__lh_member_t ms[3];
+  memset(ms, 0, sizeof(ms));
+  /* 0: from a request, with its encoding (unknown fields in it) */
+  ms[0].replica_id = r->replica_id;
+  assert_int_equal(sg__lh_member_wire(r, &ms[0].wire, &ms[0].wire_len), 0);
+  /* 1: fields only, proto3 defaults everywhere */
+  ms[1].replica_id = (char *)"rep-b";
+  /* 2: fields only, everything set */
+  char *handles[] = {(char *)"x", (char *)"yy"};
+  ms[2].replica_id = (char *)"rep-c";
+  ms[2].address = (char *)"http://c:3";
+  ms[2].store_address = (char *)"c:4";
+  ms[2].data = (char *)"d";
+  ms[2].step = INT64_MAX;
+  ms[2].world_size = UINT64_MAX;
+  ms[2].shrink_only = 1;
+  ms[2].commit_failures = -1;
+  ms[2].reconfigure_handles = handles;
+  ms[2].n_reconfigure_handles = 2;
+
+  Torchft__QuorumMember pm[3], *pp[3] = {r, &pm[1], &pm[2]};
+  for (int i = 1; i < 3; i++) {
+    torchft__quorum_member__init(&pm[i]);
+    pm[i].replica_id = ms[i].replica_id;
+    pm[i].address = ms[i].address ? ms[i].address : (char *)"";
+    pm[i].store_address =
+        ms[i].store_address ? ms[i].store_address : (char *)"";
+    pm[i].data = ms[i].data ? ms[i].data : (char *)"";
+    pm[i].step = ms[i].step;
+    pm[i].world_size = ms[i].world_size;
+    pm[i].shrink_only = ms[i].shrink_only;
+    pm[i].commit_failures = ms[i].commit_failures;
+    pm[i].n_reconfigure_handles = ms[i].n_reconfigure_handles;
+    pm[i].reconfigure_handles = ms[i].reconfigure_handles;
+  }
+  static const struct {
+    int64_t id, wall_ns;
+    size_t n;
+  } cases[] = {{1, 1700000000123456789, 3},
+               {0, 0, 3},
+               {INT64_MAX, 999999999, 2},
+               {-5, 1000000000, 1},
+               {42, 5, 0}};
+  for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+    sg__lh_quorum_t q = {cases[c].id, cases[c].wall_ns, cases[c].n, ms};
+    sg_rpc_blob_t *blob = sg__lh_answer_encode(&q);
+    assert_non_null(blob);
+    Google__Protobuf__Timestamp ts = GOOGLE__PROTOBUF__TIMESTAMP__INIT;
+    ts.seconds = cases[c].wall_ns / 1000000000;
+    ts.nanos = (int32_t)(cases[c].wall_ns % 1000000000);
+    Torchft__Quorum quorum = TORCHFT__QUORUM__INIT;
+    quorum.quorum_id = cases[c].id;
+    quorum.n_participants = cases[c].n;
+    quorum.participants = pp;
+    quorum.created = &ts;
+    Torchft__LighthouseQuorumResponse resp =
+        TORCHFT__LIGHTHOUSE_QUORUM_RESPONSE__INIT;
+    resp.quorum = &quorum;
+    size_t len = torchft__lighthouse_quorum_response__get_packed_size(&resp);
+    uint8_t *want = malloc(len);
+    assert_non_null(want);
+    torchft__lighthouse_quorum_response__pack(&resp, want);
+    assert_int_equal(blob->len, len);
+    assert_memory_equal(blob->data, want, len);
+    free(want);
+    /* and it decodes, the unknown fields still on the first member */
+    Torchft__LighthouseQuorumResponse *back =
+        torchft__lighthouse_quorum_response__unpack(NULL, blob->len,
+                                                    blob->data);
+    assert_non_null(back);
+    assert_int_equal(back->quorum->n_participants, cases[c].n);
+    if (cases[c].n > 0) {
+      assert_string_equal(back->quorum->participants[0]->replica_id, "rep-a");
+      assert_int_equal(back->quorum->participants[0]->base.n_unknown_fields, 2);
+      assert_int_equal(back->quorum->participants[0]->step, -3);
+    }
+    torchft__lighthouse_quorum_response__free_unpacked(back, NULL);
+    sg_rpc_blob_unref(blob);
+  }
+  sg_free(ms[0].wire);
+  torchft__quorum_member__free_unpacked(r, NULL);
+}
+
+/* A field this version does not know, sent by one requester, reaches every
+ * member of the quorum through the server. */
+static void test_unknown_member_fields_reach_peers(void **state) {
+  (void)state;
+  sg_lh_opts_t o;
+  default_opts(&o);
+  o.min_replicas = 2;
+  sg_lh_server_t *s = start(&o);
+  struct req b = {
+      .c = connect_to(s, NULL), .id = "plain", .step = 1, .timeout_ms = 10000};
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, quorum_thread, &b), 0);
+
+  char target[64];
+  snprintf(target, sizeof(target), "http://127.0.0.1:%d", sg_lh_server_port(s));
+  sg_rpc_channel_opts_t co = {0};
+  co.target = target;
+  co.connect_timeout_ms = 10000;
+  sg_rpc_channel_t *ch = NULL;
+  sg_err_t err;
+  assert_int_equal(sg_rpc_channel_new(&co, &ch, &err), 0);
+  Torchft__QuorumMember *r = unpack_with_unknown("newer");
+  Torchft__LighthouseQuorumRequest req =
+      TORCHFT__LIGHTHOUSE_QUORUM_REQUEST__INIT;
+  req.requester = r;
+  uint8_t buf[512];
+  size_t n = torchft__lighthouse_quorum_request__pack(&req, buf);
+  uint8_t *resp = NULL;
+  size_t resp_len = 0;
+  int status = -1;
+  assert_int_equal(sg_rpc_channel_call(ch, "/torchft.LighthouseService/Quorum",
+                                       buf, n, sg_deadline_in_ms(10000), &resp,
+                                       &resp_len, &status, &err),
+                   0);
+  assert_int_equal(status, 0);
+  Torchft__LighthouseQuorumResponse *back =
+      torchft__lighthouse_quorum_response__unpack(NULL, resp_len, resp);
+  assert_non_null(back);
+  assert_int_equal(back->quorum->n_participants, 2);
+  const Torchft__QuorumMember *p = back->quorum->participants[0];
+  assert_string_equal(p->replica_id, "newer");
+  assert_int_equal(p->base.n_unknown_fields, 2);
+  assert_int_equal(p->base.unknown_fields[0].tag, 100);
+  assert_int_equal(p->base.unknown_fields[1].tag, 101);
+  assert_int_equal(p->base.unknown_fields[1].len, 3); /* length + "hi" */
+  assert_string_equal(back->quorum->participants[1]->replica_id, "plain");
+  assert_int_equal(back->quorum->participants[1]->base.n_unknown_fields, 0);
+  torchft__lighthouse_quorum_response__free_unpacked(back, NULL);
+  sg_free(resp);
+
+  pthread_join(t, NULL);
+  assert_int_equal(b.rc, 0);
+  assert_int_equal(b.q.n, 2);
+  assert_string_equal(b.q.members[0].replica_id, "newer");
+  sg_lh_quorum_free(&b.q);
+  sg_lh_client_free(b.c);
+  torchft__quorum_member__free_unpacked(r, NULL);
+  sg_rpc_channel_free(ch);
+  sg_lh_server_stop(s);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_invalid_options),
@@ -364,6 +545,8 @@ int main(void) {
       cmocka_unit_test(test_auth_token),
       cmocka_unit_test(test_quorum_ids_grow_across_restart),
       cmocka_unit_test(test_stop_with_calls_in_flight),
+      cmocka_unit_test(test_answer_encoding_matches_protobuf_c),
+      cmocka_unit_test(test_unknown_member_fields_reach_peers),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

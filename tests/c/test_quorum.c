@@ -1153,6 +1153,235 @@ static int64_t mono_ns(void) {
   return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+/* ---- the decision against a plain model ------------------------------------
+ *
+ * The state keeps indexes (a participant's heartbeat record, its place in
+ * the previous quorum) that must follow every move of the dense arrays, and
+ * orders candidates by those indexes.  A model with plain arrays and one
+ * string sort per decision (torchft's rules, 2.3-2.4, with our retained
+ * participants) is driven through the same random operations, heartbeats
+ * expiring and records moving under prune and mark_dead, and the decision,
+ * its reason, the members' order and the quorum id must agree throughout.
+ */
+
+enum { MODEL_IDS = 24 };
+
+typedef struct model_s {
+  int beat[MODEL_IDS];
+  int64_t last[MODEL_IDS];
+  int part[MODEL_IDS];
+  int64_t joined[MODEL_IDS];
+  int shrink[MODEL_IDS];
+  int64_t cf[MODEL_IDS];
+  int has_prev;
+  int prev[MODEL_IDS]; /* membership of the previous quorum */
+  int64_t quorum_id;
+} model_t;
+
+/* model ids sort like their names: "m00".."m23" */
+static void model_name(int i, char *out, size_t len) {
+  snprintf(out, len, "m%02d", i);
+}
+
+/* model_decide: met (0/1), the reason and the candidates in order. */
+static int model_decide(const model_t *m, int64_t now, const sg__lh_opts_t *o,
+                        char *reason, size_t rlen, int *cand, int *ncand) {
+  int64_t hb_ns = MS(o->heartbeat_timeout_ms), join_ns = MS(o->join_timeout_ms);
+  size_t hr = 0, healthy = 0, nparts = 0;
+  int shrink = 0, have_first = 0;
+  int64_t first = now;
+  for (int i = 0; i < MODEL_IDS; i++) {
+    int alive = m->beat[i] && now - m->last[i] < hb_ns;
+    hr += (size_t)alive;
+    nparts += (size_t)m->part[i];
+    if (m->part[i] && alive) {
+      healthy++;
+      shrink |= m->shrink[i];
+      if (!have_first || m->joined[i] < first)
+        first = m->joined[i];
+      have_first = 1;
+    }
+  }
+  char meta[160];
+  snprintf(meta, sizeof(meta),
+           "[%zu/%zu participants healthy][%zu heartbeating][shrink_only=%s]",
+           healthy, nparts, hr, shrink ? "true" : "false");
+  int met = 0;
+  if (m->has_prev) {
+    met = 1;
+    for (int i = 0; i < MODEL_IDS; i++)
+      if (m->prev[i] && !(m->part[i] && m->beat[i] && now - m->last[i] < hb_ns))
+        met = 0;
+  }
+  if (met) {
+    snprintf(reason, rlen, "Fast quorum found! %s", meta);
+  } else if ((int64_t)healthy < o->min_replicas) {
+    snprintf(reason, rlen,
+             "New quorum not ready, only have %zu participants, need "
+             "min_replicas %lld %s",
+             healthy, (long long)o->min_replicas, meta);
+    return 0;
+  } else if (healthy <= hr / 2) {
+    snprintf(reason, rlen,
+             "New quorum not ready, only have %zu participants, need at "
+             "least half of %zu healthy workers %s",
+             healthy, hr, meta);
+    return 0;
+  } else if (healthy != hr && now - first < join_ns) {
+    snprintf(reason, rlen,
+             "Valid quorum with %zu participants, waiting for %zu healthy "
+             "but not participating stragglers due to join timeout %s",
+             healthy, hr - healthy, meta);
+    return 0;
+  } else {
+    snprintf(reason, rlen, "Valid quorum found %s", meta);
+  }
+  *ncand = 0;
+  for (int i = 0; i < MODEL_IDS; i++) /* index order is name order */
+    if (m->part[i] && m->beat[i] && now - m->last[i] < hb_ns &&
+        !(m->has_prev && shrink && !m->prev[i]))
+      cand[(*ncand)++] = i;
+  return 1;
+}
+
+static void model_tick(model_t *m, int64_t now, const sg__lh_opts_t *o) {
+  char reason[512];
+  int cand[MODEL_IDS], n = 0;
+  if (!model_decide(m, now, o, reason, sizeof(reason), cand, &n))
+    return;
+  int in[MODEL_IDS] = {0};
+  for (int k = 0; k < n; k++)
+    in[cand[k]] = 1;
+  int changed = !m->has_prev, failures = 0;
+  for (int i = 0; i < MODEL_IDS; i++) {
+    changed |= m->has_prev && in[i] != m->prev[i];
+    failures |= in[i] && m->cf[i] > 0;
+  }
+  if (changed || failures)
+    m->quorum_id++;
+  for (int i = 0; i < MODEL_IDS; i++) {
+    m->prev[i] = in[i];
+    if (in[i])
+      m->part[i] = 0;
+    else if (m->part[i])
+      m->joined[i] = now;
+  }
+  m->has_prev = 1;
+}
+
+static void expect_same_decision(const sg__lh_state_t *st, const model_t *m,
+                                 int64_t now, const sg__lh_opts_t *o) {
+  char want[512], name[16];
+  int cand[MODEL_IDS], n = 0;
+  int met = model_decide(m, now, o, want, sizeof(want), cand, &n);
+  sg__lh_decision_t d;
+  assert_int_equal(sg__lh_decide(st, now, o, &d), 0);
+  assert_string_equal(d.reason, want);
+  assert_int_equal(d.met, met);
+  if (met) {
+    assert_int_equal(d.n, (size_t)n);
+    for (int k = 0; k < n; k++) {
+      model_name(cand[k], name, sizeof(name));
+      assert_string_equal(d.members[k]->replica_id, name);
+    }
+  }
+  sg__lh_decision_free(&d);
+}
+
+static void test_decision_against_model(void **state) {
+  (void)state;
+  sg__lh_state_t *st = new_state(MODEL_IDS);
+  model_t m;
+  memset(&m, 0, sizeof(m));
+  sg__lh_opts_t o = DEFAULT_OPTS;
+  o.min_replicas = 3;
+  o.heartbeat_timeout_ms = 50;
+  o.join_timeout_ms = 20;
+  uint64_t rng = 0x2545f4914f6cdd1du;
+  int64_t now = T0;
+  int quorums = 0, fast = 0, mixed = 0;
+  for (int step = 0; step < 40000; step++) {
+    rng = rng * 6364136223846793005u + 1442695040888963407u;
+    int id = (int)((rng >> 33) % MODEL_IDS), op = (int)((rng >> 24) % 16);
+    char name[16];
+    model_name(id, name, sizeof(name));
+    now += MS((int64_t)((rng >> 40) % 4)); /* 0-3 ms per operation */
+    if (op < 6) { /* join, now and then shrink_only or failing */
+      int shrink = (rng >> 50) % 23 == 0;
+      int64_t cf = (rng >> 45) % 13 == 0;
+      join_ex(st, name, now, step, shrink, cf);
+      m.beat[id] = m.part[id] = 1;
+      m.last[id] = now;
+      m.joined[id] = now; /* every request resets it (2.2) */
+      m.shrink[id] = shrink;
+      m.cf[id] = cf;
+    } else if (op < 9) {
+      hb(st, name, now);
+      m.beat[id] = 1;
+      m.last[id] = now;
+    } else if (op == 9) {
+      assert_int_equal(sg__lh_leave(st, name), m.part[id] ? 0 : SG_ENOTFOUND);
+      m.part[id] = 0;
+    } else if (op == 10) {
+      assert_int_equal(sg__lh_mark_dead(st, name),
+                       m.beat[id] || m.part[id] ? 0 : SG_ENOTFOUND);
+      m.beat[id] = m.part[id] = 0;
+    } else if (op == 11) {
+      size_t want = 0;
+      for (int i = 0; i < MODEL_IDS; i++)
+        if (m.beat[i] && now - m.last[i] >= MS(30) && !m.part[i] &&
+            !(m.has_prev && m.prev[i])) {
+          m.beat[i] = 0;
+          want++;
+        }
+      assert_int_equal(sg__lh_prune(st, now, 30), want);
+    } else if (op == 12) {
+      now += MS(40); /* let heartbeats expire */
+    } else {
+      int before_fast = m.has_prev;
+      for (int i = 0; i < MODEL_IDS && before_fast; i++)
+        if (m.prev[i] && !(m.part[i] && m.beat[i] &&
+                           now - m.last[i] < MS(o.heartbeat_timeout_ms)))
+          before_fast = 0;
+      expect_same_decision(st, &m, now, &o);
+      const sg__lh_quorum_t *q = tick(st, now, &o, NULL, 0);
+      int64_t id_before = m.quorum_id;
+      int had = m.has_prev;
+      model_tick(&m, now, &o);
+      if (q) {
+        quorums++;
+        fast += before_fast;
+        int members = 0;
+        for (size_t k = 0; k < q->n; k++)
+          assert_true(m.prev[atoi(q->members[k].replica_id + 1)]);
+        for (int i = 0; i < MODEL_IDS; i++)
+          members += m.prev[i];
+        assert_int_equal((int)q->n, members);
+        mixed += had && q->n > 0;
+        assert_int_equal(q->quorum_id, m.quorum_id);
+        if (step % 7 == 0)
+          sg__lh_free_retired(st);
+      } else {
+        assert_int_equal(m.quorum_id, id_before);
+      }
+    }
+    expect_same_decision(st, &m, now, &o);
+    assert_int_equal(sg__lh_quorum_id(st), m.quorum_id);
+    for (int i = 0; i < MODEL_IDS; i++) {
+      model_name(i, name, sizeof(name));
+      assert_int_equal(sg__lh_is_participant(st, name), m.part[i]);
+      assert_int_equal(sg__lh_is_member(st, name), m.has_prev && m.prev[i]);
+      assert_int_equal(sg__lh_is_healthy(st, name, now, &o),
+                       m.beat[i] && now - m.last[i] < MS(50));
+    }
+  }
+  /* the walk reached the interesting cases */
+  print_message("model: %d quorums, %d fast, %d after a previous one\n",
+                quorums, fast, mixed);
+  assert_true(quorums > 100 && fast > 10 && mixed > 50);
+  sg__lh_state_free(st);
+}
+
 static void test_1000_replicas(void **state) {
   (void)state;
   enum { N = 1000 };
@@ -1238,6 +1467,7 @@ int main(void) {
       cmocka_unit_test(test_mark_dead_and_rejoin),
       cmocka_unit_test(test_pending_unincluded_participants_are_retained),
       cmocka_unit_test(test_next_deadline),
+      cmocka_unit_test(test_decision_against_model),
       cmocka_unit_test(test_prune),
       cmocka_unit_test(test_max_replicas),
       cmocka_unit_test(test_index_against_model),

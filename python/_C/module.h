@@ -7,6 +7,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <pthread.h>
+#include <sys/types.h>
+
 #include "stepguard/base.h"
 
 typedef struct {
@@ -34,11 +37,59 @@ PyObject *sg_py_raise(sg_py_state *st, int code, const char *detail);
 int64_t sg_py_timeout_ms(double seconds);
 
 /*
+ * A task: fn(arg) run on a persistent worker thread (see blocking.c).  The
+ * owner keeps it in place (it may be embedded in an object) from
+ * sg_py_task_start until sg_py_task_wait returns.
+ */
+typedef struct sg_py_task_s sg_py_task_t;
+struct sg_py_task_s {
+  void (*fn)(void *);
+  void *arg;
+  sg_py_task_t *next; /* the pool's queue */
+  pthread_mutex_t mu; /* guards done */
+  pthread_cond_t cv;  /* signalled once done is set */
+  int done;           /* fn has returned */
+  pid_t pid;          /* the process whose worker runs it */
+};
+
+/*
+ * sg_py_task_start: start fn(arg) on a worker thread without the GIL and
+ * return at once.  Call with the GIL held.  0, or -1 with an exception set
+ * (no thread could be had; fn will not run).  After 0, sg_py_task_wait
+ * must be called exactly once.
+ */
+int sg_py_task_start(sg_py_task_t *t, void (*fn)(void *), void *arg);
+
+/* sg_py_task_done: nonzero once fn has returned (never blocks long). */
+int sg_py_task_done(sg_py_task_t *t);
+
+/*
+ * sg_py_task_wait: wait for the task with the GIL released, then release
+ * what sg_py_task_start took.  On the main thread, signal handlers run
+ * every 100 ms; when one raises, abort_fn(arg) (may be NULL) is called
+ * once without the GIL, the task is still waited for, and -1 is returned
+ * with the exception set.  Otherwise 0.  A task started before fork()
+ * cannot finish in the child: there it fails at once (-1, RuntimeError).
+ * Call with the GIL held; fn must return promptly after abort_fn.
+ */
+int sg_py_task_wait(sg_py_task_t *t, void (*abort_fn)(void *), void *arg);
+
+/*
+ * sg_py_task_join: sg_py_task_wait without running signal handlers, for
+ * a task already aborted (a deallocator).  GIL held (released while
+ * waiting).
+ */
+void sg_py_task_join(sg_py_task_t *t);
+
+/*
  * sg_py_blocking: run fn(arg) so that Ctrl-C can stop it (see blocking.c).
- * Call with the GIL held; fn runs without it on another thread.  On a
- * signal whose handler raises, abort_fn(arg) is called once (from this
- * thread, without the GIL) and -1 is returned with the exception set after
- * fn has returned; otherwise 0.  fn must return promptly after abort_fn.
+ * Call with the GIL held; fn runs without it, on a worker thread when
+ * called from the main thread (which keeps running signal handlers), in
+ * place otherwise.  On a signal whose handler raises, abort_fn(arg) is
+ * called once (from this thread, without the GIL) and -1 is returned with
+ * the exception set after fn has returned; -1 with an exception also when
+ * no worker could be had; otherwise 0.  fn must return promptly after
+ * abort_fn.
  */
 int sg_py_blocking(void (*fn)(void *), void (*abort_fn)(void *), void *arg);
 

@@ -8,6 +8,13 @@
  * The Kill handler runs on the server's thread: it takes the GIL and calls
  * the Python callable given at construction (the package's default logs and
  * ends the process).
+ *
+ * ManagerClient._quorum_start / _quorum_wait split a quorum in two: the call
+ * starts on a worker thread at once and the caller collects the result
+ * later.  The Manager starts a step's quorum that way, so the call runs
+ * during the forward pass without a Python thread (which would first have
+ * to win the GIL from the forward pass).  One such call per client at a
+ * time; deallocating a client aborts and waits for it.
  */
 #include "module.h"
 
@@ -229,9 +236,12 @@ static PyType_Spec mserver_spec = {
 /* ---- ManagerClient ---------------------------------------------------------
  */
 
+struct mcall;
+
 typedef struct {
   PyObject_HEAD sg_mgr_client_t *cli;
-  int inflight; /* calls running without the GIL */
+  int inflight;         /* calls running without the GIL */
+  struct mcall *queued; /* _quorum_start's call, until _quorum_wait */
 } mgr_client_obj;
 
 static int mclient_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
@@ -291,6 +301,9 @@ struct mcall {
   int decision;
   sg_err_t err;
   int rc;
+  sg_py_task_t task; /* _quorum_start: the worker running it */
+  char *own_str;     /* _quorum_start: owned copies of str and handle */
+  char *own_handle;
 };
 
 static void mcall_run(void *arg) {
@@ -426,6 +439,104 @@ static PyObject *mclient_quorum(PyObject *self_obj, PyObject *args,
   return d;
 }
 
+static void mcall_free(struct mcall *c) {
+  sg_mgr_quorum_result_free(&c->r);
+  sg_free(c->own_str);
+  sg_free(c->own_handle);
+  sg_free(c);
+}
+
+/*
+ * _quorum_start: the arguments of _quorum; starts the call on a worker and
+ * returns None at once.  RuntimeError if one is already started and not yet
+ * collected by _quorum_wait.
+ */
+static PyObject *mclient_quorum_start(PyObject *self_obj, PyObject *args,
+                                      PyObject *kw) {
+  static char *kwlist[] = {"group_rank",
+                           "step",
+                           "checkpoint_metadata",
+                           "shrink_only",
+                           "init_sync",
+                           "commit_failures",
+                           "timeout_s",
+                           "reconfigure_handle",
+                           NULL};
+  mgr_client_obj *self = (mgr_client_obj *)self_obj;
+  const char *md, *handle = "";
+  int shrink_only, init_sync;
+  double timeout_s;
+  long long g, step, cf;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "LLsppLd|s:_quorum_start", kwlist,
+                                   &g, &step, &md, &shrink_only, &init_sync,
+                                   &cf, &timeout_s, &handle))
+    return NULL;
+  if (mclient_guard(self) < 0)
+    return NULL;
+  if (self->queued) {
+    PyErr_SetString(PyExc_RuntimeError,
+                    "a quorum is already started; _quorum_wait() first");
+    return NULL;
+  }
+  int64_t ms = sg_py_timeout_ms(timeout_s);
+  if (ms < 0)
+    return NULL;
+  struct mcall *c = sg_calloc(1, sizeof(*c));
+  if (!c)
+    return PyErr_NoMemory();
+  c->own_str = sg_strdup(md);
+  c->own_handle = sg_strdup(handle);
+  if (!c->own_str || !c->own_handle) {
+    mcall_free(c);
+    return PyErr_NoMemory();
+  }
+  c->self = self;
+  c->kind = MC_QUORUM;
+  c->group_rank = g;
+  c->step = step;
+  c->str = c->own_str;
+  c->handle = c->own_handle;
+  c->shrink_only = shrink_only;
+  c->init_sync = init_sync;
+  c->commit_failures = cf;
+  c->deadline = sg_deadline_in_ms(ms);
+  sg_err_clear(&c->err);
+  if (sg_py_task_start(&c->task, mcall_run, c) < 0) {
+    mcall_free(c);
+    return NULL;
+  }
+  self->queued = c;
+  self->inflight++;
+  Py_RETURN_NONE;
+}
+
+/*
+ * _quorum_wait: the result of the call _quorum_start started, as _quorum
+ * returns it (and raising what it raises).  Waits without the GIL; on the
+ * main thread Ctrl-C aborts the client and raises.  RuntimeError if no
+ * call was started.
+ */
+static PyObject *mclient_quorum_wait(PyObject *self_obj, PyObject *unused) {
+  mgr_client_obj *self = (mgr_client_obj *)self_obj;
+  struct mcall *c = self->queued;
+  if (!c) {
+    PyErr_SetString(PyExc_RuntimeError, "no quorum was started");
+    return NULL;
+  }
+  self->queued = NULL; /* a concurrent waiter finds none */
+  int rc = sg_py_task_wait(&c->task, mcall_abort, c);
+  self->inflight--;
+  PyObject *d = NULL;
+  if (rc == 0) {
+    if (c->rc)
+      sg_py_raise(sg_py_state_of_type(Py_TYPE(self)), c->rc, c->err.msg);
+    else
+      d = result_dict(&c->r);
+  }
+  mcall_free(c);
+  return d;
+}
+
 static PyObject *mclient_metadata(PyObject *self_obj, PyObject *args,
                                   PyObject *kw) {
   static char *kwlist[] = {"rank", "timeout_s", NULL};
@@ -514,6 +625,15 @@ static PyObject *mclient_close(PyObject *self_obj, PyObject *unused) {
 static void mclient_dealloc(PyObject *self_obj) {
   mgr_client_obj *self = (mgr_client_obj *)self_obj;
   PyTypeObject *tp = Py_TYPE(self);
+  struct mcall *c = self->queued;
+  if (c) {
+    /* nobody will collect it: end it now, it uses the client */
+    self->queued = NULL;
+    if (!sg_py_task_done(&c->task))
+      sg_mgr_client_abort(self->cli);
+    sg_py_task_join(&c->task);
+    mcall_free(c);
+  }
   mclient_close_now(self);
   tp->tp_free(self_obj);
   Py_DECREF(tp);
@@ -524,6 +644,14 @@ static PyMethodDef mclient_methods[] = {
      METH_VARARGS | METH_KEYWORDS,
      "_quorum(group_rank, step, checkpoint_metadata, shrink_only, init_sync, "
      "commit_failures, timeout_s, reconfigure_handle='') -> dict"},
+    {"_quorum_start", (PyCFunction)(void (*)(void))mclient_quorum_start,
+     METH_VARARGS | METH_KEYWORDS,
+     "_quorum_start(group_rank, step, checkpoint_metadata, shrink_only, "
+     "init_sync, commit_failures, timeout_s, reconfigure_handle='') -> None: "
+     "start a quorum call in the background (one at a time)."},
+    {"_quorum_wait", mclient_quorum_wait, METH_NOARGS,
+     "_quorum_wait() -> dict: the result of the started quorum call (raises "
+     "its error)."},
     {"_checkpoint_metadata", (PyCFunction)(void (*)(void))mclient_metadata,
      METH_VARARGS | METH_KEYWORDS,
      "_checkpoint_metadata(rank, timeout_s) -> str"},

@@ -3,9 +3,9 @@
 Every step is a transaction over the replica groups in the current quorum:
 
 1. ``start_quorum()`` (from ``Optimizer.zero_grad``) asks the group's manager
-   server for this step's quorum, on a background thread.  On a new quorum
-   the replica process group is rebuilt; a replica that is behind fetches
-   the state of an up-to-date one (live recovery) while the others serve it.
+   server for this step's quorum, in the background.  On a new quorum the
+   replica process group is rebuilt; a replica that is behind fetches the
+   state of an up-to-date one (live recovery) while the others serve it.
 2. ``allreduce()`` (from the DDP comm hook) averages gradients over the
    participating replicas; a failure marks the step failed instead of
    raising.
@@ -32,6 +32,7 @@ import logging
 import os
 import re
 import socket
+import threading
 import traceback
 import uuid
 import weakref
@@ -531,15 +532,21 @@ class Manager:
         self._errored = None
         self._healing = False
 
-        self._quorum_future = self._executor.submit(
-            self._async_quorum,
-            allow_heal=allow_heal,
-            shrink_only=shrink_only,
-            quorum_timeout=timeout or self._quorum_timeout,
-            curr_device=(
-                torch.accelerator.current_device_index() if _accelerator() else -1
-            ),
-        )
+        curr_device = torch.accelerator.current_device_index() if _accelerator() else -1
+        quorum_timeout = timeout or self._quorum_timeout
+        native = self._native_client()
+        if native is not None:
+            self._quorum_future = _NativeQuorum(
+                self, native, allow_heal, shrink_only, quorum_timeout, curr_device
+            )
+        else:
+            self._quorum_future = self._executor.submit(
+                self._async_quorum,
+                allow_heal=allow_heal,
+                shrink_only=shrink_only,
+                quorum_timeout=quorum_timeout,
+                curr_device=curr_device,
+            )
         if not self._use_async_quorum:
             self.wait_quorum()
             if self._healing:
@@ -560,6 +567,24 @@ class Manager:
         opts.timeout = self._timeout
         self._pg.reconfigure(opts).wait()  # type: ignore[attr-defined]
 
+    def _native_client(self) -> Optional[object]:
+        """The extension's client under ``self._client`` when it can start
+        a quorum without a Python thread (a stand-in client cannot)."""
+        if not isinstance(self._client, ManagerClient):
+            return None
+        native = getattr(self._client, "_client", None)
+        return native if hasattr(native, "_quorum_start") else None
+
+    def _reconfigure_handle(self) -> str:
+        if hasattr(self._pg, "get_reconfigure_handle"):
+            try:
+                return self._pg.get_reconfigure_handle()
+            except Exception as e:  # noqa: BLE001 - fall back to the quorum's store
+                # Without our handle no replica gets a full handle list, so
+                # every one meets on the quorum's store instead.
+                self._logger.exception(f"no reconfigure handle, using the quorum store: {e}")
+        return ""
+
     def _async_quorum(
         self,
         allow_heal: bool,
@@ -567,17 +592,11 @@ class Manager:
         quorum_timeout: timedelta,
         curr_device: int,
     ) -> None:
+        """The quorum on the executor thread (a client that cannot start a
+        call in the background)."""
         if curr_device >= 0 and _accelerator():
             torch.accelerator.set_device_index(curr_device)
 
-        handle = ""
-        if hasattr(self._pg, "get_reconfigure_handle"):
-            try:
-                handle = self._pg.get_reconfigure_handle()
-            except Exception as e:  # noqa: BLE001 - fall back to the quorum's store
-                # Without our handle no replica gets a full handle list, so
-                # every one meets on the quorum's store instead.
-                self._logger.exception(f"no reconfigure handle, using the quorum store: {e}")
         quorum = self._client._quorum(
             group_rank=self._group_rank,
             step=self._step,
@@ -586,8 +605,27 @@ class Manager:
             timeout=quorum_timeout,
             init_sync=self._init_sync,
             commit_failures=self._commit_failures,
-            reconfigure_handle=handle,
+            reconfigure_handle=self._reconfigure_handle(),
         )
+        self._apply_quorum(quorum, allow_heal, curr_device)
+
+    def _quorum_is_quiet(self, quorum: QuorumResult, allow_heal: bool) -> bool:
+        """Whether applying ``quorum`` only records the participation: the
+        same quorum as the last step's and nothing to send or fetch."""
+        return quorum.quorum_id == self._quorum_id and (
+            not allow_heal
+            or (
+                not quorum.heal
+                and not quorum.recover_dst_replica_ranks
+                and not self._serves_stripes(quorum)
+            )
+        )
+
+    def _apply_quorum(self, quorum: QuorumResult, allow_heal: bool, curr_device: int) -> None:
+        """Everything a quorum entails after the call: participation,
+        reconfiguring the process group, sending and fetching state."""
+        if curr_device >= 0 and _accelerator():
+            torch.accelerator.set_device_index(curr_device)
 
         quorum_id = quorum.quorum_id
         replica_rank = quorum.replica_rank
@@ -912,6 +950,69 @@ class Manager:
             assert self._use_async_quorum
             return False
         return True
+
+
+class _NativeQuorum:
+    """A quorum started by the extension on one of its worker threads (no
+    Python thread), in place of the executor's future.
+
+    The first ``result()`` collects the call and applies it.  A quorum that
+    only records the participation (the usual step) is applied right there;
+    one that reconfigures the process group or moves state is applied on
+    the executor thread, as a quorum without a native client is, and waited
+    for.  Either way ``result()`` returns None or raises what the quorum
+    raised, every time it is called.
+    """
+
+    def __init__(
+        self,
+        manager: Manager,
+        native: object,
+        allow_heal: bool,
+        shrink_only: bool,
+        quorum_timeout: timedelta,
+        curr_device: int,
+    ) -> None:
+        self._manager = manager
+        self._native = native
+        self._allow_heal = allow_heal
+        self._curr_device = curr_device
+        self._lock = threading.Lock()
+        self._done = False
+        self._exc: Optional[BaseException] = None
+        native._quorum_start(  # type: ignore[attr-defined]
+            manager._group_rank,
+            manager._step,
+            manager._checkpoint_transport.metadata(),
+            shrink_only,
+            manager._init_sync,
+            manager._commit_failures,
+            quorum_timeout.total_seconds(),
+            manager._reconfigure_handle(),
+        )
+
+    def result(self) -> None:
+        if not self._done:
+            with self._lock:
+                if not self._done:
+                    self._finish()
+        if self._exc is not None:
+            raise self._exc
+
+    def _finish(self) -> None:
+        m = self._manager
+        try:
+            quorum = QuorumResult(**self._native._quorum_wait())  # type: ignore[attr-defined]
+            if m._quorum_is_quiet(quorum, self._allow_heal):
+                m._apply_quorum(quorum, self._allow_heal, -1)
+            else:
+                m._executor.submit(
+                    m._apply_quorum, quorum, self._allow_heal, self._curr_device
+                ).result()
+        except BaseException as e:  # noqa: BLE001 - raised by every result()
+            self._exc = e
+        finally:
+            self._done = True
 
 
 class _ManagerLogger:

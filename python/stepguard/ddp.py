@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import parallel
 
-from stepguard.manager import _ManagedFuture, _ManagedWork
+from stepguard.manager import _ManagedFuture
 from stepguard.process_group import ProcessGroupDummy
 
 if TYPE_CHECKING:
@@ -54,9 +54,12 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         state: "Manager", bucket: dist.GradBucket
     ) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
+        if not torch.accelerator.is_available():
+            # Nothing to order on a stream: one future that DDP waits for
+            # at the end of backward, so this bucket's allreduce overlaps
+            # the gradients of the next buckets.
+            return state._bucket_allreduce(buffer)
         work = state.allreduce(buffer)
-        if isinstance(work, _ManagedWork) and work._stream is None:
-            return _overlapped(state, work, buffer)
         if not work.wait():
             # The step already failed (the manager knows): hand DDP the
             # bucket unchanged rather than failing backward().
@@ -67,36 +70,6 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         # DDP needs the real torch future, not the lazy chain's handle.
         assert fut._fut is not None, "wait() succeeded but the chain was not built"
         return cast(torch.futures.Future[torch.Tensor], fut._fut)
-
-
-def _overlapped(
-    manager: "Manager", work: _ManagedWork, buffer: torch.Tensor
-) -> torch.futures.Future[torch.Tensor]:
-    """Without an accelerator stream: the bucket's result as a future that
-    DDP waits for at the end of backward, so that this bucket's allreduce
-    runs while the gradients of the next buckets are computed (waiting here
-    would serialize every bucket's allreduce with the backward pass).
-    Failures are swallowed exactly as ``work.wait()`` would: the step is
-    marked failed and DDP gets the bucket as it is."""
-    try:
-        work.synchronize()
-        tail = work.get_future()
-        assert isinstance(tail, _ManagedFuture) and tail._fut is not None
-        fut = cast(torch.futures.Future[torch.Tensor], tail._fut)
-    except Exception as e:  # noqa: BLE001 - a failed step, not a crash
-        manager._logger.exception(f"exception waiting for work: {e}")
-        manager.report_error(e)
-        return _completed(buffer)
-
-    def swallow(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-        try:
-            return f.value()
-        except Exception as e:  # noqa: BLE001 - a failed step, not a crash
-            manager._logger.exception(f"exception waiting for work: {e}")
-            manager.report_error(e)
-            return buffer
-
-    return fut.then(swallow)
 
 
 def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:

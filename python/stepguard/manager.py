@@ -59,7 +59,7 @@ from torch.distributed.distributed_c10d import AllreduceOptions, Work
 from stepguard.checkpointing import CheckpointTransport, NativeTransport
 from stepguard.checkpointing._rwlock import RWLock
 from stepguard.coordination import ManagerClient, ManagerServer, QuorumResult
-from stepguard.futures import future_timeout
+from stepguard.futures import _call_later, future_timeout
 from stepguard.process_group import ReconfigureOptions, _env
 from stepguard.work import _DummyWork
 
@@ -467,6 +467,72 @@ class Manager:
             self._logger.exception(f"got exception in all reduce -- skipping remaining: {e}")
             self.report_error(e)
             return _DummyWork(tensor)
+
+    def _bucket_allreduce(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """What ``allreduce(tensor)`` followed by waiting on its future
+        gives, as one future, for DDP's comm hook without an accelerator
+        stream: ``tensor`` averaged over the participants in place, within
+        the manager's deadline, a failure swallowed (the step is marked
+        failed and the future still yields ``tensor``).
+
+        One callback runs when the collective completes, on the process
+        group's thread; ``allreduce``'s lazy chain runs four there (the
+        deadline, the error swallowing, the average and DDP's), each taking
+        the GIL from backward.
+        """
+        if self.errored():
+            return _done_future(tensor)
+        self.wait_quorum()
+        num_participants = self.num_participants()
+        if not self.is_participating():
+            tensor.zero_()
+        if not torch.is_floating_point(tensor):
+            raise ValueError("average reduce op is only supported for floating point tensors")
+        try:
+            opts = AllreduceOptions()
+            opts.reduceOp = ReduceOp.SUM
+            fut = self._pg.allreduce([tensor], opts).get_future()
+        except Exception as e:  # noqa: BLE001 - a failed step, not a crash
+            self._logger.exception(f"got exception in all reduce -- skipping remaining: {e}")
+            self.report_error(e)
+            return _done_future(tensor)
+
+        out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        lock = threading.Lock()
+        settled = [False]
+
+        def settle(err: Optional[Exception]) -> None:
+            with lock:
+                if settled[0]:
+                    return
+                settled[0] = True
+            if err is not None:
+                self._logger.exception(f"got exception in future -- skipping remaining: {err}")
+                self.report_error(err)
+            # as allreduce's chain: the average applies to whatever the
+            # tensor holds, failed or not
+            if num_participants > 0:
+                tensor.div_(num_participants)
+            out.set_result(tensor)
+
+        timeout = self._timeout
+
+        def on_timeout() -> None:
+            settle(TimeoutError(f"future did not complete within {timeout}"))
+
+        handle = _call_later(timeout, on_timeout)
+
+        def on_done(f: torch.futures.Future[object]) -> None:
+            handle.cancel()
+            try:
+                f.value()
+            except Exception as e:  # noqa: BLE001 - swallowed on purpose
+                settle(e)
+                return
+            settle(None)
+
+        fut.add_done_callback(on_done)
+        return out
 
     def report_error(self, e: Exception) -> None:
         """Marks this step failed (it will not commit); the process group
@@ -950,6 +1016,12 @@ class Manager:
             assert self._use_async_quorum
             return False
         return True
+
+
+def _done_future(value: T) -> torch.futures.Future[T]:
+    fut: torch.futures.Future[T] = torch.futures.Future()
+    fut.set_result(value)
+    return fut
 
 
 class _NativeQuorum:

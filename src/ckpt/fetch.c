@@ -195,6 +195,22 @@ static int send_all(sg_ckpt_fetch_t *f, int fd, const uint8_t *p, size_t len,
   return 0;
 }
 
+/* prefault_range: prefault bytes [off, off + len) of the destination. */
+static void prefault_range(const sg_ckpt_region_t *dst, const uint64_t *prefix,
+                           size_t n, uint64_t off, uint64_t len) {
+  size_t ri = sg__ckpt_find(prefix, n, off);
+  uint64_t roff = ri < n ? off - prefix[ri] : 0;
+  while (len > 0 && ri < n) {
+    uint64_t avail = dst[ri].len - roff;
+    uint64_t take = avail < len ? avail : len;
+    if (take)
+      prefault((uint8_t *)dst[ri].ptr + roff, take);
+    len -= take;
+    ri++;
+    roff = 0;
+  }
+}
+
 /*
  * recv_into: receive exactly `len` bytes into the regions `dst` starting at
  * byte `off` of their concatenation (prefix: n + 1 sums).  EOF is SG_EPEER.
@@ -667,6 +683,7 @@ static void *stream_main(void *arg) {
       q.length = len;
       rc = exchange(j->f, fd, addr, &q, j->deadline, &r, &err);
       if (rc == 0) {
+        prefault_range(j->dst, j->prefix, j->n, off, len);
         rc =
             recv_into(j->f, fd, j->dst, j->prefix, j->n, off, len, j->deadline);
         if (rc)

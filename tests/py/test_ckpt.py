@@ -490,3 +490,28 @@ def test_a_source_that_starts_serving_late_is_waited_for(pair) -> None:
     finally:
         timer.cancel()
     assert torch.equal(got["w"], torch.ones(8))
+
+
+def test_cuda_tensors_are_served_from_a_host_copy(pair) -> None:
+    """CUDA tensors are staged in host memory when served: the healer gets
+    the values as they were at send_checkpoint, bit-identical, even when the
+    device tensors change afterwards."""
+    if not torch.cuda.is_available():
+        reason = "CUDA is not available on this machine"
+        print(f"SKIP: {reason}")
+        pytest.skip(reason)
+    a, b = pair
+    dev = torch.device("cuda")
+    w = torch.randn(4096, generator=torch.Generator().manual_seed(8)).to(dev)
+    strided = torch.arange(64, dtype=torch.int32, device=dev).reshape(8, 8).t()
+    sd = {"w": w, "t": strided, "z": torch.empty(0, device=dev), "k": 3}
+    expect = {k: v.cpu().clone() for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    a.send_checkpoint([1], 2, sd, T60)
+    w.add_(1.0)  # the served copy must not see this
+    got = b.recv_checkpoint(0, a.metadata(), 2, T60)
+    for k, v in expect.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape
+        assert _bits(got[k]) == _bits(v), k
+    assert got["t"].stride() == expect["t"].stride()
+    assert got["k"] == 3
+    a.disallow_checkpoint()

@@ -785,6 +785,15 @@ out:
   return rc;
 }
 
+int sg__lh_may_meet(const sg__lh_state_t *st, const sg__lh_opts_t *o) {
+  if (!st || !o)
+    return 1;
+  if (st->has_prev && st->prev_parts == st->prev.n)
+    return 1;
+  return o->min_replicas <= 0 ||
+         (uint64_t)st->part_map.n >= (uint64_t)o->min_replicas;
+}
+
 void sg__lh_free_retired(sg__lh_state_t *st) {
   if (st)
     quorum_clear(&st->retired);

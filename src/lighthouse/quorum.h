@@ -160,6 +160,14 @@ int sg__lh_tick(sg__lh_state_t *st, int64_t now_ns, int64_t wall_ns,
                 const sg__lh_opts_t *o, const sg__lh_quorum_t **issued,
                 char *reason, size_t reason_len);
 
+/*
+ * sg__lh_may_meet: 0 when sg__lh_decide cannot meet a quorum now, whatever
+ * the clock: the fast quorum needs every previous member as a participant
+ * and the other rules need min_replicas participants.  1: decide to know.
+ * O(1), so a lighthouse can skip the O(N) decision on most of N requests.
+ */
+int sg__lh_may_meet(const sg__lh_state_t *st, const sg__lh_opts_t *o);
+
 /* sg__lh_free_retired: free the quorum the last issued one replaced. */
 void sg__lh_free_retired(sg__lh_state_t *st);
 

@@ -85,6 +85,7 @@ struct sg_lh_server_s {
   uv_async_t stop_async;
   uv_timer_t tick_timer; /* torchft's periodic tick */
   uv_timer_t wake_timer; /* earliest deadline */
+  int64_t wake_due_ns;   /* when wake_timer fires, if active */
   sg_rpc_server_t *rpc;
   sg__lh_http_t *http;
   int port;
@@ -376,7 +377,30 @@ static void rearm(sg_lh_server_t *s, int64_t now) {
     return;
   }
   int64_t ms = next <= now ? 0 : (next - now + 999999) / 1000000;
+  s->wake_due_ns = now + ms * 1000000;
   uv_timer_start(&s->wake_timer, on_tick, (uint64_t)ms, 0);
+}
+
+/*
+ * after_join: the cheap step after a quorum request that cannot complete a
+ * quorum (sg__lh_may_meet said so).  A join only moves deadlines later (its
+ * heartbeat expires last; its joined time is the latest; a grace it ends
+ * goes away), except a first participant's join timeout, now +
+ * join_timeout, and the held-back status line.  So the wake timer needs
+ * no O(N) re-computation while it is armed no later than those.  The
+ * reason changed (its counts did): it is logged within STATUS_LOG_MS.
+ */
+static void after_join(sg_lh_server_t *s, int64_t now) {
+  int64_t bound = ms_to_ns(s->o.join_timeout_ms);
+  if (ms_to_ns(s->o.heartbeat_timeout_ms) < bound)
+    bound = ms_to_ns(s->o.heartbeat_timeout_ms);
+  bound = bound > INT64_MAX - now ? INT64_MAX : now + bound;
+  s->status_unlogged = 1;
+  int64_t status_due = s->status_logged_ns + ms_to_ns(STATUS_LOG_MS);
+  if (status_due < bound)
+    bound = status_due;
+  if (!uv_is_active((uv_handle_t *)&s->wake_timer) || s->wake_due_ns > bound)
+    rearm(s, now);
 }
 
 /*
@@ -386,10 +410,17 @@ static void rearm(sg_lh_server_t *s, int64_t now) {
  * STATUS_LOG_MS: while 1,000 requests arrive the counts in it change with
  * each, and a line per request would cost the loop a write each.  A change
  * held back arms the wake timer, so the latest reason is logged within
- * STATUS_LOG_MS.  Caller holds mu.
+ * STATUS_LOG_MS.  `join`: the event was a quorum request (after_join may
+ * stand in for the decision).  Caller holds mu.
  */
-static void process(sg_lh_server_t *s, int64_t event_ns) {
+static void process(sg_lh_server_t *s, int64_t event_ns, int join) {
   int64_t now = sg_now_ns();
+  if (join && s->graces == 0 && now < s->next_prune_ns &&
+      now - s->status_logged_ns < ms_to_ns(STATUS_LOG_MS) &&
+      !sg__lh_may_meet(s->st, &s->qopts)) {
+    after_join(s, now);
+    return;
+  }
   expire_graces(s, now);
   if (now >= s->next_prune_ns) {
     size_t n = sg__lh_prune(s->st, now, s->o.prune_after_ms);
@@ -498,7 +529,7 @@ static void on_conn_close(void *ud, uint64_t conn_id) {
     sg_map_free(&c->ids);
     sg_free(c);
     if (!s->closing)
-      process(s, event_ns);
+      process(s, event_ns, 0);
   }
   pthread_mutex_unlock(&s->mu);
 }
@@ -554,7 +585,7 @@ static void handle_heartbeat(sg_lh_server_t *s, sg_rpc_call_t *call,
   /* A heartbeat of a replica that was already healthy cannot change the
    * decision; skip the work (1,000 replicas heartbeat 10,000 times/s). */
   if (!was_healthy)
-    process(s, event_ns);
+    process(s, event_ns, 0);
 out:
   torchft__lighthouse_heartbeat_request__free_unpacked(req, &sg__pb_allocator);
 }
@@ -659,7 +690,7 @@ static void handle_quorum(sg_lh_server_t *s, sg_rpc_call_t *call,
   s->n_pending++;
   sg_rpc_call_set_user(call, p);
   note_speaker(s, r->replica_id, sg_rpc_call_conn_id(call));
-  process(s, event_ns);
+  process(s, event_ns, 1);
 out:
   torchft__lighthouse_quorum_request__free_unpacked(req, &sg__pb_allocator);
 }
@@ -701,7 +732,7 @@ static void on_call_cancel(void *ud, sg_rpc_call_t *call) {
     sg__lh_leave(s->st, p->replica_id);
   pending_free(p);
   if (!s->closing)
-    process(s, event_ns);
+    process(s, event_ns, 0);
   pthread_mutex_unlock(&s->mu);
 }
 
@@ -876,7 +907,7 @@ static void on_tick(uv_timer_t *t) {
   sg_lh_server_t *s = t->data;
   int64_t event_ns = sg_now_ns();
   pthread_mutex_lock(&s->mu);
-  process(s, event_ns);
+  process(s, event_ns, 0);
   pthread_mutex_unlock(&s->mu);
 }
 

@@ -409,6 +409,8 @@ def test_status_json(pool):
         a, b = client(s), client(s)
         a.heartbeat("a")
         fb = pool.submit(b.quorum, "b", td(20), step=7, address="addr-b")
+        # b must wait before a asks: a alone would be a valid quorum
+        wait_until(lambda: status(s.port())["pending"] == 1, 10, "b pending")
         q = a.quorum("a", td(20), step=7)
         fb.result(timeout=20)
         client(s).heartbeat("watcher")

@@ -49,6 +49,8 @@
 #define IOV_BATCH 256
 #define PIECE (8u << 20) /* bytes per same-host copy between abort checks */
 
+#define PREFAULT_MIN (256u << 10) /* smaller destinations fault as they go */
+
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
 #endif
@@ -62,6 +64,8 @@
  */
 static void prefault(void *p, uint64_t len) {
   const uintptr_t page = 4096;
+  if (len < PREFAULT_MIN)
+    return; /* a syscall per small tensor costs more than it saves */
   uintptr_t lo = ((uintptr_t)p + page - 1) & ~(page - 1);
   uintptr_t hi = ((uintptr_t)p + (uintptr_t)len) & ~(page - 1);
   if (hi > lo)

@@ -109,6 +109,18 @@ def _kill(pids: list[int]) -> None:
             pass
 
 
+_LOG_DIRS: list[Path] = []  # the running test's worker log directories
+
+
+def _tails() -> str:
+    """The end of every worker log of the running test (for failures)."""
+    out = []
+    for d in _LOG_DIRS:
+        for f in sorted(d.glob("group*.log")) if d.is_dir() else []:
+            out.append(f"--- {f.name}:\n{f.read_text(errors='replace')[-1500:]}")
+    return "\n".join(out) or "(no worker logs)"
+
+
 def _wait_for(pred, timeout: float, what: str, p: subprocess.Popen | None = None):
     deadline = time.monotonic() + timeout
     while True:
@@ -118,15 +130,16 @@ def _wait_for(pred, timeout: float, what: str, p: subprocess.Popen | None = None
         if p is not None and p.poll() is not None:
             raise AssertionError(f"launcher exited with {p.returncode} before {what}: "
                                  f"{p.stderr.read().decode(errors='replace')[-3000:]}")
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: {_tails()}"
         time.sleep(0.1)
 
 
 def _cli(tmp_path: Path, worker: Path, name: str, *extra: str) -> subprocess.Popen:
+    _LOG_DIRS[:] = [tmp_path / name]
     return subprocess.Popen(
         [sys.executable, "-m", "stepguard.launch", "--groups", "2", "--netns",
          "--timeline", str(tmp_path / f"{name}.jsonl"), "--log-dir", str(tmp_path / name),
-         "--quiet", "--duration", "120", *extra, str(worker)],
+         "--quiet", "--duration", "240", *extra, str(worker)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
@@ -139,7 +152,7 @@ def test_sigint_removes_namespaces(tmp_path: Path) -> None:
     pids: list[int] = []
     try:
         tl_path = tmp_path / "a.jsonl"
-        _wait_for(lambda: len(_of(_timeline(tl_path), "hello")) == 2, 90, "two workers", p)
+        _wait_for(lambda: len(_of(_timeline(tl_path), "hello")) == 2, 150, "two workers", p)
         tl = _timeline(tl_path)
         pids = [h["pid"] for h in _of(tl, "hello")]
         tag = f"sgln{p.pid}"
@@ -171,7 +184,7 @@ def test_addresses_and_sweep_after_a_crashed_launcher(tmp_path: Path) -> None:
     pids: list[int] = []
     try:
         tl_path = tmp_path / "crashed.jsonl"
-        _wait_for(lambda: len(_of(_timeline(tl_path), "hello")) == 2, 90, "two workers", p)
+        _wait_for(lambda: len(_of(_timeline(tl_path), "hello")) == 2, 150, "two workers", p)
         pids = [h["pid"] for h in _of(_timeline(tl_path), "hello")]
         p.kill()
         p.wait(timeout=30)
@@ -201,6 +214,8 @@ def test_addresses_and_sweep_after_a_crashed_launcher(tmp_path: Path) -> None:
         hellos = {h["group"]: h for h in _of(tl, "hello")}
         for g in (0, 1):
             h = hellos[g]
+            # the wrappers exec: the pid the launcher signals is the worker's
+            assert _of(tl, "launch", group=g)[0]["pids"] == [h["pid"]]
             addr = net["addresses"][g]
             assert h["hostname"] == net["hostnames"][g]
             assert h["resolved"] == addr  # gethostname() resolves to the group's address

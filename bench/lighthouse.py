@@ -9,8 +9,18 @@ Run with ``.venv/bin/python bench/lighthouse.py`` (or ``make bench``).
 
 Figures, per server:
 
-* decision latency: from the last replica's Quorum request being sent to the
-  first Quorum response received, per round (client-side clocks);
+* decision (server clock), ours only: per round, the time from the request
+  that completed the quorum (complete and parsed by the lighthouse) to the
+  quorum computed and its one shared answer encoded, read from the
+  lighthouse's own histogram ``stepguard_lighthouse_decision_seconds`` on
+  ``GET /metrics`` before and after each round (a round issues exactly one
+  quorum, so the difference of ``_sum`` is that quorum's time).  This is
+  the issue's "last request -> quorum computed".  torchft exposes no such
+  figure, so it has no column here;
+* first answer: from the last replica's Quorum request being sent to the
+  first Quorum response received, per round (client-side clocks, both
+  servers): it adds the requests' way in (1,000 of them queue behind each
+  other), the sending of the first answer and the client's own scheduling;
 * delivery time: from the last request sent until all N responses arrived;
 * heartbeat throughput: Heartbeat calls/s answered, (a) pipelined on raw
   HTTP/2 from one thread per connection (2 x 64 streams in flight; median
@@ -206,7 +216,13 @@ def summarize(runs: dict[str, dict[int, dict[str, Any]]], sizes: list[int],
                      "client_bound": client_bound, "ours_worse": worse})
 
     for n in sizes:
-        for key, label in (("decision_us", "decision"),
+        dec = {s: [v / 1000.0 for v in r[n].get("server_decision_ns", [])
+                   if v >= 0] for s, r in runs.items() if n in r}
+        for stat, fn in (("median", statistics.median),
+                         ("p99", lambda v: percentile(v, 99))):
+            add(f"N={n} decision (server clock) {stat}", "ms",
+                {s: fn(v) / 1000.0 for s, v in dec.items() if v}, True)
+        for key, label in (("decision_us", "first answer"),
                            ("delivery_us", "delivery")):
             for stat, fn in (("median", statistics.median),
                              ("p99", lambda v: percentile(v, 99))):
@@ -319,7 +335,9 @@ def main() -> int:
                     ch = 64 if n >= 200 else 16
                     args = ["--replicas", str(n), "--rounds", str(rounds),
                             "--channels", str(ch), "--bg-channels", "16",
-                            "--hb-interval-ms", "100", "--round-gap-ms", "100"]
+                            "--hb-interval-ms", "100", "--round-gap-ms", "100",
+                            "--server-metrics",
+                            "1" if which == "ours" else "0"]
                     if n == big:
                         args += ["--hb-seconds", str(a.hb_seconds),
                                  "--hb-callers", "64", "--hb-channels", "8",
@@ -347,13 +365,27 @@ def main() -> int:
     if a.torchft_launcher == "lean":
         print("note: torchft runs its own lighthouse_main without importing "
               "torch (--torchft-launcher entry for the installed script).")
+    print("note: decision (server clock) is the lighthouse's own histogram, "
+          "one quorum per round; torchft has no server-side figure, so it "
+          "is compared on first answer and delivery (client clocks).")
+    skipped = {n: sum(1 for v in r[n].get("server_decision_ns", []) if v < 0)
+               for r in runs.values() for n in r if "server_decision_ns" in r[n]}
+    if any(skipped.values()):
+        print("note: rounds left out of the server-clock figure (not exactly "
+              f"one quorum in the round): {skipped}")
     goals = {}
-    dec = [r for r in rows if r["figure"] == f"N={big} decision p99"]
+    dec = [r for r in rows
+           if r["figure"] == f"N={big} decision (server clock) p99"]
     if dec and dec[0]["ours"] is not None:
         met = dec[0]["ours"] <= 1.0
         goals[f"decision_p99_le_1ms_at_{big}"] = met
-        print(f"goal: decision p99 <= 1 ms at N={big}: "
-              f"{'met' if met else 'NOT met'} ({dec[0]['ours']:.2f} ms)")
+        print(f"goal: decision p99 <= 1 ms at N={big} (server clock, the "
+              f"issue's definition): {'met' if met else 'NOT met'} "
+              f"({dec[0]['ours']:.3f} ms)")
+    else:
+        goals[f"decision_p99_le_1ms_at_{big}"] = None
+        print(f"goal: decision p99 <= 1 ms at N={big}: not measured "
+              "(ours not run, or no round issued exactly one quorum)")
     worse = [r["figure"].strip() for r in rows if r["ours_worse"]]
     goals["no_figure_worse_than_torchft"] = not worse
     print("goal: no figure worse than torchft: " +

@@ -96,6 +96,20 @@ static PyObject *comm_port(PyObject *self_obj, PyObject *unused) {
   return PyLong_FromLong(sg_comm_port(self->comm));
 }
 
+static PyObject *comm_same_host(PyObject *self_obj, PyObject *arg) {
+  comm_obj *self = (comm_obj *)self_obj;
+  if (guard(self) < 0)
+    return NULL;
+  long peer = PyLong_AsLong(arg);
+  if (peer == -1 && PyErr_Occurred())
+    return NULL;
+  if (peer < 0 || peer >= sg_comm_size(self->comm)) {
+    PyErr_Format(PyExc_ValueError, "peer %ld is not a rank", peer);
+    return NULL;
+  }
+  return PyBool_FromLong(sg_comm_same_host(self->comm, (int)peer));
+}
+
 struct connect_call {
   sg_comm_t *comm;
   const char **addrs;
@@ -450,6 +464,9 @@ static void comm_dealloc(PyObject *self_obj) {
 
 static PyMethodDef comm_methods[] = {
     {"port", comm_port, METH_NOARGS, "port() -> int: the listening port."},
+    {"same_host", comm_same_host, METH_O,
+     "same_host(peer) -> bool: whether payloads from `peer` are read from "
+     "its memory (same-host path) rather than received over TCP."},
     {"connect", comm_connect, METH_VARARGS,
      "connect(addrs, timeout_s): build the mesh ('host:port' per rank)."},
     {"allreduce", comm_allreduce, METH_VARARGS,

@@ -481,6 +481,14 @@ class ProcessGroupTCP(ProcessGroup):
     def _t(self) -> float:
         return self._timeout.total_seconds()
 
+    def uses_same_host(self, peer: int) -> bool:
+        """Whether payloads from rank ``peer`` of the current quorum are
+        copied straight out of its memory (same-host path: both processes
+        on this host, the probe worked, ``STEPGUARD_SAME_HOST`` not ``0``)
+        rather than received over TCP.  False before ``configure``."""
+        comm = self._comm
+        return comm is not None and bool(comm.same_host(peer))
+
     def _require(self) -> "_C.Comm":
         comm = self._comm
         if comm is None:

@@ -94,6 +94,14 @@ def _dtype(t: torch.Tensor) -> int:
         ) from None
 
 
+def _check_tag(tag: int) -> None:
+    if tag != 0:
+        raise ValueError(
+            f"ProcessGroupTCP matches send/recv in order per pair of ranks and "
+            f"does not match by tag; tag must be 0, got {tag}"
+        )
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -678,8 +686,9 @@ class ProcessGroupTCP(ProcessGroup):
         return self._issue(None, _Staged(), [lambda done: comm.barrier(self._t(), done)])
 
     def send(self, tensors: List[torch.Tensor], dst_rank: int, tag: int = 0) -> _TCPWork:  # type: ignore[override]
-        """Sends each tensor to ``dst_rank`` (matched in order; ``tag`` is
-        not used)."""
+        """Sends each tensor to ``dst_rank``, matched in order per pair;
+        a nonzero ``tag`` is refused (there is no matching by tag)."""
+        _check_tag(tag)
         comm, s = self._require(), _Staged()
         calls = []
         for t in tensors:
@@ -690,7 +699,9 @@ class ProcessGroupTCP(ProcessGroup):
         return self._issue(tensors, s, calls)
 
     def recv(self, tensors: List[torch.Tensor], src_rank: int, tag: int = 0) -> _TCPWork:  # type: ignore[override]
-        """Receives each tensor from ``src_rank`` (matched in order)."""
+        """Receives each tensor from ``src_rank`` (matched in order; a
+        nonzero ``tag`` is refused)."""
+        _check_tag(tag)
         comm, s = self._require(), _Staged()
         calls = []
         for t in tensors:

@@ -145,7 +145,8 @@ elif scenario in ("kill", "hang"):
                 open(out + ".ready", "w").close()
     except Exception as e:
         res = {"type": type(e).__name__, "msg": str(e), "t": time.monotonic(),
-               "errored": repr(pg.errored())}
+               "errored": repr(pg.errored()),
+               "same_host": pg.uses_same_host((rank - 1) % world)}
     pg.shutdown()
 elif scenario == "abort":
     pg = tcp(timeout=timedelta(seconds=60))
@@ -234,12 +235,16 @@ with open(out, "w") as f:
 '''
 
 
-def _start(procs, tmp_path: Path, world: int, scenario: str):
+def _start(procs, tmp_path: Path, world: int, scenario: str, same_host: str = ""):
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                      timeout=timedelta(seconds=30))
     outs = [tmp_path / f"out{r}.json" for r in range(world)]
+    env = dict(os.environ)
+    if same_host:
+        env["STEPGUARD_SAME_HOST"] = same_host
     ps = [
-        procs.spawn(WORKER, str(store.port), str(r), str(world), scenario, str(outs[r]))
+        procs.spawn(WORKER, str(store.port), str(r), str(world), scenario, str(outs[r]),
+                    env=env)
         for r in range(world)
     ]
     return store, ps, outs
@@ -290,9 +295,10 @@ def test_matches_gloo(procs, tmp_path, world):
     assert res[-1]["recv"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
 
 
-def test_sigkill_names_the_rank(procs, tmp_path):
+@pytest.mark.parametrize("same_host", ["1", "0"], ids=["same-host", "tcp"])
+def test_sigkill_names_the_rank(procs, tmp_path, same_host):
     world, victim = 3, 1
-    store, ps, outs = _start(procs, tmp_path, world, "kill")
+    store, ps, outs = _start(procs, tmp_path, world, "kill", same_host)
     ready = [Path(str(o) + ".ready") for o in outs]
     deadline = time.monotonic() + 60
     while not all(r.exists() for r in ready):
@@ -314,13 +320,15 @@ def test_sigkill_names_the_rank(procs, tmp_path):
         assert f"rank {victim}" in res["msg"], res
         assert res["errored"] != "None"
         assert res["t"] - t_kill < 10.0  # seen from the connection, not the 20 s deadline
+        assert res["same_host"] == (same_host == "1")  # the path under test
 
 
-def test_hung_peer_times_out(procs, tmp_path):
+@pytest.mark.parametrize("same_host", ["1", "0"], ids=["same-host", "tcp"])
+def test_hung_peer_times_out(procs, tmp_path, same_host):
     """A peer that stops (SIGSTOP) without closing anything: the others fail
     at the 3 s deadline with TimeoutError naming it, and are poisoned."""
     world, victim = 2, 1
-    store, ps, outs = _start(procs, tmp_path, world, "hang")
+    store, ps, outs = _start(procs, tmp_path, world, "hang", same_host)
     ready = [Path(str(o) + ".ready") for o in outs]
     deadline = time.monotonic() + 60
     while not all(r.exists() for r in ready):
@@ -405,6 +413,10 @@ def test_bad_arguments_raise():
         pg.allreduce([torch.ones(1, dtype=torch.bool)], torch.distributed.ReduceOp.SUM)
     with pytest.raises(ValueError):
         pg.allreduce([torch.ones(1)], torch.distributed.ReduceOp.BAND)
+    with pytest.raises(ValueError, match="tag must be 0, got 7"):
+        pg.send([torch.ones(1)], 0, 7)
+    with pytest.raises(ValueError, match="tag must be 0, got 3"):
+        pg.recv([torch.ones(1)], 0, 3)
     t = torch.ones(2)
     pg.allreduce([t], torch.distributed.ReduceOp.SUM).wait()  # world of one
     assert t.tolist() == [1.0, 1.0]

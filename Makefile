@@ -50,7 +50,7 @@ demo-lighthouse: build
 bench: build
 	$(PY) bench/lighthouse.py --build-dir $(NATIVE)
 	$(PY) bench/manager.py
-	$(PY) bench/collectives.py
+	$(PY) bench/allreduce.py
 	$(PY) bench/recovery.py
 	$(PY) bench/step.py
 	$(PY) bench/e2e.py

@@ -121,6 +121,18 @@ class ManagerClient:
         timeout_s: float,
         reconfigure_handle: str = "",
     ) -> dict[str, Any]: ...
+    def _quorum_start(
+        self,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        init_sync: bool,
+        commit_failures: int,
+        timeout_s: float,
+        reconfigure_handle: str = "",
+    ) -> None: ...
+    def _quorum_wait(self) -> dict[str, Any]: ...
     def _checkpoint_metadata(self, rank: int, timeout_s: float) -> str: ...
     def should_commit(
         self, group_rank: int, step: int, should_commit: bool, timeout_s: float
@@ -162,6 +174,7 @@ class Comm:
         small_max: int = 0,
     ) -> None: ...
     def port(self) -> int: ...
+    def same_host(self, peer: int) -> bool: ...
     def connect(self, addrs: Sequence[str], timeout_s: float) -> None: ...
     def allreduce(
         self, ptr: int, count: int, dtype: int, op: int, timeout_s: float, done: _Done

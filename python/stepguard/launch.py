@@ -727,6 +727,21 @@ class LaunchConfig:
     quiet: bool = False
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In a child before exec: SIGKILL it when the launcher's thread dies.
+
+    A lighthouse the launcher started serves nobody once the launcher is
+    gone (even SIGKILLed); without this it would outlive it.  run() returns
+    only after stopping the lighthouse, so the starting thread outlives it
+    in every orderly path.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
 class _Worker:
     def __init__(self, rank: int, popen: subprocess.Popen) -> None:
         self.rank = rank
@@ -909,7 +924,7 @@ class Launcher:
             raise ValueError(f"unknown lighthouse implementation {c.lighthouse_impl!r}")
         self._lh_popen = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True, close_fds=True,
+            start_new_session=True, close_fds=True, preexec_fn=_die_with_parent,
         )
         assert self._lh_popen.stdout is not None
         found: queue.Queue[str | None] = queue.Queue()

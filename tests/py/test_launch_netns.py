@@ -121,6 +121,15 @@ def _tails() -> str:
     return "\n".join(out) or "(no worker logs)"
 
 
+def _alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie nobody reaped counts as dead)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
 def _wait_for(pred, timeout: float, what: str, p: subprocess.Popen | None = None):
     deadline = time.monotonic() + timeout
     while True:
@@ -186,8 +195,12 @@ def test_addresses_and_sweep_after_a_crashed_launcher(tmp_path: Path) -> None:
         tl_path = tmp_path / "crashed.jsonl"
         _wait_for(lambda: len(_of(_timeline(tl_path), "hello")) == 2, 150, "two workers", p)
         pids = [h["pid"] for h in _of(_timeline(tl_path), "hello")]
+        lh_pid = _of(_timeline(tl_path), "lighthouse")[0]["pid"]
+        pids.append(lh_pid)
         p.kill()
         p.wait(timeout=30)
+        # the lighthouse it started dies with it (parent-death signal)
+        _wait_for(lambda: not _alive(lh_pid), 30, "the lighthouse to die", None)
         _kill(pids)
         stale = f"sgln{p.pid}"
         left = _ours(stale)

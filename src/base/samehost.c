@@ -13,16 +13,6 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-static int hexval(int c) {
-  if (c >= '0' && c <= '9')
-    return c - '0';
-  if (c >= 'a' && c <= 'f')
-    return c - 'a' + 10;
-  if (c >= 'A' && c <= 'F')
-    return c - 'A' + 10;
-  return -1;
-}
-
 /* Parse "4495c13d-f3a5-4ddd-b8b2-f77247630bb2" into 16 bytes. */
 static int parse_uuid(const char *s, uint8_t out[16]) {
   size_t n = 0;
@@ -30,7 +20,7 @@ static int parse_uuid(const char *s, uint8_t out[16]) {
   for (; *s && *s != '\n'; s++) {
     if (*s == '-')
       continue;
-    int v = hexval((unsigned char)*s);
+    int v = sg_hex_digit(*s);
     if (v < 0 || n == 16)
       return SG_EIO;
     if (hi < 0) {

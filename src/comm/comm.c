@@ -868,6 +868,35 @@ static int next_desc(struct xfer *x) {
   return 1;
 }
 
+/* send_iov: one non-blocking sendmsg of `iov` (the OP header first when it
+ * is still owed).  Returns 1 with *body = the bytes sent past the header,
+ * 0 with *blocked set when the socket is full, or the peer's failure. */
+static int send_iov(struct xfer *x, int fd, struct iovec *iov, int niov,
+                    int *blocked, int *moved, size_t *body) {
+  struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)niov};
+  ssize_t w;
+  do
+    w = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+  while (w < 0 && errno == EINTR);
+  if (w < 0) {
+    if (errno == EAGAIN) {
+      *blocked = 1;
+      return 0;
+    }
+    return eof_fail(x, x->send_peer, -errno);
+  }
+  *moved = 1;
+  size_t n = (size_t)w;
+  if (x->shdr_off < SG__COMM_FRAME_LEN) {
+    size_t h = SG__COMM_FRAME_LEN - x->shdr_off;
+    h = h < n ? h : n;
+    x->shdr_off += h;
+    n -= h;
+  }
+  *body = n;
+  return 1;
+}
+
 /* do_send_pull: the same-host form of do_send: the OP header, then a DESC
  * frame for each range that may go; the receiver copies the bytes. */
 static int do_send_pull(struct xfer *x, int *blocked, int *moved) {
@@ -887,25 +916,10 @@ static int do_send_pull(struct xfer *x, int *blocked, int *moved) {
     }
     if (niov == 0)
       return 0; /* done, or waiting for received bytes */
-    struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)niov};
-    ssize_t w = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (w < 0) {
-      if (errno == EINTR)
-        continue;
-      if (errno == EAGAIN) {
-        *blocked = 1;
-        return 0;
-      }
-      return eof_fail(x, x->send_peer, -errno);
-    }
-    *moved = 1;
-    size_t n = (size_t)w;
-    if (x->shdr_off < SG__COMM_FRAME_LEN) {
-      size_t h = SG__COMM_FRAME_LEN - x->shdr_off;
-      h = h < n ? h : n;
-      x->shdr_off += h;
-      n -= h;
-    }
+    size_t n;
+    int rc = send_iov(x, fd, iov, niov, blocked, moved, &n);
+    if (rc <= 0)
+      return rc;
     x->sdesc_off += n;
   }
 }
@@ -939,25 +953,10 @@ static int do_send(struct xfer *x, int *blocked, int *moved) {
     }
     if (niov == 0)
       return 0; /* done, or waiting for received bytes */
-    struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)niov};
-    ssize_t w = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (w < 0) {
-      if (errno == EINTR)
-        continue;
-      if (errno == EAGAIN) {
-        *blocked = 1;
-        return 0;
-      }
-      return eof_fail(x, x->send_peer, -errno);
-    }
-    *moved = 1;
-    size_t n = (size_t)w;
-    if (x->shdr_off < SG__COMM_FRAME_LEN) {
-      size_t h = SG__COMM_FRAME_LEN - x->shdr_off;
-      h = h < n ? h : n;
-      x->shdr_off += h;
-      n -= h;
-    }
+    size_t n;
+    int rc = send_iov(x, fd, iov, niov, blocked, moved, &n);
+    if (rc <= 0)
+      return rc;
     x->soff += n;
     x->sent += n;
     budget = budget > n ? budget - n : 0;

@@ -407,17 +407,19 @@ static PyObject *result_dict(const sg_mgr_quorum_result_t *r) {
                r->n_up_to_date_manager_addresses));
 }
 
+/* The keywords of _quorum and _quorum_start (the same arguments). */
+static char *quorum_kwlist[] = {"group_rank",
+                                "step",
+                                "checkpoint_metadata",
+                                "shrink_only",
+                                "init_sync",
+                                "commit_failures",
+                                "timeout_s",
+                                "reconfigure_handle",
+                                NULL};
+
 static PyObject *mclient_quorum(PyObject *self_obj, PyObject *args,
                                 PyObject *kw) {
-  static char *kwlist[] = {"group_rank",
-                           "step",
-                           "checkpoint_metadata",
-                           "shrink_only",
-                           "init_sync",
-                           "commit_failures",
-                           "timeout_s",
-                           "reconfigure_handle",
-                           NULL};
   struct mcall c;
   memset(&c, 0, sizeof(c));
   c.self = (mgr_client_obj *)self_obj;
@@ -425,9 +427,9 @@ static PyObject *mclient_quorum(PyObject *self_obj, PyObject *args,
   c.handle = "";
   double timeout_s;
   long long g, step, cf;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "LLsppLd|s:_quorum", kwlist, &g,
-                                   &step, &c.str, &c.shrink_only, &c.init_sync,
-                                   &cf, &timeout_s, &c.handle))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "LLsppLd|s:_quorum", quorum_kwlist,
+                                   &g, &step, &c.str, &c.shrink_only,
+                                   &c.init_sync, &cf, &timeout_s, &c.handle))
     return NULL;
   c.group_rank = g;
   c.step = step;
@@ -453,23 +455,14 @@ static void mcall_free(struct mcall *c) {
  */
 static PyObject *mclient_quorum_start(PyObject *self_obj, PyObject *args,
                                       PyObject *kw) {
-  static char *kwlist[] = {"group_rank",
-                           "step",
-                           "checkpoint_metadata",
-                           "shrink_only",
-                           "init_sync",
-                           "commit_failures",
-                           "timeout_s",
-                           "reconfigure_handle",
-                           NULL};
   mgr_client_obj *self = (mgr_client_obj *)self_obj;
   const char *md, *handle = "";
   int shrink_only, init_sync;
   double timeout_s;
   long long g, step, cf;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "LLsppLd|s:_quorum_start", kwlist,
-                                   &g, &step, &md, &shrink_only, &init_sync,
-                                   &cf, &timeout_s, &handle))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "LLsppLd|s:_quorum_start",
+                                   quorum_kwlist, &g, &step, &md, &shrink_only,
+                                   &init_sync, &cf, &timeout_s, &handle))
     return NULL;
   if (mclient_guard(self) < 0)
     return NULL;

@@ -73,6 +73,31 @@ SG_EXPORT int sg_samehost_match(const sg_samehost_id_t *self,
 SG_EXPORT int sg_samehost_read(uint32_t pid, void *dst, uint64_t remote_addr,
                                size_t len);
 
+/* One range of a vectored read: `len` bytes at `remote` into `local`. */
+typedef struct sg_samehost_piece_s {
+  uint64_t remote;
+  void *local;
+  size_t len;
+} sg_samehost_piece_t;
+
+/* Pieces per process_vm_readv call (the kernel's IOV_MAX). */
+#define SG_SAMEHOST_IOV_MAX 1024
+
+/*
+ * sg_samehost_readv: copy `n` pieces from process `pid`, up to
+ * SG_SAMEHOST_IOV_MAX of them per process_vm_readv call, so many small
+ * ranges cost one system call (and one pinning pass) per batch rather than
+ * one each.  Empty pieces are skipped.  The kernel stops at the first remote
+ * range it cannot read and reports what it copied before it; the read goes
+ * on from exactly there, so a bad range fails the call with its errno (as a
+ * negative value), SG_EIO if the kernel stops making progress.  On an error
+ * the pieces before the failing one may have been copied, the rest not.
+ * As with sg_samehost_read, callers that must stay abortable pass bounded
+ * batches.
+ */
+SG_EXPORT int sg_samehost_readv(uint32_t pid, const sg_samehost_piece_t *pieces,
+                                size_t n);
+
 /*
  * sg_samehost_probe: read `len` (at most 64) bytes at `remote_addr` in `pid`
  * and compare them to `expect`; 0 when the path works and reads what the peer

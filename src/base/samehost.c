@@ -121,6 +121,70 @@ int sg_samehost_read(uint32_t pid, void *dst, uint64_t remote_addr,
   return 0;
 }
 
+/* Bytes of one iovec at most: the kernel truncates larger totals. */
+#define READV_ELEM_MAX ((size_t)1 << 30)
+
+int sg_samehost_readv(uint32_t pid, const sg_samehost_piece_t *pieces,
+                      size_t n) {
+  struct iovec local[SG_SAMEHOST_IOV_MAX], remote[SG_SAMEHOST_IOV_MAX];
+  size_t i = 0;    /* first piece not fully copied */
+  size_t done = 0; /* bytes of piece i already copied */
+  int stalls = 0;
+  for (;;) {
+    while (i < n && pieces[i].len == done) {
+      i++;
+      done = 0;
+    }
+    if (i == n)
+      return 0;
+    /* Batch: piece i from `done`, then whole pieces, at most IOV_MAX and
+     * at most READV_ELEM_MAX per element (a longer piece goes on in the
+     * next call). */
+    int k = 0;
+    for (size_t p = i; p < n && k < SG_SAMEHOST_IOV_MAX; p++) {
+      size_t off = p == i ? done : 0;
+      size_t left = pieces[p].len - off;
+      if (left == 0)
+        continue;
+      if (left > READV_ELEM_MAX)
+        left = READV_ELEM_MAX;
+      local[k].iov_base = (uint8_t *)pieces[p].local + off;
+      local[k].iov_len = left;
+      remote[k].iov_base = (void *)(uintptr_t)(pieces[p].remote + off);
+      remote[k].iov_len = left;
+      k++;
+      if (left != pieces[p].len - off)
+        break; /* the rest of this piece comes first next time */
+    }
+    ssize_t got = process_vm_readv((pid_t)pid, local, (unsigned long)k, remote,
+                                   (unsigned long)k, 0);
+    if (got < 0) {
+      if (errno == EINTR)
+        continue;
+      return -errno;
+    }
+    if (got == 0) {
+      if (++stalls > 2)
+        return SG_EIO;
+      continue;
+    }
+    stalls = 0;
+    /* advance over what the kernel copied, possibly ending mid-piece */
+    size_t g = (size_t)got;
+    while (g > 0 && i < n) {
+      size_t left = pieces[i].len - done;
+      if (g < left) {
+        done += g;
+        g = 0;
+      } else {
+        g -= left;
+        i++;
+        done = 0;
+      }
+    }
+  }
+}
+
 int sg_samehost_probe(uint32_t pid, uint64_t remote_addr, const void *expect,
                       size_t len) {
   uint8_t got[64];

@@ -17,11 +17,11 @@
  * beacon and a descriptor per region, each checked against the announced
  * lengths) that passes the probe (the beacon reads what the source said)
  * turns the source's streams into copiers: each chunk is read from the
- * source's memory with sg_samehost_read in pieces of at most PIECE bytes,
- * and the beacon is reread after the chunk, so a source that stopped
- * serving (disallow) or died (ESRCH, or another process at that pid) fails
- * the chunk like a cut stream.  The MAP connection stays open until the
- * fetch ends: the source keeps the state until then.  A refusal that says
+ * source's memory with sg_samehost_readv in batches of at most PIECE bytes
+ * and 1024 regions, and the beacon is reread after the chunk, so a source
+ * that stopped serving (disallow) or died (ESRCH, or another process at that
+ * pid) fails the chunk like a cut stream.  The MAP connection stays open until
+ * the fetch ends: the source keeps the state until then.  A refusal that says
  * "not the same host", an id that does not match or a failed probe make the
  * source a TCP one.
  *
@@ -591,11 +591,15 @@ out:
 
 /*
  * map_read: copy bytes [off, off + len) of the concatenation from a mapped
- * source into the destination, then reread its beacon.
+ * source into the destination, then reread its beacon.  The range is read
+ * in batches of at most PIECE bytes and SG_SAMEHOST_IOV_MAX regions, one
+ * process_vm_readv per batch (many small tensors: one call per 1024 of
+ * them), checking abort and the deadline between batches.
  */
 static int map_read(job_t *j, size_t si, uint64_t off, uint64_t len,
                     sg_err_t *err) {
   source_t *src = &j->srcs[si];
+  sg_samehost_piece_t pieces[SG_SAMEHOST_IOV_MAX];
   size_t ri = sg__ckpt_find(j->prefix, j->n, off);
   uint64_t roff = ri < j->n ? off - j->prefix[ri] : 0;
   while (len > 0) {
@@ -603,26 +607,35 @@ static int map_read(job_t *j, size_t si, uint64_t off, uint64_t len,
       return sg_err_set(err, SG_EABORTED, "fetch aborted");
     if (sg_deadline_passed(j->deadline))
       return sg_err_set(err, SG_ETIMEDOUT, "checkpoint fetch timed out");
-    if (ri >= j->n)
-      return sg_err_set(err, SG_EINVAL, "range past the destination");
-    uint64_t avail = j->dst[ri].len - roff;
-    if (avail == 0) {
-      ri++;
-      roff = 0;
-      continue;
+    size_t k = 0;
+    uint64_t batch = 0;
+    while (len > 0 && k < SG_SAMEHOST_IOV_MAX && batch < PIECE) {
+      if (ri >= j->n)
+        return sg_err_set(err, SG_EINVAL, "range past the destination");
+      uint64_t avail = j->dst[ri].len - roff;
+      if (avail == 0) {
+        ri++;
+        roff = 0;
+        continue;
+      }
+      uint64_t take = avail < len ? avail : len;
+      if (take > PIECE - batch)
+        take = PIECE - batch;
+      uint8_t *to = (uint8_t *)j->dst[ri].ptr + roff;
+      prefault(to, take);
+      pieces[k].remote = src->raddr[ri] + roff;
+      pieces[k].local = to;
+      pieces[k].len = (size_t)take;
+      k++;
+      batch += take;
+      roff += take;
+      len -= take;
     }
-    uint64_t take = avail < len ? avail : len;
-    if (take > PIECE)
-      take = PIECE;
-    prefault((uint8_t *)j->dst[ri].ptr + roff, take);
-    int rc = sg_samehost_read(src->pid, (uint8_t *)j->dst[ri].ptr + roff,
-                              src->raddr[ri] + roff, (size_t)take);
+    int rc = sg_samehost_readv(src->pid, pieces, k);
     if (rc)
       return sg_err_set(err, SG_EPEER,
                         "checkpoint source %s: same-host read failed: %s",
                         j->addrs[si], errno_text(rc));
-    roff += take;
-    len -= take;
   }
   int rc = sg_samehost_probe(src->pid, src->beacon_addr, src->beacon,
                              SG_CKPT_BEACON_LEN);

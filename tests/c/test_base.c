@@ -2,6 +2,7 @@
  * test_base.c: the C core's conventions: error codes, clocks, the bounded
  * buffer, allocation failure injection, logging and socket flags.
  */
+#include <errno.h>
 #include <fcntl.h>
 #include <setjmp.h>
 #include <signal.h>
@@ -11,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -435,6 +437,108 @@ static void test_samehost_read_from_child(void **state) {
   free(got);
 }
 
+/*
+ * Vectored reads: more pieces than one call takes, empty and odd-sized
+ * pieces, a piece that straddles a page the child unmapped (the kernel stops
+ * there: the pieces before it are copied, the call fails, nothing after it is
+ * written), and a dead pid.
+ */
+static void test_samehost_readv_batches_and_partial_reads(void **state) {
+  (void)state;
+  enum { PAGES = 3, NPIECES = 3000 };
+  const size_t pg = (size_t)sysconf(_SC_PAGESIZE);
+  const size_t big = 4u << 20;
+  int fds[2];
+  assert_int_equal(pipe(fds), 0);
+  pid_t child = fork();
+  assert_true(child >= 0);
+  if (child == 0) {
+    uint8_t *buf = malloc(big);
+    uint8_t *hole = mmap(NULL, PAGES * pg, PROT_READ | PROT_WRITE,
+                         MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (!buf || hole == MAP_FAILED)
+      _exit(1);
+    for (size_t i = 0; i < big; i++)
+      buf[i] = (uint8_t)(i * 13 + 5);
+    memset(hole, 0xAB, PAGES * pg);
+    if (munmap(hole + pg, pg) != 0)
+      _exit(1);
+    uint64_t addrs[2] = {(uint64_t)(uintptr_t)buf, (uint64_t)(uintptr_t)hole};
+    if (write(fds[1], addrs, sizeof addrs) != sizeof addrs)
+      _exit(1);
+    pause();
+    _exit(0);
+  }
+  uint64_t addrs[2] = {0, 0};
+  assert_int_equal(read(fds[0], addrs, sizeof addrs), (ssize_t)sizeof addrs);
+  close(fds[0]);
+  close(fds[1]);
+
+  uint8_t *got = calloc(1, big);
+  sg_samehost_piece_t *pieces = calloc(NPIECES, sizeof(*pieces));
+  assert_non_null(got);
+  assert_non_null(pieces);
+  /* NPIECES pieces in a scrambled order, sizes 0..1399 bytes */
+  size_t off = 0, n = 0;
+  for (; n < NPIECES && off < big; n++) {
+    size_t len = (n * 37) % 1400;
+    if (len > big - off)
+      len = big - off;
+    pieces[n].remote = addrs[0] + off;
+    pieces[n].local = got + off;
+    pieces[n].len = len;
+    off += len;
+  }
+  for (size_t a = 0; a + 7 < n; a += 7) { /* order must not matter */
+    sg_samehost_piece_t t = pieces[a];
+    pieces[a] = pieces[a + 7];
+    pieces[a + 7] = t;
+  }
+  int rc = sg_samehost_readv((uint32_t)child, pieces, n);
+  if (rc == -EPERM || rc == -ENOSYS) {
+    printf("cross-memory attach not permitted here (%s): fallback only\n",
+           sg_strerror(rc));
+  } else {
+    assert_int_equal(rc, 0);
+    assert_true(n > 2 * SG_SAMEHOST_IOV_MAX);
+    for (size_t i = 0; i < off; i++)
+      if (got[i] != (uint8_t)(i * 13 + 5))
+        fail_msg("byte %zu differs", i);
+    for (size_t i = off; i < big; i++)
+      if (got[i] != 0)
+        fail_msg("byte %zu past the pieces was written", i);
+    assert_int_equal(sg_samehost_readv((uint32_t)child, pieces, 0), 0);
+
+    /* [page 0: ok] [page 0 tail + page 1 (unmapped)] [page 2: ok] */
+    uint8_t *dst = malloc(PAGES * pg);
+    assert_non_null(dst);
+    memset(dst, 0, PAGES * pg);
+    sg_samehost_piece_t p3[3] = {
+        {.remote = addrs[1], .local = dst, .len = pg / 2},
+        {.remote = addrs[1] + pg / 2, .local = dst + pg / 2, .len = pg},
+        {.remote = addrs[1] + 2 * pg, .local = dst + 2 * pg, .len = pg},
+    };
+    rc = sg_samehost_readv((uint32_t)child, p3, 3);
+    assert_int_equal(rc, -EFAULT);
+    for (size_t i = 0; i < pg; i++) /* what precedes the hole arrived */
+      if (dst[i] != 0xAB)
+        fail_msg("byte %zu before the hole not copied", i);
+    for (size_t i = 2 * pg; i < 3 * pg; i++) /* nothing after it */
+      if (dst[i] != 0)
+        fail_msg("byte %zu after the hole was written", i);
+    /* the readable pieces alone are fine */
+    assert_int_equal(sg_samehost_readv((uint32_t)child, &p3[2], 1), 0);
+    assert_int_equal(dst[2 * pg], 0xAB);
+    free(dst);
+  }
+  kill(child, SIGKILL);
+  int status;
+  assert_int_equal(waitpid(child, &status, 0), child);
+  assert_true(sg_samehost_readv((uint32_t)child, pieces, n) < 0);
+  free(pieces);
+  free(got);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_error_codes_are_distinct_and_named),
@@ -452,6 +556,7 @@ int main(void) {
       cmocka_unit_test(test_map_survives_allocation_failure),
       cmocka_unit_test(test_samehost_ids_match_rules),
       cmocka_unit_test(test_samehost_read_from_child),
+      cmocka_unit_test(test_samehost_readv_batches_and_partial_reads),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

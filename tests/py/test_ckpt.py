@@ -370,6 +370,155 @@ def test_same_host_source_killed_while_granted(procs) -> None:
         b.shutdown()
 
 
+def test_fetch_in_place_into_the_replicas_tensors(pair) -> None:
+    """Tensors whose counterpart in ``into`` matches land in its memory; the
+    others (other shape or dtype, gaps, an alias, a missing key) get fresh
+    memory; the result is bit-identical either way."""
+    a, b = pair
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(300, 40, generator=g)
+    sd = {
+        "user": {
+            "model": {
+                "w": w,
+                "t": torch.randn(16, 8, generator=g).t(),  # dense, transposed
+                "gaps": torch.arange(40)[::3],  # span with gaps
+                "half": torch.randn(64, generator=g).half(),
+                "shape": torch.randn(10, 10, generator=g),
+                "tied": w,
+            },
+            "optim": {"m": torch.randn(300, 40, generator=g), "lr": 0.5},
+        },
+        "torchft": {"step": 4, "batches_committed": 8},
+    }
+    a.send_checkpoint([1], 4, sd, T60)
+    mine_w = torch.zeros(300, 40)
+    into = {
+        "user": {
+            "model": {
+                "w": mine_w,
+                "t": torch.zeros(16, 8).t(),
+                "gaps": torch.zeros(14, dtype=torch.int64),  # dense: no match
+                "half": torch.zeros(64),  # float32: no match
+                "shape": torch.zeros(100),
+                "tied": mine_w,
+            },
+            # the optimizer state has a different tree: matched by key path
+            "optim": {"m": torch.zeros(300, 40), "extra": torch.zeros(3)},
+        },
+        "torchft": {"step": 0, "batches_committed": 0},
+    }
+    ptr_m = into["user"]["optim"]["m"].data_ptr()
+    got = b.recv_checkpoint(0, a.metadata(), 4, T60, into=into)
+    assert_identical(sd, got)
+    model = got["user"]["model"]
+    assert model["w"].data_ptr() == mine_w.data_ptr()
+    assert torch.equal(mine_w, w)
+    assert model["t"].data_ptr() == into["user"]["model"]["t"].data_ptr()
+    assert got["user"]["optim"]["m"].data_ptr() == ptr_m
+    assert model["tied"].data_ptr() != mine_w.data_ptr()  # fetched once in place
+    for k in ("gaps", "half", "shape"):
+        assert model[k].data_ptr() != into["user"]["model"][k].data_ptr(), k
+    assert not into["user"]["model"]["shape"].any()  # a mismatch is untouched
+    moved = (("model", "w"), ("model", "t"), ("optim", "m"))
+    expect = sum(sd["user"][x][k].numel() * 4 for x, k in moved)
+    assert b.last_recv_stats["in_place_bytes"] == expect
+    a.disallow_checkpoint()
+
+    # turned off: nothing in place
+    c = NativeTransport(T60, hostname="127.0.0.1", auth_token="tok", in_place=False)
+    try:
+        a.send_checkpoint([1], 5, sd, T60)
+        got = c.recv_checkpoint(0, a.metadata(), 5, T60, into=into)
+        assert_identical(sd, got)
+        assert c.last_recv_stats["in_place_bytes"] == 0
+        assert got["user"]["model"]["w"].data_ptr() != mine_w.data_ptr()
+    finally:
+        c.shutdown()
+
+
+def test_no_fetch_in_place_while_serving(pair) -> None:
+    """The memory a transport serves must not change: a transport that
+    serves fetches into fresh memory even when given ``into``."""
+    a, b = pair
+    sd = {"w": torch.arange(1000.0)}
+    mine = {"w": torch.zeros(1000)}
+    a.send_checkpoint([1], 2, sd, T60)
+    b.send_checkpoint([0], 2, mine, T60)
+    got = b.recv_checkpoint(0, a.metadata(), 2, T60, into=mine)
+    assert torch.equal(got["w"], sd["w"]) and not mine["w"].any()
+    assert b.last_recv_stats["in_place_bytes"] == 0
+
+
+def test_in_place_fetch_cut_half_way_then_healed(procs, monkeypatch) -> None:
+    """A source killed during an in-place fetch: an error, and the replica's
+    tensor is partly overwritten (why the Manager reports step -1 until a
+    fetch succeeds); a later fetch into the same tensor completes it."""
+    monkeypatch.setenv("STEPGUARD_SAME_HOST", "0")  # the TCP path
+    mb = 128
+    expect = torch.randn(mb << 18, generator=torch.Generator().manual_seed(5))
+    b = NativeTransport(T60, hostname="127.0.0.1", streams_per_source=1)
+    try:
+        mine = {"w": torch.zeros(mb << 18), "k": "old"}
+        dying = _spawn_source(procs, mb, 1 << 20)
+        with pytest.raises(RuntimeError, match="truncated|closed|reset|refused"):
+            b.recv_checkpoint(0, dying, 9, T60, into=mine)
+        same = (mine["w"] == expect).sum().item()
+        assert 0 < same < expect.numel(), same  # half-loaded: never returned
+        healthy = _spawn_source(procs, mb, -1)
+        got = b.recv_checkpoint(0, healthy, 9, T60, into=mine)
+        assert got["w"].data_ptr() == mine["w"].data_ptr()
+        assert torch.equal(mine["w"], expect) and got["k"] == "v"
+        assert b.last_recv_stats["in_place_bytes"] == mb << 20
+    finally:
+        b.shutdown()
+
+
+_SERVE_MANY = r"""
+import sys, time
+from datetime import timedelta
+import torch
+from stepguard.checkpointing.native_transport import NativeTransport
+n = int(sys.argv[1])
+g = torch.Generator().manual_seed(7)
+sd = {f"p{i}": torch.randn(1 + (i * 97) % 3000, generator=g) for i in range(n)}
+sd["empty"] = torch.zeros(0)
+t = NativeTransport(timedelta(seconds=60), hostname="127.0.0.1")
+t.send_checkpoint([1], 2, sd, timedelta(seconds=60))
+print(t.metadata(), flush=True)
+time.sleep(600)
+"""
+
+
+def test_same_host_many_small_tensors(procs) -> None:
+    """Thousands of small tensors from another process's memory (vectored
+    same-host reads, more regions than one call takes), into fresh memory
+    and in place: bit-identical."""
+    import subprocess
+
+    n = 2500
+    g = torch.Generator().manual_seed(7)
+    expect = {f"p{i}": torch.randn(1 + (i * 97) % 3000, generator=g) for i in range(n)}
+    expect["empty"] = torch.zeros(0)
+    total = sum(t.numel() * 4 for t in expect.values())
+    p = procs.spawn(_SERVE_MANY, str(n), stdout=subprocess.PIPE, text=True)
+    src = p.stdout.readline().strip()
+    assert src.startswith("sgckpt://"), src
+    b = NativeTransport(T60, hostname="127.0.0.1")
+    try:
+        got = b.recv_checkpoint(0, src, 2, T60)
+        assert_identical(expect, got)
+        assert b.last_recv_stats["same_host_bytes"] == total
+        mine = {k: torch.zeros_like(v) for k, v in expect.items()}
+        got = b.recv_checkpoint(0, src, 2, T60, into=mine)
+        assert_identical(expect, got)
+        assert_identical(expect, mine)
+        assert b.last_recv_stats["in_place_bytes"] == total
+        assert b.last_recv_stats["same_host_bytes"] == total
+    finally:
+        b.shutdown()
+
+
 def test_server_survives_garbage(pair) -> None:
     a, b = pair
     a.send_checkpoint([1], 1, {"w": torch.arange(1000)}, T60)

@@ -23,7 +23,12 @@ accepts one such string or several joined by commas, and
 ``recv_checkpoint_striped`` takes a list; with several sources the fetch
 is striped across all of them (a source that fails mid-transfer is dropped
 and its share taken by the others).  Nothing half-loaded is ever returned.
-A source whose metadata is an ``http://`` URL (an HTTPTransport peer, e.g.
+Given ``into`` (the replica's current state dict), tensors whose
+counterpart there has the same dtype, shape and strides are fetched straight
+into the replica's own memory, which it has already touched: no allocation
+and no page faults (``fetches_in_place``; the Manager passes it and reports
+step -1 until the fetch completes, since a failed fetch leaves those tensors
+partly overwritten).  A source whose metadata is an ``http://`` URL (an HTTPTransport peer, e.g.
 a torchft replica) is fetched from with the HTTP transport's format when no
 ``sgckpt://`` source is given.
 
@@ -44,11 +49,11 @@ import threading
 import time
 import warnings
 from datetime import timedelta
-from typing import Any, List, Sequence, Tuple, TypeVar
+from typing import Any, Dict, List, Sequence, Tuple, TypeVar
 
 import numpy
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from stepguard import _C
 from stepguard.checkpointing.transport import CheckpointTransport
@@ -128,6 +133,9 @@ class NativeTransport(CheckpointTransport[T]):
             ``STEPGUARD_AUTH_TOKEN``.
         streams_per_source: parallel connections to each source.
         max_conns: connections the server holds at once (0: 256).
+        in_place: whether ``recv_checkpoint(..., into=state)`` may fetch into
+            ``state``'s tensors (else ``into`` is ignored and every tensor
+            is fetched into fresh memory).
     """
 
     def __init__(
@@ -139,8 +147,11 @@ class NativeTransport(CheckpointTransport[T]):
         auth_token: str | None = None,
         streams_per_source: int = 2,
         max_conns: int = 0,
+        in_place: bool = True,
     ) -> None:
         self._timeout = timeout
+        # read by the Manager: pass the replica's state as ``into``
+        self.fetches_in_place = bool(in_place)
         self._token = _env_token(auth_token)
         self._streams = int(streams_per_source)
         if not 1 <= self._streams <= 64:
@@ -255,17 +266,29 @@ class NativeTransport(CheckpointTransport[T]):
     # ---- fetching --------------------------------------------------------
 
     def recv_checkpoint(
-        self, src_rank: int, metadata: str, step: int, timeout: timedelta
+        self,
+        src_rank: int,
+        metadata: str,
+        step: int,
+        timeout: timedelta,
+        *,
+        into: Any = None,
     ) -> T:
         """Fetch ``step`` from the source(s) named by ``metadata``.
 
         ``metadata`` is one source's ``metadata()`` or several joined with
-        commas; with several the fetch is striped across them.
+        commas; with several the fetch is striped across them.  ``into``:
+        see :meth:`recv_checkpoint_striped`.
         """
-        return self.recv_checkpoint_striped([metadata], step, timeout)
+        return self.recv_checkpoint_striped([metadata], step, timeout, into=into)
 
     def recv_checkpoint_striped(
-        self, sources: Sequence[str], step: int, timeout: timedelta
+        self,
+        sources: Sequence[str],
+        step: int,
+        timeout: timedelta,
+        *,
+        into: Any = None,
     ) -> T:
         """Fetch ``step`` striped across ``sources`` (metadata strings).
 
@@ -275,7 +298,17 @@ class NativeTransport(CheckpointTransport[T]):
         when every source fails or none serves ``step``; never returns a
         partly received state.  ``last_recv_bytes`` then holds the bytes
         taken from each source, and ``last_recv_stats`` how many of them were
-        copied straight from a same-host source's memory.
+        copied straight from a same-host source's memory and how many landed
+        in place.
+
+        ``into``: the replica's current state (a tree like the one served).
+        A received tensor whose counterpart in ``into`` (the same position
+        in an identical tree, else the same key path) is a CPU tensor with
+        the same dtype, shape and strides and no gaps, sharing memory with no
+        other destination, is fetched into that tensor's memory and returned
+        as a view of it; the others get fresh memory.  If the fetch fails,
+        those tensors hold partial data: the caller must treat its state as
+        lost until a later fetch succeeds.
         """
         items = [m for s in sources for m in s.split(",") if m.strip()]
         is_http = [m.strip().startswith(("http://", "https://")) for m in items]
@@ -304,7 +337,9 @@ class NativeTransport(CheckpointTransport[T]):
         bufs: List[torch.Tensor] = []
         ptrs = array.array("Q")
         want = array.array("Q")
-        for m in meta["leaves"]:
+        local = self._in_place_targets(into, meta)
+        in_place_bytes = 0
+        for i, m in enumerate(meta["leaves"]):
             if m[0] == "v":
                 leaves.append(m[1])
                 continue
@@ -312,7 +347,10 @@ class NativeTransport(CheckpointTransport[T]):
             dtype = getattr(torch, dtype_name)
             numel = math.prod(shape)
             nbytes = span * dtype.itemsize
-            if _MALLOC_MIN <= nbytes <= _MALLOC_MAX:
+            if i in local:
+                buf = local[i]  # the replica's own (touched) memory
+                in_place_bytes += nbytes
+            elif _MALLOC_MIN <= nbytes <= _MALLOC_MAX:
                 # malloc'd through numpy: glibc recycles freed heap memory up
                 # to its largest mmap threshold (32 MiB), where torch's
                 # aligned allocations of that size come back as fresh mmap()
@@ -344,6 +382,7 @@ class NativeTransport(CheckpointTransport[T]):
             max(deadline - time.monotonic(), 0.0),
         )
         self.last_recv_stats = fetch.stats()
+        self.last_recv_stats["in_place_bytes"] = in_place_bytes
         it = iter(bufs)
         for i, m in enumerate(meta["leaves"]):
             if m[0] != "t":
@@ -358,6 +397,55 @@ class NativeTransport(CheckpointTransport[T]):
                 t.requires_grad_(True)
             leaves[i] = t
         return tree_unflatten(leaves, meta["spec"])
+
+    def _in_place_targets(self, into: Any, meta: dict) -> Dict[int, torch.Tensor]:
+        """Leaf index -> the tensor of ``into`` that leaf is fetched into.
+
+        A received tensor leaf qualifies when its counterpart is a plain CPU
+        tensor with the same dtype, shape and strides, dense (the served span
+        has no gaps, so every byte written belongs to the tensor), and its
+        memory overlaps no other target (tied weights are fetched once in
+        place, the alias into fresh memory).  Nothing qualifies while this
+        transport serves a state: the served memory must not change.
+        """
+        if into is None or not self.fetches_in_place or self._serving_step >= 0:
+            return {}
+        mine, my_spec = tree_flatten(into)
+        theirs = meta["leaves"]
+        if my_spec == meta["spec"]:
+            pairs = list(enumerate(mine))
+        else:  # same key paths, wherever they sit
+            by_path = dict(tree_flatten_with_path(into)[0])
+            slots, _ = tree_flatten_with_path(
+                tree_unflatten(list(range(len(theirs))), meta["spec"])
+            )
+            pairs = [(i, by_path.get(path)) for path, i in slots]
+        found: List[Tuple[int, int, int, torch.Tensor]] = []
+        for i, t in pairs:
+            m = theirs[i]
+            if m[0] != "t" or not isinstance(t, torch.Tensor):
+                continue
+            _, dtype_name, shape, stride, span, _rg, _param, _dev = m
+            if (
+                not _plain(t)
+                or t.device.type != "cpu"
+                or str(t.dtype).removeprefix("torch.") != dtype_name
+                or tuple(t.shape) != tuple(shape)
+                or tuple(t.stride()) != tuple(stride)
+                or span != math.prod(shape)
+                or span == 0
+            ):
+                continue
+            start = t.data_ptr()
+            found.append((start, start + span * t.element_size(), i, t.detach()))
+        found.sort(key=lambda f: f[0])
+        out: Dict[int, torch.Tensor] = {}
+        end = 0
+        for start, stop, i, t in found:
+            if start >= end:
+                out[i] = t
+            end = max(end, stop)
+        return out
 
     def _wait_for_sources(
         self, fetch: Any, addrs: List[str], step: int, deadline: float

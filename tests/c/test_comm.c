@@ -364,6 +364,60 @@ static void test_kernels(void **state) {
   assert_int_equal(iv[1], 3);
 }
 
+/* The bfloat16 kernel works on pairs of values in 32-bit words; it must
+ * give, bit for bit, what widening each element, combining and rounding it
+ * with sg__comm_f32_to_bf16 gives: random bit patterns (NaNs, infinities,
+ * subnormals, ties), odd counts, operands at odd addresses, dst aliasing an
+ * operand. */
+static void test_bf16_kernel_bits(void **state) {
+  enum { N = 1031 };
+  uint16_t a[N + 1], b[N + 1], d[N + 1], want[N];
+  uint64_t seed = 0x243f6a8885a308d3ull;
+  for (size_t i = 0; i < N + 1; i++) {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    a[i] = (uint16_t)(seed >> 48);
+    b[i] = (uint16_t)(seed >> 32);
+    if (i % 17 == 0) /* values that round: same exponent, close */
+      b[i] = (uint16_t)((a[i] & 0xff80) | (b[i] & 0x7f));
+  }
+  a[3] = 0x7fc1;  /* NaN with a payload */
+  b[5] = 0xff81;  /* signalling NaN, negative */
+  a[7] = 0x7f80;  /* infinity */
+  b[7] = 0xff80;  /* minus infinity: inf - inf is NaN */
+  a[9] = 0x0001;  /* subnormal */
+  a[11] = 0x7f7f; /* largest: overflows to infinity */
+  b[11] = 0x7f7f;
+  for (int op = 0; op < SG_COMM_NREDOPS; op++) {
+    for (size_t off = 0; off < 2; off++) {
+      for (size_t n = N - 3; n <= N; n++) {
+        const uint16_t *pa = a + off, *pb = b;
+        for (size_t i = 0; i < n; i++) {
+          float x = sg__comm_bf16_to_f32(pa[i]),
+                y = sg__comm_bf16_to_f32(pb[i]);
+          float r = op == SG_COMM_PRODUCT ? x * y
+                    : op == SG_COMM_MIN   ? (x != x   ? x
+                                             : y != y ? y
+                                             : y < x  ? y
+                                                      : x)
+                    : op == SG_COMM_MAX   ? (x != x   ? x
+                                             : y != y ? y
+                                             : y > x  ? y
+                                                      : x)
+                                          : x + y;
+          want[i] = sg__comm_f32_to_bf16(r);
+        }
+        sg__comm_reduce(SG_COMM_BF16, (sg_comm_redop_t)op, d + off, pa, pb, n);
+        assert_memory_equal(d + off, want, n * 2);
+        /* in place: dst is the first operand */
+        memcpy(d + off, pa, n * 2);
+        sg__comm_reduce(SG_COMM_BF16, (sg_comm_redop_t)op, d + off, d + off, pb,
+                        n);
+        assert_memory_equal(d + off, want, n * 2);
+      }
+    }
+  }
+}
+
 /* ---- pure: plans and schedules ----------------------------------------------
  */
 
@@ -1702,6 +1756,7 @@ int main(void) {
       cmocka_unit_test(test_f16_roundtrip),
       cmocka_unit_test(test_bf16_rounding),
       cmocka_unit_test(test_kernels),
+      cmocka_unit_test(test_bf16_kernel_bits),
       cmocka_unit_test(test_chunks),
       cmocka_unit_test(test_ring_schedule),
       cmocka_unit_test(test_rd_schedule),

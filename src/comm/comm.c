@@ -1057,6 +1057,17 @@ static ssize_t pull(struct xfer *x, int fd, uint8_t *dst, size_t room,
              rc > -10000 ? strerror(-rc) : sg_strerror(rc));
     return eof_fail_what(x, x->recv_peer, what);
   }
+  /* The pid could belong to another process by now if the peer died and
+   * its pid was reused: then these bytes are not the peer's.  A dying
+   * process closes its sockets (do_exit) before its pid can be reaped and
+   * reused, and nobody else holds them (CLOEXEC, the fork rule), so while
+   * our connection to it shows no hangup after the read, the peer was
+   * alive through the whole read and the bytes are its own. */
+  struct pollfd hup = {.fd = fd, .events = POLLRDHUP};
+  if (poll(&hup, 1, 0) != 0 &&
+      (hup.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)))
+    return eof_fail_what(x, x->recv_peer,
+                         "its connection closed while its memory was read");
   x->raddr += room;
   x->rleft -= room;
   return (ssize_t)room;

@@ -1371,11 +1371,12 @@ static void test_samehost_bad_peer(void **state) {
   offer.probe_addr = (uint64_t)(uintptr_t)fake_probe;
   memcpy(offer.probe, fake_probe, SG__COMM_PROBE_LEN);
 
-  enum { NCASE = 7 };
+  enum { NCASE = 8 };
   struct {
     uint16_t flags;
     sg__comm_frame_t desc;
-    size_t desc_len; /* bytes of desc sent (24, less = truncated + EOF) */
+    size_t desc_len; /* bytes of desc sent (24, less = truncated + EOF);
+                        0x100: then the connection closes */
     int want;
     const char *want_msg;
   } cases[NCASE] = {
@@ -1412,6 +1413,16 @@ static void test_samehost_bad_peer(void **state) {
        24,
        0,
        ""},
+      /* a well-formed DESC, then the peer's connection closes while its
+       * memory stays readable, as when it dies and its pid goes to another
+       * process: the bytes read must not be used */
+      {SG__COMM_OP_PULL,
+       {.type = SG__COMM_FRAME_DESC,
+        .seq = (uint64_t)(uintptr_t)fake_payload,
+        .bytes = 16},
+       24 | 0x100,
+       SG_EPEER,
+       "closed while its memory was read"},
   };
   for (int i = 0; i < NCASE; i++) {
     sg_comm_t *c0 = mk_sh(0, 2, 9, "tok", 1);
@@ -1436,9 +1447,10 @@ static void test_samehost_bad_peer(void **state) {
       sg__comm_frame_encode(b + SG__COMM_FRAME_LEN, &cases[i].desc);
     else
       memset(b + SG__COMM_FRAME_LEN, 'x', SG__COMM_FRAME_LEN);
-    size_t n = SG__COMM_FRAME_LEN + (cases[i].flags ? cases[i].desc_len : 16);
+    size_t dl = cases[i].desc_len & 0xff, hang_up = cases[i].desc_len & 0x100;
+    size_t n = SG__COMM_FRAME_LEN + (cases[i].flags ? dl : 16);
     assert_int_equal(send(fd, b, n, MSG_NOSIGNAL), (ssize_t)n);
-    if (cases[i].desc_len && cases[i].desc_len < SG__COMM_FRAME_LEN)
+    if (hang_up || (dl && dl < SG__COMM_FRAME_LEN))
       shutdown(fd, SHUT_WR);
     int32_t v[4] = {1, 2, 3, 4};
     struct done d;

@@ -26,7 +26,7 @@ import os
 import threading
 from typing import Any, Dict, List, Optional
 
-__all__ = ["setup_logger", "shutdown"]
+__all__ = ["TeeLogExporter", "main", "setup_logger", "shutdown"]
 
 USE_OTEL_ENV: str = "TORCHFT_USE_OTEL"
 TORCHFT_OTEL_RESOURCE_ATTRIBUTES_JSON: str = "TORCHFT_OTEL_RESOURCE_ATTRIBUTES_JSON"
@@ -77,7 +77,41 @@ def _resource_attributes(name: str) -> Optional[Dict[str, Any]]:
     return entry
 
 
-def _make_provider(name: str, attributes: Optional[Dict[str, Any]]) -> Any:
+class TeeLogExporter:
+    """Hands each batch of log records to every one of ``exporters``
+    (duck-typed as an OpenTelemetry ``LogRecordExporter``, so that this
+    module imports without OpenTelemetry).
+
+    Args:
+        exporters: the exporters, called in order.
+    """
+
+    def __init__(self, exporters: List[Any]) -> None:
+        self._exporters = list(exporters)
+
+    def export(self, batch: Any) -> Any:
+        """Exports ``batch`` with every exporter; the first failure's
+        result, else the first result."""
+        results = [e.export(batch) for e in self._exporters]
+        for r in results:
+            if getattr(r, "name", "SUCCESS") != "SUCCESS":
+                return r
+        return results[0] if results else None
+
+    def shutdown(self) -> None:
+        for e in self._exporters:
+            e.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        ok = True
+        for e in self._exporters:
+            flush = getattr(e, "force_flush", None)
+            if flush is not None:
+                ok = bool(flush(timeout_millis)) and ok
+        return ok
+
+
+def _make_provider(attributes: Optional[Dict[str, Any]]) -> Any:
     """A LoggerProvider exporting to the console and OTLP/HTTP in batches.
     Raises ImportError without the OpenTelemetry packages."""
     from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
@@ -87,28 +121,10 @@ def _make_provider(name: str, attributes: Optional[Dict[str, Any]]) -> Any:
 
     # renamed from ConsoleLogExporter in newer releases
     console = getattr(export, "ConsoleLogRecordExporter", None) or export.ConsoleLogExporter
-    exporters: List[Any] = [console(), OTLPLogExporter(timeout=5)]
-
-    class _Both:
-        """Hands each batch to every exporter."""
-
-        def export(self, batch: Any) -> Any:
-            results = [e.export(batch) for e in exporters]
-            failed = [r for r in results if getattr(r, "name", "SUCCESS") != "SUCCESS"]
-            return failed[0] if failed else results[0]
-
-        def shutdown(self) -> None:
-            for e in exporters:
-                e.shutdown()
-
-        def force_flush(self, timeout_millis: int = 30000) -> bool:
-            return all(
-                getattr(e, "force_flush", lambda *_: True)(timeout_millis) for e in exporters
-            )
-
+    tee = TeeLogExporter([console(), OTLPLogExporter(timeout=5)])
     resource = Resource.create(attributes) if attributes is not None else Resource.create()
     provider = LoggerProvider(resource=resource)
-    provider.add_log_record_processor(export.BatchLogRecordProcessor(_Both()))
+    provider.add_log_record_processor(export.BatchLogRecordProcessor(tee))
     return provider
 
 
@@ -136,7 +152,7 @@ def setup_logger(name: str) -> None:
             )
             attributes = None
         try:
-            provider = _make_provider(name, attributes)
+            provider = _make_provider(attributes)
             from opentelemetry.sdk._logs import LoggingHandler
         except ImportError as e:
             if not _REGISTRY.warned:
@@ -163,3 +179,17 @@ def shutdown() -> None:
         providers = [p for p in _REGISTRY.providers.values() if p is not None]
     for provider in providers:
         provider.shutdown()
+
+
+def main() -> None:
+    """Sends one record through ``torchft_test`` (OTel must be enabled by
+    the environment), then shuts down: a check of the export setup."""
+    setup_logger("torchft_test")
+    logging.getLogger("torchft_test").info(
+        "", extra={"job_id": "test", "replica_id": "0", "rank": 0, "step": 0}
+    )
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

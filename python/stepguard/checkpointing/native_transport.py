@@ -81,6 +81,9 @@ def _env_token(token: str | None) -> str | None:
     return os.environ.get("STEPGUARD_AUTH_TOKEN") or None
 
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def _plain(t: torch.Tensor) -> bool:
     """Whether ``t``'s bytes can be served from its memory as one span."""
     return (
@@ -333,24 +336,34 @@ class NativeTransport(CheckpointTransport[T]):
             raise RuntimeError(
                 f"checkpoint header is for step {meta.get('step')}, wanted {step}"
             )
-        leaves: List[Any] = []
-        bufs: List[torch.Tensor] = []
+        theirs = meta["leaves"]
+        dtypes: Dict[str, torch.dtype] = {}
+        local = self._in_place_targets(into, meta, dtypes)
+        in_place_bytes = 0
+        leaves: List[Any] = [None] * len(theirs)
+        # (leaf index, buffer, whether it is the replica's own tensor)
+        todo: List[Tuple[int, torch.Tensor, bool]] = []
         ptrs = array.array("Q")
         want = array.array("Q")
-        local = self._in_place_targets(into, meta)
-        in_place_bytes = 0
-        for i, m in enumerate(meta["leaves"]):
+        for i, m in enumerate(theirs):
             if m[0] == "v":
-                leaves.append(m[1])
+                leaves[i] = m[1]
                 continue
             _, dtype_name, shape, stride, span, _rg, _param, _dev = m
-            dtype = getattr(torch, dtype_name)
-            numel = math.prod(shape)
+            dtype = dtypes.get(dtype_name)
+            if dtype is None:
+                dtype = dtypes[dtype_name] = getattr(torch, dtype_name)
             nbytes = span * dtype.itemsize
-            if i in local:
-                buf = local[i]  # the replica's own (touched) memory
+            hit = local.get(i)
+            if hit is not None:  # the replica's own (touched) memory
+                buf, ptr = hit
                 in_place_bytes += nbytes
-            elif _MALLOC_MIN <= nbytes <= _MALLOC_MAX:
+                todo.append((i, buf, True))
+                ptrs.append(ptr)
+                want.append(nbytes)
+                continue
+            numel = math.prod(shape)
+            if _MALLOC_MIN <= nbytes <= _MALLOC_MAX:
                 # malloc'd through numpy: glibc recycles freed heap memory up
                 # to its largest mmap threshold (32 MiB), where torch's
                 # aligned allocations of that size come back as fresh mmap()
@@ -365,11 +378,10 @@ class NativeTransport(CheckpointTransport[T]):
                 buf = torch.empty_strided(shape, stride, dtype=dtype)
             else:  # gaps or overlaps: the span, viewed below
                 buf = torch.empty((span,), dtype=dtype)
-            bufs.append(buf)
-            leaves.append(None)
+            todo.append((i, buf, False))
             ptrs.append(buf.data_ptr() if span else 0)
             want.append(nbytes)
-        if list(want) != list(lens):
+        if want.tolist() != list(lens):
             raise RuntimeError("checkpoint header and region table disagree")
         self.last_recv_bytes = fetch.data(
             addrs,
@@ -383,13 +395,16 @@ class NativeTransport(CheckpointTransport[T]):
         )
         self.last_recv_stats = fetch.stats()
         self.last_recv_stats["in_place_bytes"] = in_place_bytes
-        it = iter(bufs)
-        for i, m in enumerate(meta["leaves"]):
-            if m[0] != "t":
-                continue
-            _, _dt, shape, stride, span, requires_grad, is_param, _dev = m
-            t = next(it)
-            if span != math.prod(shape):
+        for i, t, own in todo:
+            _, _dt, shape, stride, span, requires_grad, is_param, _dev = theirs[i]
+            if own:
+                if t.requires_grad == requires_grad and (
+                    type(t) is torch.nn.Parameter
+                ) == bool(is_param):
+                    leaves[i] = t  # as it is: the Manager loads it into itself
+                    continue
+                t = t.detach()
+            elif span != math.prod(shape):
                 t = t.as_strided(shape, stride, 0)
             if is_param:
                 t = torch.nn.Parameter(t, requires_grad=requires_grad)
@@ -398,8 +413,11 @@ class NativeTransport(CheckpointTransport[T]):
             leaves[i] = t
         return tree_unflatten(leaves, meta["spec"])
 
-    def _in_place_targets(self, into: Any, meta: dict) -> Dict[int, torch.Tensor]:
-        """Leaf index -> the tensor of ``into`` that leaf is fetched into.
+    def _in_place_targets(
+        self, into: Any, meta: dict, dtypes: Dict[str, torch.dtype]
+    ) -> Dict[int, Tuple[torch.Tensor, int]]:
+        """Leaf index -> (the tensor of ``into`` it is fetched into, its
+        address).
 
         A received tensor leaf qualifies when its counterpart is a plain CPU
         tensor with the same dtype, shape and strides, dense (the served span
@@ -413,7 +431,7 @@ class NativeTransport(CheckpointTransport[T]):
         mine, my_spec = tree_flatten(into)
         theirs = meta["leaves"]
         if my_spec == meta["spec"]:
-            pairs = list(enumerate(mine))
+            pairs: Any = enumerate(mine)
         else:  # same key paths, wherever they sit
             by_path = dict(tree_flatten_with_path(into)[0])
             slots, _ = tree_flatten_with_path(
@@ -422,28 +440,31 @@ class NativeTransport(CheckpointTransport[T]):
             pairs = [(i, by_path.get(path)) for path, i in slots]
         found: List[Tuple[int, int, int, torch.Tensor]] = []
         for i, t in pairs:
+            if type(t) not in _PLAIN_TYPES:
+                continue
             m = theirs[i]
-            if m[0] != "t" or not isinstance(t, torch.Tensor):
+            if m[0] != "t" or not t.is_cpu or t.is_nested or t.layout != torch.strided:
                 continue
             _, dtype_name, shape, stride, span, _rg, _param, _dev = m
+            dtype = dtypes.get(dtype_name)
+            if dtype is None:
+                dtype = dtypes[dtype_name] = getattr(torch, dtype_name)
             if (
-                not _plain(t)
-                or t.device.type != "cpu"
-                or str(t.dtype).removeprefix("torch.") != dtype_name
-                or tuple(t.shape) != tuple(shape)
-                or tuple(t.stride()) != tuple(stride)
-                or span != math.prod(shape)
+                t.dtype != dtype
+                or t.shape != shape
+                or t.stride() != tuple(stride)
                 or span == 0
+                or span != t.numel()
             ):
                 continue
             start = t.data_ptr()
-            found.append((start, start + span * t.element_size(), i, t.detach()))
+            found.append((start, start + span * dtype.itemsize, i, t))
         found.sort(key=lambda f: f[0])
-        out: Dict[int, torch.Tensor] = {}
+        out: Dict[int, Tuple[torch.Tensor, int]] = {}
         end = 0
         for start, stop, i, t in found:
             if start >= end:
-                out[i] = t
+                out[i] = (t, start)
             end = max(end, stop)
         return out
 

@@ -16,10 +16,16 @@ is refused at the handshake.  The advertised host is the local address that
 routes to the store (``STEPGUARD_COMM_HOST`` overrides it); the token in
 ``STEPGUARD_AUTH_TOKEN``, when set, must match on every rank.
 
-Tensors: CPU tensors that are contiguous are used in place.  Others
-(non-contiguous, or on an accelerator) are staged through a contiguous host
-copy: the copy is made when the operation is issued (which synchronises
-with the tensor's stream) and written back before the work completes.
+Tensors: CPU tensors that are contiguous are used in place.  Tensors on an
+accelerator are staged through a contiguous host copy: the copy is made
+when the operation is issued (which synchronises with the tensor's stream)
+and written back before the work completes.  Non-contiguous tensors are
+refused with a ``ValueError`` by the operations where torch's Gloo refuses
+them or silently computes the wrong result (allreduce, reduce_scatter's
+output, alltoall_base, send, recv) and staged like accelerator tensors by
+those where Gloo handles them correctly (broadcast, allgather,
+reduce_scatter's inputs, alltoall), so a script that works with Gloo works
+here (docs/internals/comm.md).
 
 It is also a torch.distributed backend: ``init_process_group(backend=
 "stepguard_tcp", ...)`` builds one over the default store.
@@ -132,9 +138,20 @@ class _Staged:
         self.keep: List[torch.Tensor] = []
         self.writebacks: List[Tuple[torch.Tensor, torch.Tensor]] = []
 
-    def buf(self, t: torch.Tensor, write: bool) -> torch.Tensor:
+    def buf(self, t: torch.Tensor, write: bool, refuse: Optional[str] = None) -> torch.Tensor:
         """A contiguous CPU tensor with t's bytes; written back to t at
-        completion when ``write``."""
+        completion when ``write``.
+
+        Args:
+            refuse: the operation's name where a non-contiguous ``t`` is
+                refused rather than staged (see ``_refuse_strided``).
+        """
+        if refuse is not None and not t.is_contiguous():
+            raise ValueError(
+                f"{refuse}: non-contiguous tensor (shape {tuple(t.shape)}, "
+                f"stride {t.stride()}) refused; pass tensor.contiguous() and "
+                "copy the result back"
+            )
         if t.device.type == "cpu" and t.is_contiguous():
             b = t
         else:
@@ -510,7 +527,7 @@ class ProcessGroupTCP(ProcessGroup):
         comm, op, s = self._require(), _redop(opts), _Staged()
         calls = []
         for t in tensors:
-            b, dt = s.buf(t, True), _dtype(t)
+            b, dt = s.buf(t, True, "allreduce"), _dtype(t)
             calls.append(
                 lambda done, b=b, dt=dt: comm.allreduce(
                     b.data_ptr(), b.numel(), dt, op, self._t(), done
@@ -599,7 +616,7 @@ class ProcessGroupTCP(ProcessGroup):
         for out, ins in zip(output_tensors, input_tensors):
             self._check_list(ins, out, "reduce_scatter")
             dt = _dtype(out)
-            ob = s.buf(out, True)
+            ob = s.buf(out, True, "reduce_scatter")
             ibs = [s.buf(i, False) for i in ins]
             calls.append(
                 lambda done, ob=ob, ibs=ibs, dt=dt: comm.reduce_scatter(
@@ -627,7 +644,7 @@ class ProcessGroupTCP(ProcessGroup):
             if inp.numel() != out.numel() * self._world_size or out.dtype != inp.dtype:
                 raise ValueError("reduce_scatter_tensor: input must be world_size outputs")
             dt = _dtype(out)
-            ob, ib = s.buf(out, True), s.buf(inp, False)
+            ob, ib = s.buf(out, True, "reduce_scatter_tensor"), s.buf(inp, False)
             n = _nbytes(ob)
             calls.append(
                 lambda done, ob=ob, ib=ib, n=n, dt=dt: comm.reduce_scatter(
@@ -654,7 +671,8 @@ class ProcessGroupTCP(ProcessGroup):
         r's into split r of the output (even splits when none are given)."""
         comm, s = self._require(), _Staged()
         w = self._world_size
-        ib, ob = s.buf(input_buffer, False), s.buf(output_buffer, True)
+        ib = s.buf(input_buffer, False, "alltoall_base")
+        ob = s.buf(output_buffer, True, "alltoall_base")
 
         def layout(t: torch.Tensor, splits: List[int]) -> Tuple[List[int], List[int]]:
             rows = t.shape[0] if t.dim() > 0 else t.numel()
@@ -692,7 +710,7 @@ class ProcessGroupTCP(ProcessGroup):
         comm, s = self._require(), _Staged()
         calls = []
         for t in tensors:
-            b = s.buf(t, False)
+            b = s.buf(t, False, "send")
             calls.append(
                 lambda done, b=b: comm.send(b.data_ptr(), _nbytes(b), dst_rank, self._t(), done)
             )
@@ -705,7 +723,7 @@ class ProcessGroupTCP(ProcessGroup):
         comm, s = self._require(), _Staged()
         calls = []
         for t in tensors:
-            b = s.buf(t, True)
+            b = s.buf(t, True, "recv")
             calls.append(
                 lambda done, b=b: comm.recv(b.data_ptr(), _nbytes(b), src_rank, self._t(), done)
             )

@@ -109,10 +109,21 @@ if scenario == "compare":
     o = torch.zeros(4)
     ours.reduce_scatter([o], [ins], ReduceOp.SUM).wait()
     res["reduce_scatter"] = [o.tolist(), [float(sum(q * 10 + rank for q in range(world)))] * 4]
-    nc = torch.arange(20, dtype=torch.float32).reshape(4, 5).t() * (rank + 1)  # not contiguous
-    want = torch.arange(20, dtype=torch.float32).reshape(4, 5).t() * sum(range(1, world + 1))
-    ours.allreduce([nc], ReduceOp.SUM).wait()
-    res["noncontig"] = [nc.tolist(), want.tolist()]
+    # non-contiguous: staged where Gloo gets it right (broadcast into a
+    # view, allgather from and into views), refused where it does not
+    nc = torch.full((10,), float(rank))[::2]
+    o = BroadcastOptions(); o.rootRank = world - 1
+    ours.broadcast([nc], o).wait()
+    nin = (torch.arange(20, dtype=torch.int64) + 100 * rank)[::2]
+    nouts = [torch.zeros(20, dtype=torch.int64)[::2] for _ in range(world)]
+    ours.allgather([nouts], [nin]).wait()
+    try:
+        ours.allreduce([torch.ones(4, 5).t()], ReduceOp.SUM)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    res["noncontig"] = [nc.tolist(), [float(world - 1)] * 5,
+                        torch.cat(nouts).tolist(), refused]
     if rank == 0:
         ours.send([torch.arange(6, dtype=torch.float32)], world - 1, 0).wait()
     if rank == world - 1:
@@ -285,6 +296,10 @@ def test_matches_gloo(procs, tmp_path, world):
         assert r["alltoall"][0] == r["alltoall"][1]
         assert r["reduce_scatter"][0] == r["reduce_scatter"][1]
         assert r["noncontig"][0] == r["noncontig"][1]
+        want = [100 * q + 2 * i for q in range(world) for i in range(10)]
+        assert r["noncontig"][2] == want
+        assert "allreduce: non-contiguous" in r["noncontig"][3]
+        assert "tensor.contiguous()" in r["noncontig"][3]
         assert r["future"] == [float(world)] * 3
         assert r["coalesced"] == [[float(world)] * 3, [2 * world] * 5]
         assert r["bcast_one"] == [float(world - 1)] * 4
@@ -417,6 +432,28 @@ def test_bad_arguments_raise():
         pg.send([torch.ones(1)], 0, 7)
     with pytest.raises(ValueError, match="tag must be 0, got 3"):
         pg.recv([torch.ones(1)], 0, 3)
+    # non-contiguous tensors where torch's Gloo refuses them or silently
+    # reduces the wrong elements: a clear error naming the operation and the
+    # fix, raised by the call, nothing issued
+    strided = torch.arange(8, dtype=torch.float32)[::2]
+    flat = torch.zeros(4)
+    rs = torch.distributed.ReduceScatterOptions()
+    refusals = {
+        "allreduce": lambda: pg.allreduce([strided], torch.distributed.ReduceOp.SUM),
+        "reduce_scatter": lambda: pg.reduce_scatter([strided], [[flat]], rs),
+        "reduce_scatter_tensor": lambda: pg.reduce_scatter_tensor_coalesced(
+            [strided], [flat], rs),
+        "alltoall_base": lambda: pg.alltoall_base(flat, strided, [], [], None),
+        "send": lambda: pg.send([strided], 0, 0),
+        "recv": lambda: pg.recv([strided], 0, 0),
+    }
+    for name, call in refusals.items():
+        with pytest.raises(ValueError, match=rf"^{name}: non-contiguous .*tensor\.contiguous\(\)"):
+            call()
+    with pytest.raises(ValueError, match="alltoall_base: non-contiguous"):
+        pg.alltoall_base(strided, flat, [], [], None)  # the output too
+    assert strided.tolist() == [0.0, 2.0, 4.0, 6.0]  # untouched
+    assert pg.errored() is None  # a refused call does not poison the group
     t = torch.ones(2)
     pg.allreduce([t], torch.distributed.ReduceOp.SUM).wait()  # world of one
     assert t.tolist() == [1.0, 1.0]

@@ -4,7 +4,8 @@ One spawn per world size (2, 3 and 4 ranks) runs every case in a loop:
 allreduce and reduce_scatter over every dtype x reduction x size (zero,
 one, odd, and large enough for the pipelined ring and the same-host path),
 broadcast from every root, allgather, uneven alltoall, send/recv, barrier,
-a non-contiguous tensor (staged) and the inputs the group refuses.
+a non-contiguous tensor (staged for broadcast) and the inputs the group
+refuses (a non-contiguous one for allreduce among them).
 
 Every rank generates every rank's inputs from a seed, so it computes the
 reference itself: the exact result in float64 (inputs are chosen so that
@@ -223,12 +224,15 @@ for count in (0, 7, 100003):
 
 pg.barrier().wait()
 
-# a non-contiguous tensor is staged and written back
+# a non-contiguous tensor is staged and written back where Gloo accepts it
+# and gets it right (broadcast), refused where Gloo silently reduces the
+# wrong elements (allreduce: see the refusals)
 base = torch.arange(35, dtype=torch.float32).reshape(5, 7)
 nc = (base * (rank + 1)).t()
 assert not nc.is_contiguous()
-pg.allreduce([nc], ReduceOp.SUM).wait()
-expect_equal("noncontiguous", nc, (base * sum(range(1, world + 1))).t())
+o = BroadcastOptions(); o.rootRank = world - 1
+pg.broadcast([nc], o).wait()
+expect_equal("noncontiguous", nc, (base * world).t())
 
 # what the group refuses: a clear error, raised before anything is sent
 refusals = {}
@@ -237,6 +241,7 @@ for name, call in {
     "complex": lambda: pg.allreduce([torch.ones(3, dtype=torch.complex64)], ReduceOp.SUM),
     "band": lambda: pg.allreduce([torch.ones(3)], ReduceOp.BAND),
     "rs_count": lambda: pg.reduce_scatter([torch.ones(3)], [[torch.ones(3)]], ReduceOp.SUM),
+    "noncontig": lambda: pg.allreduce([(base * (rank + 1)).t()], ReduceOp.SUM),
     "a2a_split": lambda: pg.alltoall_base(torch.ones(world), torch.ones(world),
                                           [world + 1] + [0] * (world - 1), [], None),
 }.items():
@@ -296,6 +301,9 @@ def test_against_float64_reference(procs, tmp_path, world, same_host):
         assert ref["band"][0] == "ValueError" and "reduce op" in ref["band"][1]
         assert ref["rs_count"][0] == "ValueError" and "tensors" in ref["rs_count"][1]
         assert ref["a2a_split"][0] == "ValueError" and "split" in ref["a2a_split"][1]
+        assert ref["noncontig"][0] == "ValueError"
+        assert ref["noncontig"][1].startswith("allreduce: non-contiguous")
+        assert "tensor.contiguous()" in ref["noncontig"][1]
     # the same bits on every rank, for every case
     keys = set(res[0]["digests"])
     assert len(keys) > 200

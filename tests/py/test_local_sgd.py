@@ -396,3 +396,66 @@ def test_oracle_torchft_streaming_diloco(job_factory) -> None:
     assert _done_hashes(runs["stepguard"]) == _done_hashes(runs["torchft"])
     # the replicas really trained differently between syncs
     assert len({h[1] for h in ours.values()}) > 8
+
+
+DTENSOR_PROBE = r'''
+import sys, torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
+import test_local_sgd as t
+from stepguard import local_sgd
+import torchft.local_sgd as theirs
+
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+plain = torch.nn.Sequential
+
+
+class Distributed(plain):
+    """A Sequential whose parameters are DTensors (inputs converted)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        distribute_module(
+            self, mesh,
+            input_fn=lambda m, ins, dm: tuple(DTensor.from_local(i, dm, [Replicate()]) for i in ins),
+            output_fn=lambda m, out, dm: out.to_local() if isinstance(out, DTensor) else out)
+
+
+def run(mod):
+    torch.nn.Sequential = Distributed
+    try:
+        out, mgr, w = t._train(mod, "diloco", 9, fragments=2, sync_every=4,
+                               fragment_sync_delay=1, fragment_update_alpha=0.5)
+    finally:
+        torch.nn.Sequential = plain
+    assert isinstance(next(w._fragments[0]._model_fragment.parameters()), DTensor)
+    return [o.to_local() if isinstance(o, DTensor) else o for o in out], mgr
+
+
+ours, ours_mgr = run(local_sgd)
+other, other_mgr = run(theirs)
+assert ours_mgr.calls == other_mgr.calls, "different Manager calls"
+assert len(ours) == len(other) == 12
+for i, (a, b) in enumerate(zip(ours, other)):
+    assert torch.equal(a, b), f"tensor {i} differs"
+dist.destroy_process_group()
+print("dtensor ok")
+'''
+
+
+def test_dtensor_parameters_match_torchft() -> None:
+    """Streaming DiLoCo over a model whose parameters are DTensors (a
+    one-rank CPU mesh, in a child process for its process group): the same
+    bits and calls as torchft's."""
+    _torchft_local_sgd()
+    import os
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent) + os.pathsep
+               + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-c", DTENSOR_PROBE], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert p.returncode == 0 and "dtensor ok" in p.stdout, p.stderr[-3000:]

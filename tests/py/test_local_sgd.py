@@ -173,6 +173,24 @@ def test_streaming_schedule_and_quantize_flag() -> None:
     assert mgr.current_step() == 3
 
 
+def test_buckets_split_and_oversized_tensors_are_averaged() -> None:
+    """With a bucket cap of 100 bytes every pseudo-gradient is averaged
+    (one larger than the cap in a bucket of its own; torchft would leave it
+    out), and the result is the per-parameter one."""
+    kw = dict(fragments=2, sync_every=2)
+    per_param, mgr, _ = _train(local_sgd, "diloco", 6, **kw)
+    bucketed, bmgr, wrapper = _train(local_sgd, "diloco", 6, use_bucketization=True,
+                                     bucket_cap_mb=100 / (1024 * 1024), **kw)
+    assert wrapper._fragments[0].bucket_cap_mb == 100
+    # six syncs, alternating fragments.  Fragment 0: weight 7x5 (140 B,
+    # alone), bias 7 (28 B): two buckets; fragment 1: weight 3x7 (84 B) and
+    # bias 3 (12 B) share one
+    assert mgr.calls.count("allreduce") == 3 * 2 + 3 * 2
+    assert bmgr.calls.count("allreduce") == 3 * 2 + 3 * 1
+    for a, b in zip(per_param, bucketed):
+        assert torch.equal(a, b)
+
+
 def test_failed_sync_rolls_back_to_global() -> None:
     """A failed vote puts the model back on the global parameters and
     keeps them; the same fragment is synced next time."""

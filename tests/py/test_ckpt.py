@@ -112,7 +112,7 @@ def many_dtypes_state() -> dict:
 @pytest.fixture
 def pair():
     a = NativeTransport(T60, hostname="127.0.0.1", auth_token="tok")
-    b = NativeTransport(T60, hostname="127.0.0.1", auth_token="tok")
+    b = NativeTransport(T60, hostname="127.0.0.1", auth_token="tok", in_place=True)
     try:
         yield a, b
     finally:
@@ -425,8 +425,8 @@ def test_fetch_in_place_into_the_replicas_tensors(pair) -> None:
     assert b.last_recv_stats["in_place_bytes"] == expect
     a.disallow_checkpoint()
 
-    # turned off: nothing in place
-    c = NativeTransport(T60, hostname="127.0.0.1", auth_token="tok", in_place=False)
+    # off (the default): nothing in place
+    c = NativeTransport(T60, hostname="127.0.0.1", auth_token="tok")
     try:
         a.send_checkpoint([1], 5, sd, T60)
         got = c.recv_checkpoint(0, a.metadata(), 5, T60, into=into)
@@ -457,7 +457,7 @@ def test_in_place_fetch_cut_half_way_then_healed(procs, monkeypatch) -> None:
     monkeypatch.setenv("STEPGUARD_SAME_HOST", "0")  # the TCP path
     mb = 128
     expect = torch.randn(mb << 18, generator=torch.Generator().manual_seed(5))
-    b = NativeTransport(T60, hostname="127.0.0.1", streams_per_source=1)
+    b = NativeTransport(T60, hostname="127.0.0.1", streams_per_source=1, in_place=True)
     try:
         mine = {"w": torch.zeros(mb << 18), "k": "old"}
         dying = _spawn_source(procs, mb, 1 << 20)
@@ -504,7 +504,7 @@ def test_same_host_many_small_tensors(procs) -> None:
     p = procs.spawn(_SERVE_MANY, str(n), stdout=subprocess.PIPE, text=True)
     src = p.stdout.readline().strip()
     assert src.startswith("sgckpt://"), src
-    b = NativeTransport(T60, hostname="127.0.0.1")
+    b = NativeTransport(T60, hostname="127.0.0.1", in_place=True)
     try:
         got = b.recv_checkpoint(0, src, 2, T60)
         assert_identical(expect, got)

@@ -194,3 +194,113 @@ def test_late_replica_heals_striped_across_both_up_to_date_peers() -> None:
     for a, b in ((0, 1), (0, 2)):
         for x, y in zip(out[a]["params"], out[b]["params"]):
             assert torch.equal(x, y)
+
+
+class _CutOnce(NativeTransport):
+    """Fails its first fetch half way: half of what it fetched in place is
+    overwritten again (as a source killed mid-transfer leaves it), then the
+    fetch raises."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.cuts = 0
+        self.in_place = []  # in_place_bytes of each fetch that completed
+
+    def recv_checkpoint_striped(self, sources, step, timeout, *, into=None):
+        got = super().recv_checkpoint_striped(sources, step, timeout, into=into)
+        if self.cuts == 0:
+            self.cuts += 1
+            assert into is not None, "the Manager fetches in place"
+            w = into["user"]["default"]["weight"]
+            w.view(-1)[: w.numel() // 2] = float("nan")
+            raise RuntimeError("checkpoint source: truncated stream")
+        self.in_place.append(self.last_recv_stats["in_place_bytes"])
+        return got
+
+
+def _cut_replica(idx: int, lighthouse: str, out: dict, errors: list) -> None:
+    try:
+        torch.manual_seed(300 + idx)
+        model = torch.nn.Linear(64, 32)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        store = torch.distributed.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False
+        )
+        cls = _CutOnce if idx == 1 else NativeTransport
+        transport = cls(timedelta(seconds=30), hostname="127.0.0.1", in_place=True)
+        manager = manager_mod.Manager(
+            pg=pg_mod.ProcessGroupGloo(timeout=timedelta(seconds=20)),
+            load_state_dict=lambda sd: model.load_state_dict(sd),
+            state_dict=lambda: model.state_dict(),
+            min_replica_size=1,
+            timeout=timedelta(seconds=20),
+            quorum_timeout=timedelta(seconds=30),
+            connect_timeout=timedelta(seconds=20),
+            rank=0,
+            world_size=1,
+            store_addr="127.0.0.1",
+            store_port=store.port,
+            lighthouse_addr=lighthouse,
+            replica_id=f"cut_{idx}",
+            port=0,
+            hostname="127.0.0.1",
+            checkpoint_transport=transport,
+        )
+        steps, commits = [], []
+        try:
+            while manager.current_step() < 4 and len(steps) < 20:
+                gen = torch.Generator().manual_seed(max(manager.current_step(), 0))
+                x = torch.randn(4, 64, generator=gen)
+                manager.start_quorum()
+                inner.zero_grad()
+                model(x).square().mean().backward()
+                for p in model.parameters():
+                    manager.allreduce(p.grad).wait()
+                ok = manager.should_commit()
+                if ok:
+                    inner.step()
+                commits.append(ok)
+                steps.append(manager.current_step())
+            out[idx] = {
+                "steps": steps,
+                "commits": commits,
+                "params": [p.detach().clone() for p in model.parameters()],
+                "in_place": list(getattr(transport, "in_place", [])),
+            }
+        finally:
+            manager.shutdown(wait=False)
+    except BaseException as e:  # noqa: BLE001 - reported by the test
+        errors.append(e)
+
+
+def test_in_place_fetch_cut_half_way_reports_step_minus_one_and_heals_later() -> None:
+    """Replica 1 heals in place at step 0 and its fetch fails half way: it
+    does not commit, reports step -1 (never a source), and heals at the next
+    quorum, in place, into identical parameters."""
+    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=100)
+    out: dict = {}
+    errors: list = []
+    try:
+        threads = [
+            threading.Thread(target=_cut_replica, args=(i, lh.address(), out, errors))
+            for i in range(2)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads), "replicas hung"
+    finally:
+        lh.shutdown()
+    assert not errors, errors
+    assert sorted(out) == [0, 1]
+    healer = out[1]
+    # the cut step: no commit, step -1; then healed and in lockstep
+    assert healer["commits"][0] is False and healer["steps"][0] == -1, healer
+    assert -1 not in healer["steps"][1:], healer
+    assert healer["steps"][-1] == 4 == out[0]["steps"][-1]
+    nbytes = sum(p.numel() * 4 for p in out[0]["params"])
+    assert healer["in_place"] == [nbytes], healer["in_place"]
+    for x, y in zip(out[0]["params"], healer["params"]):
+        assert not x.isnan().any()
+        assert torch.equal(x, y)

@@ -15,6 +15,13 @@ later repetitions may get recycled memory.
   its memory (process_vm_readv) after one request;
 * ``stepguard-tcp`` the same with ``STEPGUARD_SAME_HOST=0`` in the healer:
   DATA responses over loopback TCP, as from another host;
+* destination ``fresh``: every tensor is received into memory allocated by
+  the call (what torchft's transports always do); ``in place``
+  (``stepguard-inplace``, ``stepguard-tcp-inplace``): into the healer's own
+  state, built and touched before the first heal as a restarted replica
+  builds its model and optimizer, passed as ``into=`` as the Manager does
+  with ``NativeTransport(in_place=True)`` (the same source processes as the
+  fresh rows; the Manager's default transport receives fresh);
 * ``torchft-http`` HTTPTransport(num_chunks=0), the Manager's default;
 * ``torchft-pg``  PGTransport over torchft's ProcessGroupGloo (two ranks);
 * ``loopback``   the limit of loopback TCP with as many streams as stepguard
@@ -32,7 +39,7 @@ against loopback, goal >= 0.7, and against torchft-http, goal >= 2); the
 data goes to ``bench/results/recovery.json``.  Run
 ``.venv/bin/python bench/recovery.py`` (64 MiB states, a minute or two) or
 add ``--big`` for 1 GiB states too (``--big-reps`` repetitions each, 3 by
-default; about 6 GiB of memory at peak).
+default; about 9 GiB of memory at peak).
 
 ``--shaped 1gbit`` (root) runs the sources in two network namespaces behind
 links shaped with tc tbf instead: stepguard from one source, striped over
@@ -60,6 +67,18 @@ DEFAULT_OUT = str(ROOT / "bench/results/recovery.json")
 STEP = 3
 TIMEOUT = timedelta(seconds=300)
 LOOP_SLICE = 4 << 20  # bytes per send/recv of the loopback limit
+# where each row's healer puts the tensors it receives
+DEST = {
+    "stepguard": "fresh",
+    "stepguard-tcp": "fresh",
+    "stepguard-2src": "fresh",
+    "stepguard-inplace": "in place",
+    "stepguard-tcp-inplace": "in place",
+    "torchft-http": "fresh",
+    "torchft-pg": "fresh",
+    "loopback": "touched, reused",
+    "memcpy": "touched, reused",
+}
 
 
 def share(total: int, parts: int, i: int) -> tuple:
@@ -206,23 +225,35 @@ class Stepguard(Runner):
         streams: int,
         where: list,
         same_host: bool = True,
+        in_place_of: "Stepguard | None" = None,
     ) -> None:
         super().__init__(total, n, reps)
         self.streams = streams
         self.where = where
         self.same_host = same_host
+        self.in_place_of = in_place_of  # in place, from that one's sources
+        self.into = None
         self.ps: list = []
 
     def start(self) -> None:
         from stepguard.checkpointing.native_transport import NativeTransport
 
         self.metas = []
-        for ns, host in self.where:
+        if self.in_place_of is not None:
+            self.metas = self.in_place_of.metas
+            # the replica's own state: built (and so touched) before it heals
+            self.into = make_state(self.total, self.n)
+            for v in self.into["user"]["model"].values():
+                v.zero_()
+        for ns, host in self.where if self.in_place_of is None else []:
             p, meta = spawn("stepguard", self.total, self.n, self.reps, host, ns)
             self.ps.append(p)
             self.metas.append(meta)
         self.t = NativeTransport(
-            TIMEOUT, hostname="127.0.0.1", streams_per_source=self.streams
+            TIMEOUT,
+            hostname="127.0.0.1",
+            streams_per_source=self.streams,
+            in_place=self.into is not None,
         )
 
     def one(self) -> float:
@@ -231,7 +262,9 @@ class Stepguard(Runner):
             os.environ["STEPGUARD_SAME_HOST"] = "0"
         try:
             t0 = time.perf_counter()
-            sd = self.t.recv_checkpoint_striped(self.metas, STEP, TIMEOUT)
+            sd = self.t.recv_checkpoint_striped(
+                self.metas, STEP, TIMEOUT, into=self.into
+            )
             dt = time.perf_counter() - t0
         finally:
             if old is None:
@@ -243,9 +276,12 @@ class Stepguard(Runner):
         key = "same_host_bytes" if self.same_host else "tcp_bytes"
         if self.where[0][0] is None and moved.get(key) != self.total:
             raise RuntimeError(f"expected every byte as {key}, got {moved}")
+        if moved.get("in_place_bytes") != (self.total if self.into else 0):
+            raise RuntimeError(f"destination not as asked: {moved}")
         return dt
 
     def stop(self) -> None:
+        self.into = None
         self.t.shutdown()
         for p in self.ps:
             finish(p)
@@ -475,13 +511,20 @@ def main() -> None:
                 "torchft-http": Http(total, n, reps, net.where[0]),
             }
         else:
+            sg = Stepguard(total, n, reps, args.streams, local)
+            sgt = Stepguard(total, n, reps, args.streams, local, same_host=False)
             runners = {
                 "memcpy": Memcpy(total, n, reps),
                 "loopback": Loopback(total, n, reps, args.streams),
-                "stepguard": Stepguard(total, n, reps, args.streams, local),
-                "stepguard-tcp": Stepguard(
-                    total, n, reps, args.streams, local, same_host=False
+                "stepguard": sg,
+                "stepguard-tcp": sgt,
+                "stepguard-inplace": Stepguard(
+                    total, n, reps, args.streams, local, in_place_of=sg
                 ),
+                "stepguard-tcp-inplace": Stepguard(
+                    total, n, reps, args.streams, local, same_host=False,
+                    in_place_of=sgt,
+                ),  # fmt: skip
                 "torchft-http": Http(total, n, reps),
                 "torchft-pg": Pg(total, n, reps),
             }
@@ -507,14 +550,20 @@ def main() -> None:
                 continue
             med = statistics.median(ts)
             row[kind] = {"median_s": med, "gbps": total / med / 1e9, "times": ts}
+            dest = DEST.get(kind, "")
+            row[kind]["dest"] = dest
             print(
-                f"{label:14s} {kind:18s} median {med * 1e3:8.1f} ms "
-                f"{total / med / 1e9:6.2f} GB/s  (first {ts[0] * 1e3:7.1f} ms)",
+                f"{label:14s} {kind:22s} median {med * 1e3:8.1f} ms "
+                f"{total / med / 1e9:6.2f} GB/s  (first {ts[0] * 1e3:7.1f} ms)"
+                f"{'  dest: ' + dest if dest else ''}",
                 flush=True,
             )
         goals = {"loopback": 0.7, "torchft-http": 2.0}
         row["goals"] = {}
-        for path in ["stepguard", "stepguard-tcp", "stepguard-2src"]:
+        for path in [
+            "stepguard", "stepguard-tcp", "stepguard-inplace",
+            "stepguard-tcp-inplace", "stepguard-2src",
+        ]:  # fmt: skip
             if path not in row:
                 continue
             for other in ["memcpy", "loopback", "torchft-http", "torchft-pg"]:
@@ -527,7 +576,7 @@ def main() -> None:
                     met = ratio >= goals[other]
                     row["goals"][f"{path}/{other}"] = met
                     verdict = f"  goal >= {goals[other]}: {'met' if met else 'MISSED'}"
-                print(f"{label:14s} {path} / {other:13s} {ratio:6.2f}x{verdict}")
+                print(f"{label:14s} {path:21s} / {other:13s} {ratio:6.2f}x{verdict}")
         results.append(row)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

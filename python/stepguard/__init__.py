@@ -21,6 +21,14 @@ __version__: str = _C.version()
 
 Error = _C.Error
 
+# torchft sets up its structured-log loggers at import; so do we (a no-op
+# that imports neither torch nor OpenTelemetry unless TORCHFT_USE_OTEL asks)
+from stepguard import otel as _otel  # noqa: E402
+
+for _name in ("torchft_quorums", "torchft_commits", "torchft_errors"):
+    _otel.setup_logger(_name)
+del _name
+
 # name -> (module, attribute)
 _LAZY = {
     "DistributedDataParallel": ("stepguard.ddp", "DistributedDataParallel"),

@@ -27,6 +27,8 @@ MODULES = [
     "checkpointing.pg_transport",
     "checkpointing._rwlock",
     "checkpointing._serialization",
+    "local_sgd",
+    "otel",
 ]
 
 # Private helpers torchft code imports from these modules, that we provide.

@@ -17,7 +17,6 @@ import pytest
 import torch
 from torch.distributed import ReduceOp
 
-import train_harness
 from train_harness import Job, Zygote, job_factory, wait_for  # noqa: F401
 
 from stepguard import local_sgd
@@ -307,9 +306,7 @@ def test_quantized_collectives_say_what_they_need() -> None:
 @pytest.fixture(scope="module")
 def zygote() -> Iterator[Zygote]:
     """The fork server, forking local_sgd_worker.py."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(train_harness, "ZYGOTE", WORKER)
-        z = Zygote("stepguard")
+    z = Zygote("stepguard", script=WORKER)
     try:
         yield z
     finally:
@@ -388,9 +385,7 @@ def test_oracle_torchft_streaming_diloco(job_factory) -> None:
             "--alpha", "0.5", "--pg", "gloo", "--steps", "8", "--same-init",
             "--no-init-sync", "--min-replica-size", "3")
     runs: dict[str, Job] = {}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(train_harness, "ZYGOTE", WORKER)
-        theirs_zygote = Zygote("torchft")
+    theirs_zygote = Zygote("torchft", script=WORKER)
     try:
         for impl in ("torchft", "stepguard"):
             job = job_factory(hard_timeout=150, min_replicas=3, impl=impl,

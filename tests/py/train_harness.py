@@ -106,8 +106,8 @@ class Zygote:
     """A train_zygote.py process that forks trainers with torch already
     imported (see that file); one per test module."""
 
-    def __init__(self, impl: str = IMPL) -> None:
-        self.popen = subprocess.Popen([sys.executable, ZYGOTE, impl], stdin=subprocess.PIPE,
+    def __init__(self, impl: str = IMPL, script: str = ZYGOTE) -> None:
+        self.popen = subprocess.Popen([sys.executable, script, impl], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, env=worker_env())
         self._cv = threading.Condition()
         self._pids: list[int] = []

@@ -92,7 +92,8 @@ typedef struct sg_comm_opts_s {
   const char *auth_token; /* shared secret; NULL = none; copied */
   const char *bind_host;  /* NULL or "" = all interfaces */
   size_t small_max;       /* allreduce/broadcast bytes up to which the latency
-                             algorithm is used; 0 = default (64 KiB) */
+                             algorithm is used; 0 = default (64 KiB; 1 MiB
+                             for two ranks) */
   int same_host;   /* same-host path (see below): 0 = wherever a probe shows
                       it works, -1 = never, 1 = also between communicators of
                       one process (tests) */

@@ -44,6 +44,7 @@
 #define SEND_BUDGET (512u << 10)    /* bytes sent per engine pass */
 #define RECV_BUDGET (512u << 10)    /* bytes received per engine pass */
 #define DEFAULT_SMALL (64u << 10)   /* latency algorithm up to this size */
+#define PAIR_SMALL (1u << 20)       /* the same, for two ranks (see below) */
 #define MAX_PENDING 64              /* handshakes in progress at once */
 #define HANDSHAKE_MS 10000          /* one handshake's own limit */
 #define SLICE_MS 100                /* abort latency bound for blocking steps */
@@ -210,7 +211,13 @@ int sg_comm_new(const sg_comm_opts_t *o, sg_comm_t **out, sg_err_t *err) {
   c->rank = o->rank;
   c->world = o->world_size;
   c->generation = o->generation;
-  c->small_max = o->small_max ? o->small_max : DEFAULT_SMALL;
+  /* Two ranks: recursive doubling is one exchange, moving the same bytes
+   * each way as the ring's two steps but without the second step waiting
+   * on the first one's reduction; it needs the whole message in staging,
+   * hence the staging buffer's size as its limit. */
+  c->small_max = o->small_max         ? o->small_max
+                 : o->world_size == 2 ? PAIR_SMALL
+                                      : DEFAULT_SMALL;
   c->same_host = o->same_host;
   c->pull_min = o->pull_min ? o->pull_min : PULL_MIN;
   uint64_t seed = (uint64_t)sg_now_ns() ^ ((uint64_t)getpid() << 32) ^

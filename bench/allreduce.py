@@ -14,7 +14,9 @@ For 2 and 4 ranks, 4 KiB .. 256 MiB, float32 and bfloat16 (SUM), it
 prints the median latency, the algorithm, the bus bandwidth (NCCL's
 definition: bytes / time * 2(n-1)/n, what each ring link carries), and the
 ratio Gloo / ours (> 1: ours is faster), both as a ratio of medians and as
-the median of per-iteration ratios.
+the median of per-iteration ratios, and the ratio of CPU time per operation
+(rank 0's process, all threads), which other load on the machine disturbs
+less than wall time.
 
 The ceiling is measured with the same processes-and-sockets pattern a ring
 uses: n processes each streaming to their successor at once over loopback
@@ -47,6 +49,7 @@ RESULTS = HERE / "results" / "allreduce.json"
 TABLE = HERE / "results" / "allreduce.md"
 GROUPS = ("ours", "ours-tcp", "gloo")
 SMALL_MAX = 64 << 10  # ProcessGroupTCP's latency algorithm up to this size
+PAIR_SMALL_MAX = 1 << 20  # the same for two ranks
 
 
 def _iters(nbytes: int, quick: bool) -> int:
@@ -66,7 +69,7 @@ def _iters(nbytes: int, quick: bool) -> int:
 def _algorithm(group: str, nbytes: int, esize: int, world: int) -> str:
     if group == "gloo":
         return "gloo default"
-    if nbytes <= SMALL_MAX or nbytes // esize < world:
+    if nbytes <= (PAIR_SMALL_MAX if world == 2 else SMALL_MAX) or nbytes // esize < world:
         return "recursive doubling"
     return "ring, same-host" if group == "ours" else "ring, TCP"
 
@@ -104,11 +107,12 @@ def worker(port: int, rank: int, world: int, sizes: list[int], dtypes: list[str]
     opts = AllreduceOptions()
     opts.reduceOp = ReduceOp.SUM
 
-    def once(pg, t: torch.Tensor) -> float:
+    def once(pg, t: torch.Tensor) -> tuple[float, float]:
+        """Wall time and this process's CPU time (every thread) of one op."""
         pg.barrier().wait()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         pg.allreduce([t], opts).wait()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
     rows = []
     for dname in dtypes:
@@ -119,10 +123,14 @@ def worker(port: int, rank: int, world: int, sizes: list[int], dtypes: list[str]
             for pg in groups.values():  # warm up
                 once(pg, t)
             times: dict[str, list[float]] = {g: [] for g in GROUPS}
+            cpu: dict[str, list[float]] = {g: [] for g in GROUPS}
             for _ in range(_iters(nbytes, quick)):
                 for g in GROUPS:  # interleaved: each round sees the same load
-                    times[g].append(once(groups[g], t))
-            rows.append({"dtype": dname, "bytes": nbytes, "esize": esize, "times": times})
+                    wall, used = once(groups[g], t)
+                    times[g].append(wall)
+                    cpu[g].append(used)
+            rows.append({"dtype": dname, "bytes": nbytes, "esize": esize, "times": times,
+                         "cpu": cpu})
             del t
     ours.shutdown()
     ours_tcp.shutdown()
@@ -221,12 +229,15 @@ def summarise(world: int, data: dict, limit: float) -> list[dict]:
             bus = row["bytes"] / med[g] * factor / 1e9
             entry[g] = {
                 "median_s": med[g],
+                "cpu_median_s": statistics.median(row["cpu"][g]),
                 "algorithm": _algorithm(g, row["bytes"], row["esize"], world),
                 "busbw_GBps": bus,
                 "of_tcp_limit": bus / limit,
             }
             if g != "gloo":
                 entry[g]["gloo_over_ours"] = med["gloo"] / med[g]
+                entry[g]["cpu_gloo_over_ours"] = (
+                    statistics.median(row["cpu"]["gloo"]) / max(entry[g]["cpu_median_s"], 1e-9))
                 entry[g]["paired_gloo_over_ours"] = statistics.median(
                     gl / o for o, gl in zip(row["times"][g], row["times"]["gloo"]))
         table.append(entry)
@@ -272,11 +283,14 @@ def markdown(report: dict) -> str:
                  f"{w} processes {v:.2f} GB/s" for w, v in report["tcp_ring_GBps"].items()) + ".",
              "",
              "Median latency; bus bandwidth = bytes / t * 2(n-1)/n; x Gloo = Gloo time / "
-             "ours (> 1: ours faster); % limit = bus bandwidth / the ring-pattern TCP limit.",
+             "ours (> 1: ours faster); % limit = bus bandwidth / the ring-pattern TCP limit; "
+             "CPU x Gloo = Gloo's CPU time per operation / ours (rank 0's process, every "
+             "thread; less sensitive to other load than wall time).",
              "",
              "| ranks | dtype | size | ours (same-host) | ours (TCP) | Gloo | x Gloo same-host | "
-             "x Gloo TCP | busbw GB/s same-host / TCP / Gloo | % limit same-host / TCP |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "x Gloo TCP | busbw GB/s same-host / TCP / Gloo | % limit same-host / TCP | "
+             "CPU x Gloo same-host / TCP |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in report["table"]:
         def t(g):
             s = e[g]["median_s"]
@@ -287,7 +301,8 @@ def markdown(report: dict) -> str:
             f"{e['ours-tcp']['gloo_over_ours']:.2f} | "
             f"{e['ours']['busbw_GBps']:.2f} / {e['ours-tcp']['busbw_GBps']:.2f} / "
             f"{e['gloo']['busbw_GBps']:.2f} | {e['ours']['of_tcp_limit'] * 100:.0f}% / "
-            f"{e['ours-tcp']['of_tcp_limit'] * 100:.0f}% |")
+            f"{e['ours-tcp']['of_tcp_limit'] * 100:.0f}% | "
+            f"{e['ours']['cpu_gloo_over_ours']:.2f} / {e['ours-tcp']['cpu_gloo_over_ours']:.2f} |")
     lines += ["", "Goals:", ""]
     for g, gs in report["goals"].items():
         name = "same-host path" if g == "ours" else "TCP path"
@@ -356,9 +371,9 @@ def main() -> None:
               f"{ring[world]:.2f} GB/s per link")
         print(f"{'dtype':>8} {'bytes':>9} {'ours us':>10} {'tcp us':>10} {'gloo us':>10} "
               f"{'xGloo':>6} {'xGloo':>6} {'paired':>6} {'busbw':>6} {'busbw':>6} {'busbw':>6} "
-              f"{'%lim':>5} {'%lim':>5}  algorithm (ours)")
+              f"{'%lim':>5} {'%lim':>5} {'cpuX':>5} {'cpuX':>5}  algorithm (ours)")
         print(f"{'':>8} {'':>9} {'':>10} {'':>10} {'':>10} {'sh':>6} {'tcp':>6} {'sh':>6} "
-              f"{'sh':>6} {'tcp':>6} {'gloo':>6} {'sh':>5} {'tcp':>5}")
+              f"{'sh':>6} {'tcp':>6} {'gloo':>6} {'sh':>5} {'tcp':>5} {'sh':>5} {'tcp':>5}")
         for e in rows:
             o, t, g = e["ours"], e["ours-tcp"], e["gloo"]
             print(f"{e['dtype']:>8} {e['bytes']:>9} {o['median_s'] * 1e6:>10.0f} "
@@ -366,7 +381,8 @@ def main() -> None:
                   f"{o['gloo_over_ours']:>6.2f} {t['gloo_over_ours']:>6.2f} "
                   f"{o['paired_gloo_over_ours']:>6.2f} {o['busbw_GBps']:>6.2f} "
                   f"{t['busbw_GBps']:>6.2f} {g['busbw_GBps']:>6.2f} "
-                  f"{o['of_tcp_limit'] * 100:>4.0f}% {t['of_tcp_limit'] * 100:>4.0f}%  "
+                  f"{o['of_tcp_limit'] * 100:>4.0f}% {t['of_tcp_limit'] * 100:>4.0f}% "
+                  f"{o['cpu_gloo_over_ours']:>5.2f} {t['cpu_gloo_over_ours']:>5.2f}  "
                   f"{o['algorithm']}")
     report = {
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

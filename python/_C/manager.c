@@ -15,6 +15,12 @@
  * during the forward pass without a Python thread (which would first have
  * to win the GIL from the forward pass).  One such call per client at a
  * time; deallocating a client aborts and waits for it.
+ *
+ * A ManagerClient made with server=<the ManagerServer of this process>
+ * makes its Quorum and ShouldCommit calls in-process (sg_mgr_local_*): no
+ * worker thread, no HTTP/2 round trip; the caller waits for the server's
+ * loop directly, in slices on the main thread so that Ctrl-C still stops
+ * it.  Its other calls use the connection.
  */
 #include "module.h"
 
@@ -240,20 +246,92 @@ struct mcall;
 
 typedef struct {
   PyObject_HEAD sg_mgr_client_t *cli;
-  int inflight;         /* calls running without the GIL */
-  struct mcall *queued; /* _quorum_start's call, until _quorum_wait */
+  int inflight;                 /* calls running without the GIL */
+  struct mcall *queued;         /* _quorum_start's call, until _quorum_wait */
+  mgr_server_obj *server;       /* in-process calls go here; or NULL */
+  sg_mgr_local_t *queued_local; /* _quorum_start's in-process call */
+  struct lwait *waiting;        /* in-process calls being waited for */
+  int aborted;                  /* abort() was called: calls fail */
 } mgr_client_obj;
+
+/* An in-process call being waited for, on the waiter's C stack, so that
+ * abort() from another thread can end it.  The list changes only with the
+ * GIL held. */
+struct lwait {
+  sg_mgr_local_t *c;
+  struct lwait *next;
+};
+
+#define LOCAL_SLICE_NS 100000000LL /* main thread: signal checks */
+
+/* local_server: the server for an in-process call; NULL with an exception
+ * set when it is shut down (as a call to a stopped server fails). */
+static sg_mgr_server_t *local_server(mgr_client_obj *self) {
+  if (self->aborted) {
+    sg_py_raise(sg_py_state_of_type(Py_TYPE(self)), SG_EABORTED,
+                "channel aborted");
+    return NULL;
+  }
+  if (self->server->srv)
+    return self->server->srv;
+  sg_py_raise(sg_py_state_of_type(Py_TYPE(self)), SG_ECONNREFUSED,
+              "status: UNAVAILABLE, message: \"manager shutting down\"");
+  return NULL;
+}
+
+/*
+ * local_wait: wait for an in-process call without the GIL (not even
+ * dropping it when the call is complete already).  On the main thread,
+ * signal handlers run every LOCAL_SLICE_NS; when one raises, the call is
+ * aborted and -1 returned with the exception set.  Otherwise 0.
+ */
+static int local_wait(mgr_client_obj *self, sg_mgr_local_t *c) {
+  if (sg_mgr_local_done(c))
+    return 0;
+  int on_main = _PyOS_IsMainThread();
+  struct lwait node = {c, self->waiting};
+  self->waiting = &node;
+  int out = 0;
+  for (;;) {
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = sg_mgr_local_wait(c,
+                           on_main ? sg_now_ns() + LOCAL_SLICE_NS : INT64_MAX);
+    Py_END_ALLOW_THREADS
+    if (rc == 0)
+      break;
+    if (PyErr_CheckSignals() < 0) {
+      sg_mgr_local_abort(c);
+      out = -1;
+      break;
+    }
+  }
+  struct lwait **pp = &self->waiting;
+  while (*pp != &node)
+    pp = &(*pp)->next;
+  *pp = node.next;
+  return out;
+}
 
 static int mclient_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
   mgr_client_obj *self = (mgr_client_obj *)self_obj;
-  static char *kwlist[] = {"addr", "connect_timeout_s", "auth_token", NULL};
+  static char *kwlist[] = {"addr", "connect_timeout_s", "auth_token", "server",
+                           NULL};
   const char *addr, *token = NULL;
   double timeout_s;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "sd|z:ManagerClient", kwlist,
-                                   &addr, &timeout_s, &token))
+  PyObject *server = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "sd|zO:ManagerClient", kwlist,
+                                   &addr, &timeout_s, &token, &server))
     return -1;
   if (self->cli) {
     PyErr_SetString(PyExc_RuntimeError, "ManagerClient already connected");
+    return -1;
+  }
+  sg_py_state *st = sg_py_state_of_type(Py_TYPE(self));
+  if (server != Py_None &&
+      !PyObject_TypeCheck(server, (PyTypeObject *)st->mgr_server_type)) {
+    PyErr_SetString(PyExc_TypeError,
+                    "server must be a ManagerServer of this process or None");
     return -1;
   }
   int64_t ms = sg_py_timeout_ms(timeout_s);
@@ -276,6 +354,8 @@ static int mclient_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
     return -1;
   }
   self->cli = cli;
+  Py_XSETREF(self->server,
+             server == Py_None ? NULL : (mgr_server_obj *)Py_NewRef(server));
   return 0;
 }
 
@@ -407,6 +487,54 @@ static PyObject *result_dict(const sg_mgr_quorum_result_t *r) {
                r->n_up_to_date_manager_addresses));
 }
 
+/* local_quorum_start: start the quorum described by `c` in-process; NULL
+ * with an exception set on failure. */
+static sg_mgr_local_t *local_quorum_start(mgr_client_obj *self,
+                                          const struct mcall *c,
+                                          double timeout_s) {
+  if (mclient_guard(self) < 0)
+    return NULL;
+  int64_t ms = sg_py_timeout_ms(timeout_s);
+  if (ms < 0)
+    return NULL;
+  sg_mgr_server_t *srv = local_server(self);
+  if (!srv)
+    return NULL;
+  sg_mgr_local_t *lc = NULL;
+  sg_err_t err;
+  sg_err_clear(&err);
+  int rc = sg_mgr_local_quorum_start(
+      srv, c->group_rank, c->step, c->str, c->shrink_only, c->init_sync,
+      c->commit_failures, c->handle, sg_deadline_in_ms(ms), &lc, &err);
+  if (rc) {
+    sg_py_raise(sg_py_state_of_type(Py_TYPE(self)), rc, err.msg);
+    return NULL;
+  }
+  return lc;
+}
+
+/* local_quorum_finish: wait for `lc`, free it, and return the result dict
+ * (or NULL with the call's exception). */
+static PyObject *local_quorum_finish(mgr_client_obj *self, sg_mgr_local_t *lc) {
+  PyObject *d = NULL;
+  self->inflight++;
+  int rc = local_wait(self, lc);
+  self->inflight--;
+  if (rc == 0) {
+    sg_mgr_quorum_result_t r;
+    sg_err_t err;
+    sg_err_clear(&err);
+    rc = sg_mgr_local_quorum_result(lc, &r, &err);
+    if (rc)
+      sg_py_raise(sg_py_state_of_type(Py_TYPE(self)), rc, err.msg);
+    else
+      d = result_dict(&r);
+    sg_mgr_quorum_result_free(&r);
+  }
+  sg_mgr_local_free(lc);
+  return d;
+}
+
 /* The keywords of _quorum and _quorum_start (the same arguments). */
 static char *quorum_kwlist[] = {"group_rank",
                                 "step",
@@ -434,6 +562,10 @@ static PyObject *mclient_quorum(PyObject *self_obj, PyObject *args,
   c.group_rank = g;
   c.step = step;
   c.commit_failures = cf;
+  if (c.self->server) {
+    sg_mgr_local_t *lc = local_quorum_start(c.self, &c, timeout_s);
+    return lc ? local_quorum_finish(c.self, lc) : NULL;
+  }
   if (mcall_do(&c, timeout_s) < 0)
     return NULL;
   PyObject *d = result_dict(&c.r);
@@ -466,10 +598,25 @@ static PyObject *mclient_quorum_start(PyObject *self_obj, PyObject *args,
     return NULL;
   if (mclient_guard(self) < 0)
     return NULL;
-  if (self->queued) {
+  if (self->queued || self->queued_local) {
     PyErr_SetString(PyExc_RuntimeError,
                     "a quorum is already started; _quorum_wait() first");
     return NULL;
+  }
+  if (self->server) {
+    struct mcall lreq;
+    memset(&lreq, 0, sizeof(lreq));
+    lreq.group_rank = g;
+    lreq.step = step;
+    lreq.str = md;
+    lreq.handle = handle;
+    lreq.shrink_only = shrink_only;
+    lreq.init_sync = init_sync;
+    lreq.commit_failures = cf;
+    self->queued_local = local_quorum_start(self, &lreq, timeout_s);
+    if (!self->queued_local)
+      return NULL;
+    Py_RETURN_NONE;
   }
   int64_t ms = sg_py_timeout_ms(timeout_s);
   if (ms < 0)
@@ -512,6 +659,11 @@ static PyObject *mclient_quorum_start(PyObject *self_obj, PyObject *args,
 static PyObject *mclient_quorum_wait(PyObject *self_obj, PyObject *unused) {
   mgr_client_obj *self = (mgr_client_obj *)self_obj;
   struct mcall *c = self->queued;
+  if (self->queued_local) {
+    sg_mgr_local_t *lc = self->queued_local;
+    self->queued_local = NULL; /* a concurrent waiter finds none */
+    return local_quorum_finish(self, lc);
+  }
   if (!c) {
     PyErr_SetString(PyExc_RuntimeError, "no quorum was started");
     return NULL;
@@ -550,6 +702,38 @@ static PyObject *mclient_metadata(PyObject *self_obj, PyObject *args,
   return s;
 }
 
+/* local_should_commit: the vote of `c`, made in-process. */
+static PyObject *local_should_commit(mgr_client_obj *self,
+                                     const struct mcall *c, double timeout_s) {
+  if (mclient_guard(self) < 0)
+    return NULL;
+  int64_t ms = sg_py_timeout_ms(timeout_s);
+  if (ms < 0)
+    return NULL;
+  sg_mgr_server_t *srv = local_server(self);
+  if (!srv)
+    return NULL;
+  sg_mgr_local_t *lc = NULL;
+  sg_err_t err;
+  sg_err_clear(&err);
+  int rc = sg_mgr_local_should_commit_start(
+      srv, c->group_rank, c->step, c->vote, sg_deadline_in_ms(ms), &lc, &err);
+  if (rc)
+    return sg_py_raise(sg_py_state_of_type(Py_TYPE(self)), rc, err.msg);
+  PyObject *out = NULL;
+  self->inflight++;
+  rc = local_wait(self, lc);
+  self->inflight--;
+  if (rc == 0) {
+    int decision = 0;
+    rc = sg_mgr_local_should_commit_result(lc, &decision, &err);
+    out = rc ? sg_py_raise(sg_py_state_of_type(Py_TYPE(self)), rc, err.msg)
+             : PyBool_FromLong(decision);
+  }
+  sg_mgr_local_free(lc);
+  return out;
+}
+
 static PyObject *mclient_should_commit(PyObject *self_obj, PyObject *args,
                                        PyObject *kw) {
   static char *kwlist[] = {"group_rank", "step", "should_commit", "timeout_s",
@@ -565,6 +749,8 @@ static PyObject *mclient_should_commit(PyObject *self_obj, PyObject *args,
     return NULL;
   c.group_rank = g;
   c.step = step;
+  if (c.self->server)
+    return local_should_commit(c.self, &c, timeout_s);
   if (mcall_do(&c, timeout_s) < 0)
     return NULL;
   return PyBool_FromLong(c.decision);
@@ -590,6 +776,11 @@ static PyObject *mclient_abort(PyObject *self_obj, PyObject *unused) {
   mgr_client_obj *self = (mgr_client_obj *)self_obj;
   if (self->cli)
     sg_mgr_client_abort(self->cli);
+  self->aborted = 1;
+  if (self->queued_local)
+    sg_mgr_local_abort(self->queued_local);
+  for (struct lwait *w = self->waiting; w; w = w->next)
+    sg_mgr_local_abort(w->c);
   Py_RETURN_NONE;
 }
 
@@ -627,6 +818,9 @@ static void mclient_dealloc(PyObject *self_obj) {
     sg_py_task_join(&c->task);
     mcall_free(c);
   }
+  sg_mgr_local_free(self->queued_local); /* aborts it if still waiting */
+  self->queued_local = NULL;
+  Py_CLEAR(self->server);
   mclient_close_now(self);
   tp->tp_free(self_obj);
   Py_DECREF(tp);
@@ -663,7 +857,9 @@ static PyType_Slot mclient_slots[] = {
     {Py_tp_init, mclient_init},
     {Py_tp_dealloc, mclient_dealloc},
     {Py_tp_methods, mclient_methods},
-    {Py_tp_doc, "ManagerClient(addr, connect_timeout_s, auth_token=None)"},
+    {Py_tp_doc, "ManagerClient(addr, connect_timeout_s, auth_token=None, "
+                "server=None): server, the ManagerServer of this process, "
+                "takes its Quorum and ShouldCommit calls in-process"},
     {0, NULL},
 };
 

@@ -10,7 +10,9 @@ stepguard additions, all keyword-only: ``auth_token`` (default: the
 ``STEPGUARD_AUTH_TOKEN`` environment variable); on the lighthouse server
 ``disconnect_grace_ms``, ``prune_after_ms``, ``quorum_id_file``,
 ``hostname``, ``max_replicas`` and ``max_connections``; on the manager
-server ``disconnect_grace_ms`` and ``kill_handler``.
+server ``disconnect_grace_ms`` and ``kill_handler``; on the manager client
+``server`` (in-process calls to this process's manager) and
+``_quorum_start``/``_quorum_wait`` (a quorum started without a thread).
 """
 
 from __future__ import annotations
@@ -367,6 +369,10 @@ class ManagerClient:
     Args:
         addr: ``http://host:port`` of the manager.
         connect_timeout: how long construction may try to connect.
+        server: the :class:`ManagerServer` at ``addr`` when it runs in this
+            process (group rank 0): quorum and commit calls are then handed
+            to it directly, with the same answers and errors as over the
+            connection but without a network round trip or a thread hop.
     """
 
     def __init__(
@@ -375,9 +381,13 @@ class ManagerClient:
         connect_timeout: timedelta,
         *,
         auth_token: str | None = None,
+        server: ManagerServer | None = None,
     ) -> None:
         self._client = _C.ManagerClient(
-            addr, _seconds(connect_timeout), _env_token(auth_token)
+            addr,
+            _seconds(connect_timeout),
+            _env_token(auth_token),
+            server=server._server if server is not None else None,
         )
 
     def _quorum(
@@ -409,6 +419,44 @@ class ManagerClient:
             reconfigure_handle or "",
         )
         return QuorumResult(**d)
+
+    def _quorum_start(
+        self,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        init_sync: bool = True,
+        commit_failures: int = 0,
+        timeout: timedelta = timedelta(seconds=60),
+        reconfigure_handle: str = "",
+    ) -> None:
+        """Starts :meth:`_quorum` in the background (no Python thread) and
+        returns at once; collect it with :meth:`_quorum_wait`.  One at a
+        time.
+
+        Raises:
+            RuntimeError: a started quorum was not collected yet.
+        """
+        self._client._quorum_start(
+            group_rank,
+            step,
+            checkpoint_metadata,
+            shrink_only,
+            init_sync,
+            commit_failures,
+            _seconds(timeout),
+            reconfigure_handle or "",
+        )
+
+    def _quorum_wait(self) -> QuorumResult:
+        """The result of the quorum :meth:`_quorum_start` started (raising
+        what :meth:`_quorum` raises).
+
+        Raises:
+            RuntimeError: no quorum was started.
+        """
+        return QuorumResult(**self._client._quorum_wait())
 
     def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
         """The checkpoint metadata group rank ``rank`` sent with its last

@@ -320,7 +320,11 @@ class Manager:
             self._store.set(REPLICA_ID_KEY, full_id)
 
         addr = self._store.get(MANAGER_ADDR_KEY).decode("utf-8")
-        self._client = ManagerClient(addr, connect_timeout=self._connect_timeout)
+        # Group rank 0 hands its quorum and commit calls to the server it
+        # runs; the others reach it over the connection.
+        self._client = ManagerClient(
+            addr, connect_timeout=self._connect_timeout, server=self._manager
+        )
         full_replica_id = self._store.get(REPLICA_ID_KEY).decode("utf-8")
         self._logger = _ManagerLogger(self, full_replica_id, self._group_rank)
 
@@ -600,10 +604,9 @@ class Manager:
 
         curr_device = torch.accelerator.current_device_index() if _accelerator() else -1
         quorum_timeout = timeout or self._quorum_timeout
-        native = self._native_client()
-        if native is not None:
+        if isinstance(self._client, ManagerClient):
             self._quorum_future = _NativeQuorum(
-                self, native, allow_heal, shrink_only, quorum_timeout, curr_device
+                self, self._client, allow_heal, shrink_only, quorum_timeout, curr_device
             )
         else:
             self._quorum_future = self._executor.submit(
@@ -632,14 +635,6 @@ class Manager:
         opts.handles = handles
         opts.timeout = self._timeout
         self._pg.reconfigure(opts).wait()  # type: ignore[attr-defined]
-
-    def _native_client(self) -> Optional[object]:
-        """The extension's client under ``self._client`` when it can start
-        a quorum without a Python thread (a stand-in client cannot)."""
-        if not isinstance(self._client, ManagerClient):
-            return None
-        native = getattr(self._client, "_client", None)
-        return native if hasattr(native, "_quorum_start") else None
 
     def _reconfigure_handle(self) -> str:
         if hasattr(self._pg, "get_reconfigure_handle"):
@@ -1038,8 +1033,9 @@ def _done_future(value: T) -> torch.futures.Future[T]:
 
 
 class _NativeQuorum:
-    """A quorum started by the extension on one of its worker threads (no
-    Python thread), in place of the executor's future.
+    """A quorum started by the extension without a Python thread (on one of
+    its workers, or handed to the in-process manager server), in place of
+    the executor's future.
 
     The first ``result()`` collects the call and applies it.  A quorum that
     only records the participation (the usual step) is applied right there;
@@ -1052,27 +1048,27 @@ class _NativeQuorum:
     def __init__(
         self,
         manager: Manager,
-        native: object,
+        client: ManagerClient,
         allow_heal: bool,
         shrink_only: bool,
         quorum_timeout: timedelta,
         curr_device: int,
     ) -> None:
         self._manager = manager
-        self._native = native
+        self._client = client
         self._allow_heal = allow_heal
         self._curr_device = curr_device
         self._lock = threading.Lock()
         self._done = False
         self._exc: Optional[BaseException] = None
-        native._quorum_start(  # type: ignore[attr-defined]
+        client._quorum_start(
             manager._group_rank,
             manager._step,
             manager._checkpoint_transport.metadata(),
             shrink_only,
             manager._init_sync,
             manager._commit_failures,
-            quorum_timeout.total_seconds(),
+            quorum_timeout,
             manager._reconfigure_handle(),
         )
 
@@ -1087,7 +1083,7 @@ class _NativeQuorum:
     def _finish(self) -> None:
         m = self._manager
         try:
-            quorum = QuorumResult(**self._native._quorum_wait())  # type: ignore[attr-defined]
+            quorum = self._client._quorum_wait()
             if m._quorum_is_quiet(quorum, self._allow_heal):
                 m._apply_quorum(quorum, self._allow_heal, -1)
             else:

@@ -6,6 +6,7 @@
  */
 #include <string.h>
 
+#include "manager/wire.h"
 #include "rpc/grpc.h"
 #include "rpc/pb.h"
 #include "stepguard/manager.h"
@@ -95,7 +96,8 @@ static int dup_strv(char **v, size_t n, char ***out) {
   return 0;
 }
 
-/* call: one unary call; on success *resp holds the checked response. */
+/* call: one unary call; on success *resp holds the response, its strings
+ * checked against `spec` (NULL: the caller checks). */
 static int call(sg_mgr_client_t *c, const char *method,
                 const ProtobufCMessage *req, const sg__pb_spec_t *spec,
                 sg_deadline_t deadline, uint8_t **resp, size_t *resp_len,
@@ -113,7 +115,7 @@ static int call(sg_mgr_client_t *c, const char *method,
   if (rc)
     return rc;
   uint32_t field = 0;
-  if (sg__pb_check_strings(*resp, *resp_len, spec, &field) != 0) {
+  if (spec && sg__pb_check_strings(*resp, *resp_len, spec, &field) != 0) {
     sg_free(*resp);
     *resp = NULL;
     return sg_err_set(err, SG_EPROTO, "malformed response to %s", method);
@@ -121,34 +123,18 @@ static int call(sg_mgr_client_t *c, const char *method,
   return 0;
 }
 
-int sg_mgr_client_quorum(sg_mgr_client_t *c, int64_t group_rank, int64_t step,
-                         const char *checkpoint_metadata, int shrink_only,
-                         int init_sync, int64_t commit_failures,
-                         const char *reconfigure_handle, sg_deadline_t deadline,
-                         sg_mgr_quorum_result_t *out, sg_err_t *err) {
-  uint8_t *resp = NULL;
-  size_t resp_len = 0;
+int sg__mgr_decode_quorum(const uint8_t *resp, size_t len,
+                          sg_mgr_quorum_result_t *out, sg_err_t *err) {
   Torchft__ManagerQuorumResponse *m = NULL;
+  int rc = 0;
+  uint32_t field = 0;
   memset(out, 0, sizeof(*out));
-  Torchft__ManagerQuorumRequest q = TORCHFT__MANAGER_QUORUM_REQUEST__INIT;
-  q.group_rank = group_rank;
-  q.step = step;
-  q.checkpoint_metadata =
-      (char *)(checkpoint_metadata ? checkpoint_metadata : "");
-  q.shrink_only = shrink_only != 0;
-  q.init_sync = init_sync != 0;
-  q.commit_failures = commit_failures;
-  q.reconfigure_handle = (char *)(reconfigure_handle ? reconfigure_handle : "");
-  int rc = call(c, "/torchft.ManagerService/Quorum", &q.base, &qresp_spec,
-                deadline, &resp, &resp_len, err);
-  if (rc)
-    goto out;
-  m = torchft__manager_quorum_response__unpack(&sg__pb_allocator, resp_len,
-                                               resp);
-  if (!m) {
-    rc = sg_err_set(err, SG_EPROTO, "invalid ManagerQuorumResponse");
-    goto out;
-  }
+  if (sg__pb_check_strings(resp, len, &qresp_spec, &field) != 0)
+    return sg_err_set(err, SG_EPROTO,
+                      "malformed response to /torchft.ManagerService/Quorum");
+  m = torchft__manager_quorum_response__unpack(&sg__pb_allocator, len, resp);
+  if (!m)
+    return sg_err_set(err, SG_EPROTO, "invalid ManagerQuorumResponse");
   out->quorum_id = m->quorum_id;
   out->recover_src_manager_address = sg_strdup(m->recover_src_manager_address);
   out->has_recover_src_replica_rank =
@@ -200,11 +186,34 @@ int sg_mgr_client_quorum(sg_mgr_client_t *c, int64_t group_rank, int64_t step,
   if (rc)
     sg_err_set(err, rc, "out of memory");
 out:
-  if (m)
-    torchft__manager_quorum_response__free_unpacked(m, &sg__pb_allocator);
-  sg_free(resp);
+  torchft__manager_quorum_response__free_unpacked(m, &sg__pb_allocator);
   if (rc)
     sg_mgr_quorum_result_free(out);
+  return rc;
+}
+
+int sg_mgr_client_quorum(sg_mgr_client_t *c, int64_t group_rank, int64_t step,
+                         const char *checkpoint_metadata, int shrink_only,
+                         int init_sync, int64_t commit_failures,
+                         const char *reconfigure_handle, sg_deadline_t deadline,
+                         sg_mgr_quorum_result_t *out, sg_err_t *err) {
+  uint8_t *resp = NULL;
+  size_t resp_len = 0;
+  memset(out, 0, sizeof(*out));
+  Torchft__ManagerQuorumRequest q = TORCHFT__MANAGER_QUORUM_REQUEST__INIT;
+  q.group_rank = group_rank;
+  q.step = step;
+  q.checkpoint_metadata =
+      (char *)(checkpoint_metadata ? checkpoint_metadata : "");
+  q.shrink_only = shrink_only != 0;
+  q.init_sync = init_sync != 0;
+  q.commit_failures = commit_failures;
+  q.reconfigure_handle = (char *)(reconfigure_handle ? reconfigure_handle : "");
+  int rc = call(c, "/torchft.ManagerService/Quorum", &q.base, NULL, deadline,
+                &resp, &resp_len, err);
+  if (!rc)
+    rc = sg__mgr_decode_quorum(resp, resp_len, out, err);
+  sg_free(resp);
   return rc;
 }
 
@@ -232,6 +241,18 @@ int sg_mgr_client_checkpoint_metadata(sg_mgr_client_t *c, int64_t rank,
   return *out ? 0 : sg_err_set(err, SG_ENOMEM, "out of memory");
 }
 
+int sg__mgr_decode_should_commit(const uint8_t *resp, size_t len, int *out,
+                                 sg_err_t *err) {
+  *out = 0;
+  Torchft__ShouldCommitResponse *m =
+      torchft__should_commit_response__unpack(&sg__pb_allocator, len, resp);
+  if (!m)
+    return sg_err_set(err, SG_EPROTO, "invalid ShouldCommitResponse");
+  *out = m->should_commit != 0;
+  torchft__should_commit_response__free_unpacked(m, &sg__pb_allocator);
+  return 0;
+}
+
 int sg_mgr_client_should_commit(sg_mgr_client_t *c, int64_t group_rank,
                                 int64_t step, int should_commit,
                                 sg_deadline_t deadline, int *out,
@@ -245,16 +266,10 @@ int sg_mgr_client_should_commit(sg_mgr_client_t *c, int64_t group_rank,
   q.should_commit = should_commit != 0;
   int rc = call(c, "/torchft.ManagerService/ShouldCommit", &q.base,
                 &no_strings_spec, deadline, &resp, &resp_len, err);
-  if (rc)
-    return rc;
-  Torchft__ShouldCommitResponse *m = torchft__should_commit_response__unpack(
-      &sg__pb_allocator, resp_len, resp);
+  if (!rc)
+    rc = sg__mgr_decode_should_commit(resp, resp_len, out, err);
   sg_free(resp);
-  if (!m)
-    return sg_err_set(err, SG_EPROTO, "invalid ShouldCommitResponse");
-  *out = m->should_commit != 0;
-  torchft__should_commit_response__free_unpacked(m, &sg__pb_allocator);
-  return 0;
+  return rc;
 }
 
 int sg_mgr_client_kill(sg_mgr_client_t *c, const char *msg,

@@ -36,6 +36,7 @@
 #include <uv.h>
 
 #include "manager/results.h"
+#include "manager/wire.h"
 #include "rpc/grpc.h"
 #include "rpc/pb.h"
 #include "stepguard/manager.h"
@@ -51,14 +52,49 @@
 
 enum waiter_kind { W_QUORUM = 1, W_COMMIT = 2 };
 
+/* Where an answer goes: a call from the wire, or one from this process
+ * (sg_mgr_local_*); exactly one of the two is set. */
+typedef struct reply_s {
+  sg_rpc_call_t *call;
+  sg_mgr_local_t *local;
+} reply_t;
+
 /* A call waiting for a round (Quorum) or for the group's votes (commit). */
 struct waiter {
   enum waiter_kind kind;
-  sg_rpc_call_t *call;
+  reply_t to;
   int64_t group_rank;
   int init_sync;
   int in_round; /* Quorum: its round's lighthouse call is under way */
   struct waiter *prev, *next;
+};
+
+/*
+ * An in-process call (manager.h).  References: the caller's, the server's
+ * while the call is in the inbox or has a waiter, and one per posted
+ * cancellation.  Whoever completes it first (the loop with an answer, the
+ * caller with a deadline or an abort) sets `done`; the other finds it set.
+ */
+struct sg_mgr_local_s {
+  /* the request: set at start, then read by the loop thread only */
+  enum waiter_kind kind;
+  int64_t group_rank, step, commit_failures;
+  int shrink_only, init_sync, vote;
+  char *metadata, *handle; /* owned (Quorum) */
+  sg_deadline_t deadline;
+  sg_mgr_local_t *next;  /* in the server's inbox or cancel list (s->mu) */
+  sg_mgr_local_t *cnext; /* in the cancel list (s->mu) */
+  struct waiter *w;      /* loop thread: its waiter, while it has one */
+  int had_waiter;        /* loop thread: a waiter took the server's ref */
+  pthread_mutex_t mu;    /* guards everything below */
+  pthread_cond_t cv;     /* signalled on completion (CLOCK_MONOTONIC) */
+  sg_mgr_server_t *srv;  /* NULL once done: nobody posts to it then */
+  int refs;
+  int done, taken;
+  int rc;        /* 0 or the SG_E* code the caller gets */
+  char msg[600]; /* detail of rc */
+  uint8_t *resp; /* the encoded answer (rc == 0) */
+  size_t resp_len;
 };
 
 /* Per group rank state; loop thread only. */
@@ -107,7 +143,7 @@ struct sg_mgr_server_s {
 
   uv_loop_t loop;
   uv_thread_t thread;
-  uv_async_t stop_async, result_async;
+  uv_async_t stop_async, result_async, local_async;
   uv_timer_t grace_timer, kill_timer;
   sg_rpc_server_t *rpc;
   int port;
@@ -136,6 +172,9 @@ struct sg_mgr_server_s {
   int result_ready, result_rc;
   char result_msg[256];
   Torchft__LighthouseQuorumResponse *result;
+  sg_mgr_local_t *inbox, *inbox_tail; /* started in-process calls, in order */
+  sg_mgr_local_t *cancels;            /* in-process calls that ended early */
+  pid_t pid;                          /* the process that started the server */
 
   atomic_int left; /* the group left the job (never cleared) */
   uint8_t *hb_req; /* encoded LighthouseHeartbeatRequest */
@@ -186,17 +225,35 @@ static int authorized(const sg_mgr_server_t *s, sg_rpc_call_t *call) {
   return ct_equal(h + 7, s->auth_token);
 }
 
-static void respond_err(sg_rpc_call_t *call, int status, const char *fmt, ...)
+static void local_complete(sg_mgr_local_t *c, int status, const char *msg,
+                           const uint8_t *body, size_t len);
+
+/* respond: answer a call from the wire or from this process. */
+static void respond(reply_t to, int status, const char *msg,
+                    const uint8_t *body, size_t len) {
+  if (to.call)
+    sg_rpc_call_respond(to.call, status, msg, body, len);
+  else
+    local_complete(to.local, status, msg, body, len);
+}
+
+static reply_t wire(sg_rpc_call_t *call) {
+  reply_t to = {call, NULL};
+  return to;
+}
+
+static void respond_err(reply_t to, int status, const char *fmt, ...)
     SG_PRINTF(3, 4);
-static void respond_err(sg_rpc_call_t *call, int status, const char *fmt, ...) {
+static void respond_err(reply_t to, int status, const char *fmt, ...) {
   char msg[512];
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(msg, sizeof(msg), fmt, ap);
   va_end(ap);
   sg_log(SG_LOG_DEBUG, LOG, "answering %s with %s: %s",
-         sg_rpc_call_method(call), sg__grpc_status_name(status), msg);
-  sg_rpc_call_respond(call, status, msg, NULL, 0);
+         to.call ? sg_rpc_call_method(to.call) : "an in-process call",
+         sg__grpc_status_name(status), msg);
+  respond(to, status, msg, NULL, 0);
 }
 
 /* check_wire: 0, or answers INVALID_ARGUMENT and returns -1. */
@@ -205,26 +262,27 @@ static int check_wire(sg_rpc_call_t *call, const uint8_t *body, size_t len,
   uint32_t field = 0;
   int rc = sg__pb_check_strings(body, len, spec, &field);
   if (rc == SG_EINVAL) {
-    respond_err(call, SG_GRPC_INVALID_ARGUMENT,
+    respond_err(wire(call), SG_GRPC_INVALID_ARGUMENT,
                 "string field %u is not valid UTF-8 or contains NUL", field);
     return -1;
   }
   if (rc) {
-    respond_err(call, SG_GRPC_INVALID_ARGUMENT, "malformed protobuf message");
+    respond_err(wire(call), SG_GRPC_INVALID_ARGUMENT,
+                "malformed protobuf message");
     return -1;
   }
   return 0;
 }
 
-static void respond_msg(sg_rpc_call_t *call, const ProtobufCMessage *m) {
+static void respond_msg(reply_t to, const ProtobufCMessage *m) {
   size_t len = protobuf_c_message_get_packed_size(m);
   uint8_t *buf = sg_malloc(len ? len : 1);
   if (!buf) {
-    respond_err(call, SG_GRPC_RESOURCE_EXHAUSTED, "manager out of memory");
+    respond_err(to, SG_GRPC_RESOURCE_EXHAUSTED, "manager out of memory");
     return;
   }
   protobuf_c_message_pack(m, buf);
-  sg_rpc_call_respond(call, SG_GRPC_OK, NULL, buf, len);
+  respond(to, SG_GRPC_OK, NULL, buf, len);
   sg_free(buf);
 }
 
@@ -246,6 +304,19 @@ static void waiter_push(struct waiter **head, struct waiter *w) {
   *head = w;
 }
 
+static void local_unref(sg_mgr_local_t *c);
+
+/* waiter_free: free a waiter that left its list (answered or not), and
+ * drop the server's reference to its in-process call. */
+static void waiter_free(struct waiter *w) {
+  sg_mgr_local_t *c = w->to.local;
+  if (c) {
+    c->w = NULL;
+    local_unref(c);
+  }
+  sg_free(w);
+}
+
 /* quorum_waiter_gone: bookkeeping when a Quorum waiter leaves the list. */
 static void quorum_waiter_gone(sg_mgr_server_t *s, struct waiter *w) {
   if (!w->in_round) {
@@ -261,14 +332,14 @@ static void fail_all(sg_mgr_server_t *s, int status, const char *msg) {
     struct waiter *w = s->quorum_waiters;
     waiter_unlink(&s->quorum_waiters, w);
     quorum_waiter_gone(s, w);
-    sg_rpc_call_respond(w->call, status, msg, NULL, 0);
-    sg_free(w);
+    respond(w->to, status, msg, NULL, 0);
+    waiter_free(w);
   }
   while (s->commit_waiters) {
     struct waiter *w = s->commit_waiters;
     waiter_unlink(&s->commit_waiters, w);
-    sg_rpc_call_respond(w->call, status, msg, NULL, 0);
-    sg_free(w);
+    respond(w->to, status, msg, NULL, 0);
+    waiter_free(w);
   }
 }
 
@@ -482,7 +553,7 @@ static const Torchft__QuorumMember *member_of(const Torchft__Quorum *q,
 /* encode_results: answer `call` with `r`, and with group rank g's
  * reconfigure handle of every participant, in the order of r->replica_ids
  * (`scratch` has room for one pointer per participant). */
-static void encode_results(sg_rpc_call_t *call, const sg__mgr_results_t *r,
+static void encode_results(reply_t to, const sg__mgr_results_t *r,
                            const Torchft__Quorum *q, int64_t g,
                            char **scratch) {
   Torchft__ManagerQuorumResponse m = TORCHFT__MANAGER_QUORUM_RESPONSE__INIT;
@@ -523,7 +594,7 @@ static void encode_results(sg_rpc_call_t *call, const sg__mgr_results_t *r,
     m.n_reconfigure_handles = r->n_replica_ids;
     m.reconfigure_handles = scratch;
   }
-  respond_msg(call, &m.base);
+  respond_msg(to, &m.base);
 }
 
 /* deliver: answer every waiting Quorum call with the round's outcome. */
@@ -562,11 +633,10 @@ static void deliver(sg_mgr_server_t *s, int rc, const char *msg,
       struct waiter *w = s->quorum_waiters;
       waiter_unlink(&s->quorum_waiters, w);
       quorum_waiter_gone(s, w);
-      sg_rpc_call_respond(w->call,
-                          rc == SG_ENOMEM ? SG_GRPC_RESOURCE_EXHAUSTED
-                                          : SG_GRPC_INTERNAL,
-                          msg, NULL, 0);
-      sg_free(w);
+      respond(w->to,
+              rc == SG_ENOMEM ? SG_GRPC_RESOURCE_EXHAUSTED : SG_GRPC_INTERNAL,
+              msg, NULL, 0);
+      waiter_free(w);
     }
     sg_free(peers);
     sg_free(scratch);
@@ -596,16 +666,16 @@ static void deliver(sg_mgr_server_t *s, int rc, const char *msg,
                r.heal ? "yes" : "no");
         logged = 1;
       }
-      encode_results(w->call, &r, resp->quorum, w->group_rank, scratch);
+      encode_results(w->to, &r, resp->quorum, w->group_rank, scratch);
     } else {
-      respond_err(w->call,
+      respond_err(w->to,
                   crc == SG_ENOTFOUND ? SG_GRPC_NOT_FOUND
                   : crc == SG_ENOMEM  ? SG_GRPC_RESOURCE_EXHAUSTED
                                       : SG_GRPC_INTERNAL,
                   "%s", e.msg[0] ? e.msg : sg_strerror(crc));
     }
     sg__mgr_results_free(&r);
-    sg_free(w);
+    waiter_free(w);
   }
   sg_free(peers);
   sg_free(scratch);
@@ -635,24 +705,43 @@ static void on_result(uv_async_t *a) {
 
 /* ---- calls -------------------------------------------------------------- */
 
-static struct waiter *add_waiter(sg_mgr_server_t *s, sg_rpc_call_t *call,
+/* add_waiter: the waiter of `to`; an in-process call's waiter holds the
+ * server's reference to it from here on. */
+static struct waiter *add_waiter(sg_mgr_server_t *s, reply_t to,
                                  enum waiter_kind kind, int64_t g) {
   struct waiter *w = sg_calloc(1, sizeof(*w));
   if (!w) {
-    respond_err(call, SG_GRPC_RESOURCE_EXHAUSTED, "manager out of memory");
+    respond_err(to, SG_GRPC_RESOURCE_EXHAUSTED, "manager out of memory");
     return NULL;
   }
   w->kind = kind;
-  w->call = call;
+  w->to = to;
   w->group_rank = g;
   waiter_push(kind == W_QUORUM ? &s->quorum_waiters : &s->commit_waiters, w);
-  sg_rpc_call_set_user(call, w);
+  if (to.call)
+    sg_rpc_call_set_user(to.call, w);
+  else {
+    to.local->w = w;
+    to.local->had_waiter = 1;
+  }
   return w;
 }
 
-static int check_rank(sg_mgr_server_t *s, sg_rpc_call_t *call, int64_t g) {
+/* waiter_cancel: the caller of w's call gave up.  A Quorum call not yet in
+ * a round no longer counts as arrived; a vote stays counted (torchft). */
+static void waiter_cancel(sg_mgr_server_t *s, struct waiter *w) {
+  if (w->kind == W_QUORUM) {
+    waiter_unlink(&s->quorum_waiters, w);
+    quorum_waiter_gone(s, w);
+  } else {
+    waiter_unlink(&s->commit_waiters, w);
+  }
+  waiter_free(w);
+}
+
+static int check_rank(sg_mgr_server_t *s, reply_t to, int64_t g) {
   if (g < 0 || g >= s->world_size) {
-    respond_err(call, SG_GRPC_INVALID_ARGUMENT,
+    respond_err(to, SG_GRPC_INVALID_ARGUMENT,
                 "group_rank %lld out of range [0, %lld)", (long long)g,
                 (long long)s->world_size);
     return -1;
@@ -660,71 +749,99 @@ static int check_rank(sg_mgr_server_t *s, sg_rpc_call_t *call, int64_t g) {
   return 0;
 }
 
-static int check_left(sg_mgr_server_t *s, sg_rpc_call_t *call) {
+static int check_left(sg_mgr_server_t *s, reply_t to) {
   if (!atomic_load(&s->left))
     return 0;
-  respond_err(call, SG_GRPC_UNAVAILABLE,
+  respond_err(to, SG_GRPC_UNAVAILABLE,
               "replica group left the job; it must restart");
   return -1;
+}
+
+/* A Quorum request, from the wire or from this process. */
+struct qargs {
+  int64_t group_rank, step, commit_failures;
+  int shrink_only, init_sync;
+  const char *metadata, *handle; /* borrowed */
+  sg_deadline_t deadline;
+  int has_conn; /* from the wire: conn_id counts for group liveness */
+  uint64_t conn_id;
+};
+
+/* quorum_arrive: group rank a->group_rank waits for this step's quorum. */
+static void quorum_arrive(sg_mgr_server_t *s, reply_t to,
+                          const struct qargs *a) {
+  if (check_rank(s, to, a->group_rank) || check_left(s, to))
+    return;
+  if (strlen(a->metadata) > SG_MGR_MAX_METADATA_LEN) {
+    respond_err(to, SG_GRPC_INVALID_ARGUMENT,
+                "checkpoint_metadata too long (max %d bytes)",
+                SG_MGR_MAX_METADATA_LEN);
+    return;
+  }
+  if (strlen(a->handle) > SG_MGR_MAX_METADATA_LEN) {
+    respond_err(to, SG_GRPC_INVALID_ARGUMENT,
+                "reconfigure_handle too long (max %d bytes)",
+                SG_MGR_MAX_METADATA_LEN);
+    return;
+  }
+  struct rank *r = &s->ranks[a->group_rank];
+  char *md = sg_strdup(a->metadata);
+  char *handle = sg_strdup(a->handle);
+  if (!md || !handle) {
+    sg_free(md);
+    sg_free(handle);
+    respond_err(to, SG_GRPC_RESOURCE_EXHAUSTED, "manager out of memory");
+    return;
+  }
+  struct waiter *w = add_waiter(s, to, W_QUORUM, a->group_rank);
+  if (!w) {
+    sg_free(md);
+    sg_free(handle);
+    return;
+  }
+  sg_free(r->handle);
+  r->handle = handle;
+  w->init_sync = a->init_sync != 0;
+  sg_free(r->metadata);
+  r->metadata = md;
+  r->step = a->step;
+  r->commit_failures = a->commit_failures;
+  if (r->waiting++ == 0)
+    s->n_arrived++;
+  s->last_shrink_only = a->shrink_only != 0;
+  s->last_timeout_ms = sg_deadline_left_ms(a->deadline);
+  if (a->has_conn)
+    note_speaker(s, a->group_rank, a->conn_id);
+  maybe_start_round(s);
 }
 
 static void handle_quorum(sg_mgr_server_t *s, sg_rpc_call_t *call,
                           const uint8_t *body, size_t len) {
   Torchft__ManagerQuorumRequest *req = NULL;
   if (!sg_rpc_call_metadata(call, "grpc-timeout")) {
-    respond_err(call, SG_GRPC_INVALID_ARGUMENT, "missing timeout");
+    respond_err(wire(call), SG_GRPC_INVALID_ARGUMENT, "missing timeout");
     return;
   }
   if (check_wire(call, body, len, &qreq_spec))
     return;
   req = torchft__manager_quorum_request__unpack(&sg__pb_allocator, len, body);
   if (!req) {
-    respond_err(call, SG_GRPC_INVALID_ARGUMENT, "invalid ManagerQuorumRequest");
+    respond_err(wire(call), SG_GRPC_INVALID_ARGUMENT,
+                "invalid ManagerQuorumRequest");
     return;
   }
-  if (check_rank(s, call, req->group_rank) || check_left(s, call))
-    goto out;
-  if (strlen(req->checkpoint_metadata) > SG_MGR_MAX_METADATA_LEN) {
-    respond_err(call, SG_GRPC_INVALID_ARGUMENT,
-                "checkpoint_metadata too long (max %d bytes)",
-                SG_MGR_MAX_METADATA_LEN);
-    goto out;
-  }
-  if (strlen(req->reconfigure_handle) > SG_MGR_MAX_METADATA_LEN) {
-    respond_err(call, SG_GRPC_INVALID_ARGUMENT,
-                "reconfigure_handle too long (max %d bytes)",
-                SG_MGR_MAX_METADATA_LEN);
-    goto out;
-  }
-  struct rank *r = &s->ranks[req->group_rank];
-  char *md = sg_strdup(req->checkpoint_metadata);
-  char *handle = sg_strdup(req->reconfigure_handle);
-  if (!md || !handle) {
-    sg_free(md);
-    sg_free(handle);
-    respond_err(call, SG_GRPC_RESOURCE_EXHAUSTED, "manager out of memory");
-    goto out;
-  }
-  struct waiter *w = add_waiter(s, call, W_QUORUM, req->group_rank);
-  if (!w) {
-    sg_free(md);
-    sg_free(handle);
-    goto out;
-  }
-  sg_free(r->handle);
-  r->handle = handle;
-  w->init_sync = req->init_sync != 0;
-  sg_free(r->metadata);
-  r->metadata = md;
-  r->step = req->step;
-  r->commit_failures = req->commit_failures;
-  if (r->waiting++ == 0)
-    s->n_arrived++;
-  s->last_shrink_only = req->shrink_only != 0;
-  s->last_timeout_ms = sg_deadline_left_ms(sg_rpc_call_deadline(call));
-  note_speaker(s, req->group_rank, sg_rpc_call_conn_id(call));
-  maybe_start_round(s);
-out:
+  struct qargs a = {0};
+  a.group_rank = req->group_rank;
+  a.step = req->step;
+  a.commit_failures = req->commit_failures;
+  a.shrink_only = req->shrink_only != 0;
+  a.init_sync = req->init_sync != 0;
+  a.metadata = req->checkpoint_metadata;
+  a.handle = req->reconfigure_handle;
+  a.deadline = sg_rpc_call_deadline(call);
+  a.has_conn = 1;
+  a.conn_id = sg_rpc_call_conn_id(call);
+  quorum_arrive(s, wire(call), &a);
   torchft__manager_quorum_request__free_unpacked(req, &sg__pb_allocator);
 }
 
@@ -739,12 +856,35 @@ static void finish_commit_round(sg_mgr_server_t *s) {
   while (s->commit_waiters) {
     struct waiter *w = s->commit_waiters;
     waiter_unlink(&s->commit_waiters, w);
-    sg_rpc_call_respond(w->call, SG_GRPC_OK, NULL, buf, len);
-    sg_free(w);
+    respond(w->to, SG_GRPC_OK, NULL, buf, len);
+    waiter_free(w);
   }
   for (int64_t g = 0; g < s->world_size; g++)
     s->ranks[g].voted = s->ranks[g].vote_no = 0;
   s->n_voted = s->n_no = 0;
+}
+
+/* commit_vote: group rank g votes; the round ends with the last vote. */
+static void commit_vote(sg_mgr_server_t *s, reply_t to, int64_t g, int vote,
+                        int has_conn, uint64_t conn_id) {
+  if (check_rank(s, to, g) || check_left(s, to))
+    return;
+  if (!add_waiter(s, to, W_COMMIT, g))
+    return;
+  struct rank *r = &s->ranks[g];
+  /* torchft: a no vote sticks for the round; the step is not checked */
+  if (!vote && !r->vote_no) {
+    r->vote_no = 1;
+    s->n_no++;
+  }
+  if (!r->voted) {
+    r->voted = 1;
+    s->n_voted++;
+  }
+  if (has_conn)
+    note_speaker(s, g, conn_id);
+  if (s->n_voted == (size_t)s->world_size)
+    finish_commit_round(s);
 }
 
 static void handle_should_commit(sg_mgr_server_t *s, sg_rpc_call_t *call,
@@ -754,27 +894,12 @@ static void handle_should_commit(sg_mgr_server_t *s, sg_rpc_call_t *call,
   Torchft__ShouldCommitRequest *req =
       torchft__should_commit_request__unpack(&sg__pb_allocator, len, body);
   if (!req) {
-    respond_err(call, SG_GRPC_INVALID_ARGUMENT, "invalid ShouldCommitRequest");
+    respond_err(wire(call), SG_GRPC_INVALID_ARGUMENT,
+                "invalid ShouldCommitRequest");
     return;
   }
-  if (check_rank(s, call, req->group_rank) || check_left(s, call))
-    goto out;
-  if (!add_waiter(s, call, W_COMMIT, req->group_rank))
-    goto out;
-  struct rank *r = &s->ranks[req->group_rank];
-  /* torchft: a no vote sticks for the round; the step is not checked */
-  if (!req->should_commit && !r->vote_no) {
-    r->vote_no = 1;
-    s->n_no++;
-  }
-  if (!r->voted) {
-    r->voted = 1;
-    s->n_voted++;
-  }
-  note_speaker(s, req->group_rank, sg_rpc_call_conn_id(call));
-  if (s->n_voted == (size_t)s->world_size)
-    finish_commit_round(s);
-out:
+  commit_vote(s, wire(call), req->group_rank, req->should_commit != 0, 1,
+              sg_rpc_call_conn_id(call));
   torchft__should_commit_request__free_unpacked(req, &sg__pb_allocator);
 }
 
@@ -786,18 +911,18 @@ static void handle_checkpoint_metadata(sg_mgr_server_t *s, sg_rpc_call_t *call,
       torchft__checkpoint_metadata_request__unpack(&sg__pb_allocator, len,
                                                    body);
   if (!req) {
-    respond_err(call, SG_GRPC_INVALID_ARGUMENT,
+    respond_err(wire(call), SG_GRPC_INVALID_ARGUMENT,
                 "invalid CheckpointMetadataRequest");
     return;
   }
   if (req->rank < 0 || req->rank >= s->world_size ||
       !s->ranks[req->rank].metadata) {
-    respond_err(call, SG_GRPC_INVALID_ARGUMENT, "rank not found");
+    respond_err(wire(call), SG_GRPC_INVALID_ARGUMENT, "rank not found");
   } else {
     Torchft__CheckpointMetadataResponse m =
         TORCHFT__CHECKPOINT_METADATA_RESPONSE__INIT;
     m.checkpoint_metadata = s->ranks[req->rank].metadata;
-    respond_msg(call, &m.base);
+    respond_msg(wire(call), &m.base);
   }
   torchft__checkpoint_metadata_request__free_unpacked(req, &sg__pb_allocator);
 }
@@ -818,7 +943,7 @@ static void handle_kill(sg_mgr_server_t *s, sg_rpc_call_t *call,
   Torchft__KillRequest *req =
       torchft__kill_request__unpack(&sg__pb_allocator, len, body);
   if (!req) {
-    respond_err(call, SG_GRPC_INVALID_ARGUMENT, "invalid KillRequest");
+    respond_err(wire(call), SG_GRPC_INVALID_ARGUMENT, "invalid KillRequest");
     return;
   }
   sg_log(SG_LOG_WARN, LOG, "[Replica %s] got kill request: %.1000s", s->name,
@@ -837,9 +962,9 @@ static void on_call(void *ud, sg_rpc_call_t *call) {
   size_t len = 0;
   const uint8_t *body = sg_rpc_call_body(call, &len);
   if (s->closing) {
-    respond_err(call, SG_GRPC_UNAVAILABLE, "manager shutting down");
+    respond_err(wire(call), SG_GRPC_UNAVAILABLE, "manager shutting down");
   } else if (!authorized(s, call)) {
-    respond_err(call, SG_GRPC_UNAUTHENTICATED,
+    respond_err(wire(call), SG_GRPC_UNAUTHENTICATED,
                 "missing or wrong authorization token");
   } else if (strcmp(method, "/torchft.ManagerService/Quorum") == 0) {
     handle_quorum(s, call, body, len);
@@ -851,7 +976,8 @@ static void on_call(void *ud, sg_rpc_call_t *call) {
   } else if (strcmp(method, "/torchft.ManagerService/Kill") == 0) {
     handle_kill(s, call, body, len);
   } else {
-    respond_err(call, SG_GRPC_UNIMPLEMENTED, "unknown method %.200s", method);
+    respond_err(wire(call), SG_GRPC_UNIMPLEMENTED, "unknown method %.200s",
+                method);
   }
 }
 
@@ -861,15 +987,358 @@ static void on_call(void *ud, sg_rpc_call_t *call) {
 static void on_call_cancel(void *ud, sg_rpc_call_t *call) {
   sg_mgr_server_t *s = ud;
   struct waiter *w = sg_rpc_call_user(call);
-  if (!w)
+  if (w)
+    waiter_cancel(s, w);
+}
+
+/* ---- in-process calls -------------------------------------------------- */
+
+static void local_unref(sg_mgr_local_t *c) {
+  pthread_mutex_lock(&c->mu);
+  int last = --c->refs == 0;
+  pthread_mutex_unlock(&c->mu);
+  if (!last)
     return;
-  if (w->kind == W_QUORUM) {
-    waiter_unlink(&s->quorum_waiters, w);
-    quorum_waiter_gone(s, w);
-  } else {
-    waiter_unlink(&s->commit_waiters, w);
+  sg_free(c->metadata);
+  sg_free(c->handle);
+  sg_free(c->resp);
+  pthread_cond_destroy(&c->cv);
+  pthread_mutex_destroy(&c->mu);
+  sg_free(c);
+}
+
+/* local_set_done: complete `c` with mu held (no-op if it is complete). */
+static void local_set_done(sg_mgr_local_t *c, int rc, const char *msg) {
+  if (c->done)
+    return;
+  c->done = 1;
+  c->srv = NULL;
+  c->rc = rc;
+  snprintf(c->msg, sizeof(c->msg), "%s", msg ? msg : "");
+  pthread_cond_broadcast(&c->cv);
+}
+
+/*
+ * local_complete: the server's answer to an in-process call, turned into
+ * what the wire client would return for the same answer (a copy of the
+ * message, or the error code and 'status: NAME, message: "..."').  Loop
+ * thread (or the stopping thread once the loop has ended).
+ */
+static void local_complete(sg_mgr_local_t *c, int status, const char *msg,
+                           const uint8_t *body, size_t len) {
+  uint8_t *copy = NULL;
+  char m[sizeof(c->msg)];
+  if (status == SG_GRPC_OK && len) {
+    copy = sg_malloc(len);
+    if (copy)
+      memcpy(copy, body, len);
+    else {
+      status = SG_GRPC_RESOURCE_EXHAUSTED;
+      msg = "manager out of memory";
+    }
   }
-  sg_free(w);
+  if (status != SG_GRPC_OK)
+    snprintf(m, sizeof(m), "status: %s, message: \"%s\"",
+             sg__grpc_status_name(status), msg ? msg : "");
+  pthread_mutex_lock(&c->mu);
+  if (!c->done) {
+    local_set_done(c, status == SG_GRPC_OK ? 0 : sg__grpc_status_to_err(status),
+                   status == SG_GRPC_OK ? "" : m);
+    c->resp = copy;
+    c->resp_len = len;
+    copy = NULL;
+  }
+  pthread_mutex_unlock(&c->mu);
+  sg_free(copy);
+}
+
+/* local_take: detach the inbox and the cancel list (s->mu held). */
+static void local_take(sg_mgr_server_t *s, sg_mgr_local_t **inbox,
+                       sg_mgr_local_t **cancels) {
+  *inbox = s->inbox;
+  *cancels = s->cancels;
+  s->inbox = s->inbox_tail = s->cancels = NULL;
+}
+
+/* local_run: hand one started call to its handler (loop thread).  The
+ * server's reference passes to its waiter (which may be answered and
+ * freed before the handler returns), or is dropped here when the call got
+ * no waiter (refused at once, or ended before it ran). */
+static void local_run(sg_mgr_server_t *s, sg_mgr_local_t *c) {
+  pthread_mutex_lock(&c->mu);
+  int ended = c->done;
+  c->refs++; /* ours: an answer below may drop every other one */
+  pthread_mutex_unlock(&c->mu);
+  reply_t to = {NULL, c};
+  if (ended) {
+    /* its caller gave up before we saw it: it never arrived */
+  } else if (s->closing) {
+    respond_err(to, SG_GRPC_UNAVAILABLE, "manager shutting down");
+  } else if (c->kind == W_QUORUM) {
+    struct qargs a = {0};
+    a.group_rank = c->group_rank;
+    a.step = c->step;
+    a.commit_failures = c->commit_failures;
+    a.shrink_only = c->shrink_only;
+    a.init_sync = c->init_sync;
+    a.metadata = c->metadata;
+    a.handle = c->handle;
+    a.deadline = c->deadline;
+    quorum_arrive(s, to, &a);
+  } else {
+    commit_vote(s, to, c->group_rank, c->vote, 0, 0);
+  }
+  if (!c->had_waiter) /* answered without waiting, or not run */
+    local_unref(c);
+  local_unref(c);
+}
+
+/* on_local: run the calls started since the last wakeup, in order, then
+ * forget the ones whose callers gave up.  Loop thread. */
+static void on_local(uv_async_t *a) {
+  sg_mgr_server_t *s = a->data;
+  sg_mgr_local_t *inbox, *cancels;
+  pthread_mutex_lock(&s->mu);
+  local_take(s, &inbox, &cancels);
+  pthread_mutex_unlock(&s->mu);
+  while (inbox) {
+    sg_mgr_local_t *c = inbox;
+    inbox = c->next;
+    c->next = NULL;
+    local_run(s, c);
+  }
+  while (cancels) {
+    sg_mgr_local_t *c = cancels;
+    cancels = c->cnext;
+    c->cnext = NULL;
+    if (c->w)
+      waiter_cancel(s, c->w); /* drops the server's reference */
+    local_unref(c);           /* the cancellation's */
+  }
+}
+
+/* local_drain: once the loop has ended, fail what is left (stop). */
+static void local_drain(sg_mgr_server_t *s) {
+  sg_mgr_local_t *inbox, *cancels;
+  pthread_mutex_lock(&s->mu);
+  local_take(s, &inbox, &cancels);
+  pthread_mutex_unlock(&s->mu);
+  while (inbox) {
+    sg_mgr_local_t *c = inbox;
+    inbox = c->next;
+    local_complete(c, SG_GRPC_UNAVAILABLE, "manager shutting down", NULL, 0);
+    local_unref(c);
+  }
+  while (cancels) {
+    sg_mgr_local_t *c = cancels;
+    cancels = c->cnext;
+    local_unref(c);
+  }
+}
+
+static int local_new(sg_mgr_server_t *s, enum waiter_kind kind, int64_t g,
+                     int64_t step, sg_deadline_t deadline, sg_mgr_local_t **out,
+                     sg_err_t *err) {
+  *out = NULL;
+  if (getpid() != s->pid)
+    return sg_err_set(err, SG_ESTATE,
+                      "the manager server runs in the parent process");
+  sg_mgr_local_t *c = sg_calloc(1, sizeof(*c));
+  if (!c)
+    return sg_err_set(err, SG_ENOMEM, "out of memory");
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  int rc = pthread_mutex_init(&c->mu, NULL);
+  if (!rc) {
+    rc = pthread_cond_init(&c->cv, &ca);
+    if (rc)
+      pthread_mutex_destroy(&c->mu);
+  }
+  pthread_condattr_destroy(&ca);
+  if (rc) {
+    sg_free(c);
+    return sg_err_set(err, SG_ENOMEM, "cannot make a condition variable");
+  }
+  c->kind = kind;
+  c->group_rank = g;
+  c->step = step;
+  c->deadline = deadline;
+  c->refs = 1;
+  *out = c;
+  return 0;
+}
+
+/* local_post: hand `c` to the loop (or fail it if the server stops). */
+static void local_post(sg_mgr_server_t *s, sg_mgr_local_t *c) {
+  c->srv = s;
+  c->refs = 2; /* the caller's and the server's */
+  pthread_mutex_lock(&s->mu);
+  if (s->stopping) {
+    pthread_mutex_unlock(&s->mu);
+    local_complete(c, SG_GRPC_UNAVAILABLE, "manager shutting down", NULL, 0);
+    local_unref(c);
+    return;
+  }
+  if (s->inbox_tail)
+    s->inbox_tail->next = c;
+  else
+    s->inbox = c;
+  s->inbox_tail = c;
+  uv_async_send(&s->local_async);
+  pthread_mutex_unlock(&s->mu);
+}
+
+int sg_mgr_local_quorum_start(sg_mgr_server_t *s, int64_t group_rank,
+                              int64_t step, const char *checkpoint_metadata,
+                              int shrink_only, int init_sync,
+                              int64_t commit_failures,
+                              const char *reconfigure_handle,
+                              sg_deadline_t deadline, sg_mgr_local_t **out,
+                              sg_err_t *err) {
+  sg_mgr_local_t *c = NULL;
+  int rc = local_new(s, W_QUORUM, group_rank, step, deadline, &c, err);
+  if (rc)
+    return rc;
+  c->metadata = sg_strdup(checkpoint_metadata ? checkpoint_metadata : "");
+  c->handle = sg_strdup(reconfigure_handle ? reconfigure_handle : "");
+  if (!c->metadata || !c->handle) {
+    local_unref(c);
+    return sg_err_set(err, SG_ENOMEM, "out of memory");
+  }
+  c->shrink_only = shrink_only != 0;
+  c->init_sync = init_sync != 0;
+  c->commit_failures = commit_failures;
+  local_post(s, c);
+  *out = c;
+  return 0;
+}
+
+int sg_mgr_local_should_commit_start(sg_mgr_server_t *s, int64_t group_rank,
+                                     int64_t step, int should_commit,
+                                     sg_deadline_t deadline,
+                                     sg_mgr_local_t **out, sg_err_t *err) {
+  sg_mgr_local_t *c = NULL;
+  int rc = local_new(s, W_COMMIT, group_rank, step, deadline, &c, err);
+  if (rc)
+    return rc;
+  c->vote = should_commit != 0;
+  local_post(s, c);
+  *out = c;
+  return 0;
+}
+
+/* local_end: the caller ends `c` early with `rc`; the loop is told to
+ * forget it.  Takes c->mu, then s->mu (the loop never holds s->mu while it
+ * takes c->mu, and it clears c->srv under c->mu before s goes away). */
+static void local_end(sg_mgr_local_t *c, int rc, const char *msg) {
+  pthread_mutex_lock(&c->mu);
+  sg_mgr_server_t *s = c->srv;
+  if (!c->done) {
+    local_set_done(c, rc, msg);
+    if (s) {
+      c->refs++; /* the cancellation's */
+      pthread_mutex_lock(&s->mu);
+      c->cnext = s->cancels;
+      s->cancels = c;
+      if (!s->stopping) /* else sg_mgr_server_stop drains the list */
+        uv_async_send(&s->local_async);
+      pthread_mutex_unlock(&s->mu);
+    }
+  }
+  pthread_mutex_unlock(&c->mu);
+}
+
+int sg_mgr_local_wait(sg_mgr_local_t *c, sg_deadline_t until) {
+  int timed_out = 0;
+  pthread_mutex_lock(&c->mu);
+  for (;;) {
+    if (c->done)
+      break;
+    sg_deadline_t now = sg_now_ns();
+    if (now >= c->deadline) {
+      timed_out = 1;
+      break;
+    }
+    if (now >= until)
+      break;
+    sg_deadline_t d = until < c->deadline ? until : c->deadline;
+    struct timespec ts = {(time_t)(d / 1000000000), (long)(d % 1000000000)};
+    pthread_cond_timedwait(&c->cv, &c->mu, &ts);
+  }
+  int done = c->done;
+  pthread_mutex_unlock(&c->mu);
+  if (timed_out) {
+    local_end(c, SG_ETIMEDOUT, "deadline exceeded");
+    done = 1;
+  }
+  return done ? 0 : SG_EAGAIN;
+}
+
+int sg_mgr_local_done(sg_mgr_local_t *c) {
+  pthread_mutex_lock(&c->mu);
+  int done = c->done;
+  pthread_mutex_unlock(&c->mu);
+  return done;
+}
+
+void sg_mgr_local_abort(sg_mgr_local_t *c) {
+  if (c)
+    local_end(c, SG_EABORTED, "call aborted");
+}
+
+/* local_result: the raw outcome of a complete call of `kind`, once. */
+static int local_result(sg_mgr_local_t *c, enum waiter_kind kind,
+                        uint8_t **resp, size_t *len, sg_err_t *err) {
+  *resp = NULL;
+  *len = 0;
+  pthread_mutex_lock(&c->mu);
+  int rc;
+  if (!c->done || c->taken || c->kind != kind) {
+    rc = sg_err_set(err, SG_ESTATE,
+                    "the call is not complete, was taken, or is another kind");
+  } else {
+    c->taken = 1;
+    rc = c->rc;
+    if (rc)
+      sg_err_set(err, rc, "%s", c->msg);
+    *resp = c->resp;
+    *len = c->resp_len;
+    c->resp = NULL;
+  }
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+int sg_mgr_local_quorum_result(sg_mgr_local_t *c, sg_mgr_quorum_result_t *out,
+                               sg_err_t *err) {
+  uint8_t *resp = NULL;
+  size_t len = 0;
+  memset(out, 0, sizeof(*out));
+  int rc = local_result(c, W_QUORUM, &resp, &len, err);
+  if (!rc)
+    rc = sg__mgr_decode_quorum(resp, len, out, err);
+  sg_free(resp);
+  return rc;
+}
+
+int sg_mgr_local_should_commit_result(sg_mgr_local_t *c, int *out,
+                                      sg_err_t *err) {
+  uint8_t *resp = NULL;
+  size_t len = 0;
+  *out = 0;
+  int rc = local_result(c, W_COMMIT, &resp, &len, err);
+  if (!rc)
+    rc = sg__mgr_decode_should_commit(resp, len, out, err);
+  sg_free(resp);
+  return rc;
+}
+
+void sg_mgr_local_free(sg_mgr_local_t *c) {
+  if (!c)
+    return;
+  local_end(c, SG_EABORTED, "call aborted");
+  local_unref(c);
 }
 
 /* ---- lighthouse workers ------------------------------------------------- */
@@ -1066,6 +1535,7 @@ static void close_handles(sg_mgr_server_t *s) {
   uv_close((uv_handle_t *)&s->kill_timer, on_handle_closed);
   uv_close((uv_handle_t *)&s->stop_async, on_handle_closed);
   uv_close((uv_handle_t *)&s->result_async, on_handle_closed);
+  uv_close((uv_handle_t *)&s->local_async, on_handle_closed);
 }
 
 static void on_rpc_closed(void *ud) {
@@ -1082,6 +1552,7 @@ static void on_stop(uv_async_t *a) {
   uv_timer_stop(&s->grace_timer);
   uv_timer_stop(&s->kill_timer);
   fail_all(s, SG_GRPC_UNAVAILABLE, "manager shutting down");
+  on_local(&s->local_async); /* answers calls started before the stop */
   sg_rpc_server_close(s->rpc, on_rpc_closed, s);
 }
 
@@ -1227,6 +1698,7 @@ int sg_mgr_server_start(const sg_mgr_server_opts_t *o, sg_mgr_server_t **out,
   pthread_condattr_destroy(&ca);
   sg_map_init(&s->conns);
   atomic_init(&s->left, 0);
+  s->pid = getpid();
   int fail = 0;
   s->replica_id = dup_opt(o->replica_id, "", &fail);
   s->lighthouse_addr = dup_opt(o->lighthouse_addr, "", &fail);
@@ -1284,9 +1756,10 @@ int sg_mgr_server_start(const sg_mgr_server_opts_t *o, sg_mgr_server_t **out,
   uv_timer_init(&s->loop, &s->kill_timer);
   uv_async_init(&s->loop, &s->stop_async, on_stop);
   uv_async_init(&s->loop, &s->result_async, on_result);
+  uv_async_init(&s->loop, &s->local_async, on_local);
   s->grace_timer.data = s->kill_timer.data = s;
-  s->stop_async.data = s->result_async.data = s;
-  s->handles_open = 4;
+  s->stop_async.data = s->result_async.data = s->local_async.data = s;
+  s->handles_open = 5;
 
   sg_rpc_server_opts_t ro = {0};
   ro.bind = s->bind;
@@ -1374,6 +1847,7 @@ void sg_mgr_server_stop(sg_mgr_server_t *s) {
     uv_async_send(&s->stop_async);
     uv_thread_join(&s->thread);
   }
+  local_drain(s);
   if (uv_loop_close(&s->loop) != 0)
     sg_log(SG_LOG_WARN, LOG, "manager loop closed with handles open");
   server_free(s);

@@ -1082,6 +1082,315 @@ static void test_stop_with_calls_in_flight(void **state) {
   sg_lh_server_stop(lh);
 }
 
+/* ---- in-process calls ---------------------------------------------------- */
+
+/* local_quorum: an in-process Quorum for group rank g, waited for. */
+static int local_quorum(sg_mgr_server_t *srv, int64_t g, int64_t step,
+                        const char *md, int64_t timeout_ms,
+                        sg_mgr_quorum_result_t *r, sg_err_t *err) {
+  sg_mgr_local_t *c = NULL;
+  int rc = sg_mgr_local_quorum_start(srv, g, step, md, 0, 0, 0, NULL,
+                                     sg_deadline_in_ms(timeout_ms), &c, err);
+  if (rc)
+    return rc;
+  assert_int_equal(sg_mgr_local_wait(c, sg_deadline_in_ms(60000)), 0);
+  rc = sg_mgr_local_quorum_result(c, r, err);
+  sg_mgr_local_free(c);
+  return rc;
+}
+
+static int local_vote(sg_mgr_server_t *srv, int64_t g, int vote, int *out,
+                      sg_err_t *err) {
+  sg_mgr_local_t *c = NULL;
+  int rc = sg_mgr_local_should_commit_start(srv, g, 1, vote,
+                                            sg_deadline_in_ms(10000), &c, err);
+  if (rc)
+    return rc;
+  assert_int_equal(sg_mgr_local_wait(c, sg_deadline_in_ms(60000)), 0);
+  rc = sg_mgr_local_should_commit_result(c, out, err);
+  sg_mgr_local_free(c);
+  return rc;
+}
+
+struct lvote {
+  sg_mgr_server_t *srv;
+  int64_t g;
+  int vote, rc, out;
+  pthread_t t;
+};
+
+static void *local_vote_thread(void *arg) {
+  struct lvote *v = arg;
+  sg_err_t err;
+  v->rc = local_vote(v->srv, v->g, v->vote, &v->out, &err);
+  return NULL;
+}
+
+/* Group rank 0 in-process and rank 1 over the wire share rounds: the same
+ * quorum, each rank's own view, the same metadata store, and votes ANDed
+ * across both paths. */
+static void test_local_and_wire_ranks_share_rounds(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
+  group_t g;
+  group_start(&g, "a:1", sg_lh_server_address(lh), "storeA:1");
+  for (int64_t step = 3; step < 5; step++) {
+    struct qreq q;
+    q_init(&q, &g, 1, step);
+    q.md = "md-wire-1";
+    q_start(&q);
+    sg_mgr_quorum_result_t r;
+    sg_err_t err;
+    sg_err_clear(&err);
+    int rc = local_quorum(g.srv, 0, step, "md-local-0", 10000, &r, &err);
+    if (rc)
+      fail_msg("local quorum: %s", err.msg);
+    q_join(&q);
+    if (q.rc)
+      fail_msg("wire quorum: %s", q.err.msg);
+    assert_int_equal(r.quorum_id, q.r.quorum_id);
+    assert_int_equal(r.max_step, step);
+    assert_int_equal(q.r.max_step, step);
+    assert_int_equal(r.replica_world_size, 1);
+    assert_true(r.has_max_replica_rank);
+    assert_int_equal(r.n_replica_ids, 1);
+    assert_string_equal(r.replica_ids[0], "a:1");
+    assert_string_equal(r.store_address, "storeA:1");
+    assert_int_equal(r.n_up_to_date_manager_addresses, 1);
+    assert_string_equal(r.up_to_date_manager_addresses[0],
+                        sg_mgr_server_address(g.srv));
+    sg_mgr_quorum_result_free(&r);
+    q_free(&q, 1);
+  }
+  char *md = NULL;
+  sg_err_t err;
+  assert_int_equal(sg_mgr_client_checkpoint_metadata(
+                       g.cl[1], 0, sg_deadline_in_ms(5000), &md, &err),
+                   0);
+  assert_string_equal(md, "md-local-0");
+  sg_free(md);
+  /* votes: local yes + wire no -> no for both; both yes -> yes */
+  for (int round = 0; round < 2; round++) {
+    struct lvote v = {g.srv, 0, 1, -1, -1, 0};
+    assert_int_equal(pthread_create(&v.t, NULL, local_vote_thread, &v), 0);
+    int out = -1;
+    assert_int_equal(sg_mgr_client_should_commit(g.cl[1], 1, 1, round,
+                                                 sg_deadline_in_ms(10000), &out,
+                                                 &err),
+                     0);
+    pthread_join(v.t, NULL);
+    assert_int_equal(v.rc, 0);
+    assert_int_equal(out, round);
+    assert_int_equal(v.out, round);
+  }
+  group_stop(&g);
+  sg_lh_server_stop(lh);
+}
+
+/* A group of one, in-process only: many steps, each vote answered. */
+static void test_local_steps_world_one(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
+  sg_mgr_server_opts_t o;
+  base_opts(&o, "solo", sg_lh_server_address(lh), "st:1");
+  o.world_size = 1;
+  group_t g;
+  group_start_opts(&g, &o);
+  for (int64_t step = 0; step < 20; step++) {
+    sg_mgr_quorum_result_t r;
+    sg_err_t err;
+    sg_err_clear(&err);
+    if (local_quorum(g.srv, 0, step, "m", 10000, &r, &err))
+      fail_msg("step %lld: %s", (long long)step, err.msg);
+    assert_int_equal(r.max_step, step);
+    sg_mgr_quorum_result_free(&r);
+    int out = -1;
+    int vote = step % 3 != 0;
+    assert_int_equal(local_vote(g.srv, 0, vote, &out, &err), 0);
+    assert_int_equal(out, vote);
+  }
+  group_stop(&g);
+  sg_lh_server_stop(lh);
+}
+
+/* Refusals come back as the wire client reports them. */
+static void test_local_errors_match_wire(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
+  group_t g;
+  group_start(&g, "a", sg_lh_server_address(lh), "st:1");
+  sg_mgr_quorum_result_t r, rw;
+  sg_err_t err, werr;
+  sg_err_clear(&err);
+  sg_err_clear(&werr);
+  int lrc = local_quorum(g.srv, 7, 1, "m", 2000, &r, &err);
+  int wrc = sg_mgr_client_quorum(g.cl[0], 7, 1, "m", 0, 0, 0, NULL,
+                                 sg_deadline_in_ms(2000), &rw, &werr);
+  assert_int_equal(lrc, SG_EINVAL);
+  assert_int_equal(lrc, wrc);
+  assert_string_equal(err.msg, werr.msg);
+  assert_int_equal(r.n_replica_ids, 0); /* zeroed on error */
+  /* metadata over the limit */
+  char *big = sg_malloc(SG_MGR_MAX_METADATA_LEN + 2);
+  assert_non_null(big);
+  memset(big, 'x', SG_MGR_MAX_METADATA_LEN + 1);
+  big[SG_MGR_MAX_METADATA_LEN + 1] = '\0';
+  lrc = local_quorum(g.srv, 0, 1, big, 2000, &r, &err);
+  assert_int_equal(lrc, SG_EINVAL);
+  assert_non_null(strstr(err.msg, "checkpoint_metadata too long"));
+  sg_free(big);
+  int out = -1;
+  lrc = local_vote(g.srv, -1, 1, &out, &err);
+  assert_int_equal(lrc, SG_EINVAL);
+  assert_non_null(strstr(err.msg, "out of range"));
+  /* a result of the wrong kind, or taken twice, is refused */
+  sg_mgr_local_t *c = NULL;
+  assert_int_equal(sg_mgr_local_should_commit_start(
+                       g.srv, 5, 1, 1, sg_deadline_in_ms(2000), &c, &err),
+                   0);
+  assert_int_equal(sg_mgr_local_wait(c, sg_deadline_in_ms(5000)), 0);
+  assert_int_equal(sg_mgr_local_quorum_result(c, &r, &err), SG_ESTATE);
+  assert_int_equal(sg_mgr_local_should_commit_result(c, &out, &err), SG_EINVAL);
+  assert_int_equal(sg_mgr_local_should_commit_result(c, &out, &err), SG_ESTATE);
+  sg_mgr_local_free(c);
+  group_stop(&g);
+  sg_lh_server_stop(lh);
+}
+
+/* Deadline, abort and waiting in slices; an in-process Quorum that ended
+ * before its round no longer counts as arrived (as a cancelled wire call). */
+static void test_local_deadline_abort_and_slices(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
+  group_t g;
+  group_start(&g, "a", sg_lh_server_address(lh), "st:1");
+  sg_mgr_local_t *c = NULL;
+  sg_err_t err;
+  sg_mgr_quorum_result_t r;
+  /* rank 1 never comes: slices time out, then the deadline ends it */
+  assert_int_equal(sg_mgr_local_quorum_start(g.srv, 0, 1, "m", 0, 0, 0, NULL,
+                                             sg_deadline_in_ms(300), &c, &err),
+                   0);
+  assert_int_equal(sg_mgr_local_wait(c, sg_deadline_in_ms(20)), SG_EAGAIN);
+  assert_false(sg_mgr_local_done(c));
+  assert_int_equal(sg_mgr_local_quorum_result(c, &r, &err), SG_ESTATE);
+  int64_t t0 = sg_now_ns();
+  assert_int_equal(sg_mgr_local_wait(c, sg_deadline_in_ms(60000)), 0);
+  assert_true((sg_now_ns() - t0) / 1000000 < 5000);
+  assert_int_equal(sg_mgr_local_quorum_result(c, &r, &err), SG_ETIMEDOUT);
+  sg_mgr_local_free(c);
+  usleep(100 * 1000); /* the cancellation reaches the loop */
+  /* rank 1 alone starts no round */
+  struct qreq q[2];
+  q_init(&q[1], &g, 1, 1);
+  q[1].timeout_ms = 500;
+  q_start(&q[1]);
+  q_join(&q[1]);
+  assert_int_equal(q[1].rc, SG_ETIMEDOUT);
+  /* abort from another thread's point of view: it completes at once */
+  assert_int_equal(sg_mgr_local_quorum_start(g.srv, 0, 1, "m", 0, 0, 0, NULL,
+                                             sg_deadline_in_ms(30000), &c,
+                                             &err),
+                   0);
+  sg_mgr_local_abort(c);
+  sg_mgr_local_abort(c); /* idempotent */
+  assert_true(sg_mgr_local_done(c));
+  assert_int_equal(sg_mgr_local_wait(c, sg_deadline_in_ms(10)), 0);
+  assert_int_equal(sg_mgr_local_quorum_result(c, &r, &err), SG_EABORTED);
+  sg_mgr_local_free(c);
+  /* free without waiting: aborted, nothing leaks */
+  assert_int_equal(sg_mgr_local_quorum_start(g.srv, 0, 1, "m", 0, 0, 0, NULL,
+                                             sg_deadline_in_ms(30000), &c,
+                                             &err),
+                   0);
+  sg_mgr_local_free(c);
+  usleep(100 * 1000);
+  /* both ranks together still work */
+  q_init(&q[1], &g, 1, 2);
+  q_start(&q[1]);
+  sg_err_clear(&err);
+  if (local_quorum(g.srv, 0, 2, "m", 10000, &r, &err))
+    fail_msg("local quorum: %s", err.msg);
+  q_join(&q[1]);
+  assert_int_equal(q[1].rc, 0);
+  assert_int_equal(r.max_step, 2);
+  sg_mgr_quorum_result_free(&r);
+  q_free(&q[1], 1);
+  group_stop(&g);
+  sg_lh_server_stop(lh);
+}
+
+/* Stopping the server fails a waiting in-process call at once, as
+ * UNAVAILABLE from the wire; the call may be freed after the server. */
+static void test_local_stop_fails_waiting_call(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
+  group_t g;
+  group_start(&g, "a", sg_lh_server_address(lh), "st:1");
+  sg_mgr_local_t *c = NULL, *v = NULL;
+  sg_err_t err;
+  assert_int_equal(sg_mgr_local_quorum_start(g.srv, 0, 1, "m", 0, 0, 0, NULL,
+                                             sg_deadline_in_ms(30000), &c,
+                                             &err),
+                   0);
+  assert_int_equal(sg_mgr_local_should_commit_start(
+                       g.srv, 0, 1, 1, sg_deadline_in_ms(30000), &v, &err),
+                   0);
+  usleep(100 * 1000);
+  int64_t t0 = sg_now_ns();
+  for (int r = 0; r < 2; r++)
+    sg_mgr_client_free(g.cl[r]);
+  sg_mgr_server_stop(g.srv);
+  assert_true(sg_mgr_local_done(c));
+  assert_true(sg_mgr_local_done(v));
+  assert_int_equal(sg_mgr_local_wait(c, sg_deadline_in_ms(10)), 0);
+  assert_true((sg_now_ns() - t0) / 1000000 < 5000);
+  sg_mgr_quorum_result_t r;
+  assert_int_equal(sg_mgr_local_quorum_result(c, &r, &err), SG_ECONNREFUSED);
+  assert_non_null(strstr(err.msg, "UNAVAILABLE"));
+  int out = -1;
+  assert_int_equal(sg_mgr_local_should_commit_result(v, &out, &err),
+                   SG_ECONNREFUSED);
+  sg_mgr_local_abort(c); /* complete already: the server is not touched */
+  sg_mgr_local_free(c);
+  sg_mgr_local_free(v);
+  sg_lh_server_stop(lh);
+}
+
+/* Fail each allocation in turn around in-process calls: every call ends,
+ * nothing leaks, and the server serves normally afterwards. */
+static void test_local_allocation_failures(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
+  sg_mgr_server_opts_t o;
+  base_opts(&o, "a", sg_lh_server_address(lh), "st:1");
+  o.world_size = 1;
+  group_t g;
+  group_start_opts(&g, &o);
+  long failed = 0;
+  for (long nth = 1; nth <= 60; nth++) {
+    sg_mgr_quorum_result_t r;
+    sg_err_t err;
+    int out = 0;
+    sg_test_fail_alloc(nth, 0);
+    if (local_quorum(g.srv, 0, nth, "md", 2000, &r, &err) == 0)
+      sg_mgr_quorum_result_free(&r);
+    local_vote(g.srv, 0, 1, &out, &err);
+    failed += sg_test_fail_alloc(0, 0);
+  }
+  assert_true(failed > 0);
+  usleep(200 * 1000);
+  sg_mgr_quorum_result_t r;
+  sg_err_t err;
+  sg_err_clear(&err);
+  if (local_quorum(g.srv, 0, 100, "md", 10000, &r, &err))
+    fail_msg("quorum after failures: %s", err.msg);
+  assert_int_equal(r.max_step, 100);
+  sg_mgr_quorum_result_free(&r);
+  group_stop(&g);
+  sg_lh_server_stop(lh);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_invalid_options),
@@ -1102,6 +1411,12 @@ int main(void) {
       cmocka_unit_test(test_quorum_after_restart_gets_full_timeout),
       cmocka_unit_test(test_allocation_failures),
       cmocka_unit_test(test_stop_with_calls_in_flight),
+      cmocka_unit_test(test_local_and_wire_ranks_share_rounds),
+      cmocka_unit_test(test_local_steps_world_one),
+      cmocka_unit_test(test_local_errors_match_wire),
+      cmocka_unit_test(test_local_deadline_abort_and_slices),
+      cmocka_unit_test(test_local_stop_fails_waiting_call),
+      cmocka_unit_test(test_local_allocation_failures),
   };
   /* The rpc server writes with write(2) through libuv: a peer that resets
    * its connection would raise SIGPIPE (Python ignores it already). */

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from lighthouse_util import td
+from stepguard import _C
 from stepguard.coordination import (
     LighthouseServer,
     ManagerClient,
@@ -232,3 +233,126 @@ def test_advertise_host_env_overrides_hostname(monkeypatch):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+# ---- in-process calls (ManagerClient(server=...)) ---------------------------
+
+
+def test_in_process_rank_shares_rounds_with_a_wire_rank():
+    """Group rank 0 in-process and rank 1 over the connection: one quorum,
+    each rank's own view, metadata for both, votes ANDed across paths."""
+    lh = LighthouseServer("127.0.0.1:0", 1, join_timeout_ms=50)
+    g = start_group(lh, "a", 2)
+    local = ManagerClient(g.address(), td(5), server=g)
+    remote = ManagerClient(g.address(), td(5))
+    try:
+        for step in (4, 5):
+            r0, r1 = run_parallel([
+                lambda: local._quorum(0, step, "md-0", False, True, 0, td(30)),
+                lambda: remote._quorum(1, step, "md-1", False, True, 0, td(30)),
+            ])
+            assert isinstance(r0, QuorumResult)
+            assert r0.quorum_id == r1.quorum_id
+            assert r0.max_step == r1.max_step == step
+            assert r0.replica_ids == r1.replica_ids == ["a"]
+            assert r0.up_to_date_manager_addresses == [g.address()]
+        assert remote._checkpoint_metadata(0, td(5)) == "md-0"
+        assert local._checkpoint_metadata(1, td(5)) == "md-1"
+        for vote in (False, True):
+            votes = run_parallel([
+                lambda: local.should_commit(0, 5, True, td(10)),
+                lambda: remote.should_commit(1, 5, vote, td(10)),
+            ])
+            assert votes == [vote, vote]
+    finally:
+        local.close()
+        remote.close()
+        g.shutdown()
+        lh.shutdown()
+
+
+def test_in_process_errors_match_the_wire():
+    lh = LighthouseServer("127.0.0.1:0", 1, join_timeout_ms=50)
+    g = start_group(lh, "e", 1)
+    local = ManagerClient(g.address(), td(5), server=g)
+    remote = ManagerClient(g.address(), td(5))
+    try:
+        errs = []
+        for c in (local, remote):
+            with pytest.raises(RuntimeError, match="out of range") as e:
+                c._quorum(3, 0, "", False, True, 0, td(5))
+            errs.append((type(e.value), str(e.value)))
+        assert errs[0] == errs[1]
+        with pytest.raises(TypeError):
+            _C.ManagerClient(g.address(), 5.0, server=object())
+        local.abort()
+        with pytest.raises(RuntimeError, match="aborted"):
+            local.should_commit(0, 0, True, td(5))
+    finally:
+        local.close()
+        remote.close()
+        g.shutdown()
+        lh.shutdown()
+
+
+def test_in_process_call_fails_when_the_server_stops():
+    lh = LighthouseServer("127.0.0.1:0", 1, join_timeout_ms=50)
+    g = start_group(lh, "s", 2)  # rank 1 never votes: rank 0 waits
+    local = ManagerClient(g.address(), td(5), server=g)
+    try:
+        threading.Timer(0.3, g.shutdown).start()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="UNAVAILABLE"):
+            local.should_commit(0, 0, True, td(30))
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(RuntimeError, match="UNAVAILABLE"):
+            local._quorum(0, 0, "", False, True, 0, td(5))
+    finally:
+        local.close()
+        g.shutdown()
+        lh.shutdown()
+
+
+IN_PROCESS_CHILD = """
+import os, signal, sys, threading
+from datetime import timedelta
+from stepguard.coordination import LighthouseServer, ManagerClient, ManagerServer
+td = lambda s: timedelta(seconds=s)
+lh = LighthouseServer("127.0.0.1:0", 1)
+m = ManagerServer("w", lh.address(), "127.0.0.1", "127.0.0.1:0", "s:1", 1,
+                  td(0.1), td(5))
+c = ManagerClient(m.address(), td(5), server=m)
+tids = lambda: set(os.listdir("/proc/self/task"))
+before = tids()
+for i in range(40):
+    assert c.should_commit(0, i, i % 2 == 0, td(5)) is (i % 2 == 0)
+    c._quorum_start(0, i, "", False, True, 0, td(5))
+    assert c._quorum_wait().max_step == i
+print(len(tids() ^ before), flush=True)
+# a vote nobody completes (world 2), stopped by Ctrl-C
+m2 = ManagerServer("x", lh.address(), "127.0.0.1", "127.0.0.1:0", "s:1", 2,
+                   td(0.1), td(5))
+c2 = ManagerClient(m2.address(), td(5), server=m2)
+print("waiting", flush=True)
+try:
+    c2.should_commit(0, 0, True, td(600))
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(3)
+"""
+
+
+def test_in_process_calls_start_no_thread_and_ctrl_c_stops_them(procs):
+    """Votes and quorums in-process run on no thread of the extension's (no
+    worker is made or woken), and Ctrl-C still stops a waiting one."""
+    p = procs.spawn(IN_PROCESS_CHILD, stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL, text=True)
+    changed = p.stdout.readline().strip()
+    assert changed == "0", f"{changed} threads came or went over 80 calls"
+    assert p.stdout.readline().strip() == "waiting"
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    os.kill(p.pid, signal.SIGINT)
+    assert p.wait(timeout=10) == 3
+    assert time.monotonic() - t0 < 10
+    assert "interrupted" in p.stdout.read()

@@ -321,6 +321,11 @@ typedef struct sg_ckpt_fetch_opts_s {
   int streams_per_source; /* parallel connections per source; 0 = 2 */
   uint64_t min_chunk;     /* smallest chunk handed to a stream; 0 = 1 MiB */
   int same_host;          /* 0 = when possible, -1 = never (TCP only) */
+  /* NULL, or one flag per destination region: nonzero when its pages are
+   * already mapped (the caller's own, touched memory, fetched into in
+   * place), so they are not populated before each copy (a page-table walk
+   * per page for nothing: ~70 ms per GiB measured) */
+  const uint8_t *mapped;
   /* called by a stream thread after each chunk it completed (may be NULL) */
   void (*progress)(void *arg, size_t source, uint64_t bytes);
   void *progress_arg;

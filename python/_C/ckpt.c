@@ -401,17 +401,19 @@ static PyObject *fetch_data(PyObject *self_obj, PyObject *args, PyObject *kw) {
   fetch_obj *self = (fetch_obj *)self_obj;
   static char *kwlist[] = {"addrs",     "token",     "step",    "layout",
                            "ptrs",      "lens",      "streams", "timeout_s",
-                           "min_chunk", "same_host", NULL};
+                           "min_chunk", "same_host", "mapped",  NULL};
   struct data_call c;
   memset(&c, 0, sizeof(c));
-  PyObject *addrs, *ptrs, *lens, *seq = NULL, *ret = NULL;
+  PyObject *addrs, *ptrs, *lens, *mapped = Py_None, *seq = NULL, *ret = NULL;
+  Py_buffer mbuf = {0};
   long long step;
   unsigned long long layout, min_chunk = 0;
   int streams = 0, same_host = 1;
   double timeout_s;
-  if (!PyArg_ParseTupleAndKeywords(
-          args, kw, "OzLKOOid|Kp:data", kwlist, &addrs, &c.token, &step,
-          &layout, &ptrs, &lens, &streams, &timeout_s, &min_chunk, &same_host))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OzLKOOid|KpO:data", kwlist,
+                                   &addrs, &c.token, &step, &layout, &ptrs,
+                                   &lens, &streams, &timeout_s, &min_chunk,
+                                   &same_host, &mapped))
     return NULL;
   if (fetch_guard(self) < 0)
     return NULL;
@@ -439,6 +441,21 @@ static PyObject *fetch_data(PyObject *self_obj, PyObject *args, PyObject *kw) {
   }
   if (get_regions(ptrs, lens, &c.regs, &c.n) < 0)
     goto out;
+  if (mapped != Py_None) {
+    /* a reference is held (args) and bytes are immutable: the buffer stays
+     * valid while the call runs without the GIL */
+    if (!PyBytes_Check(mapped) ||
+        PyObject_GetBuffer(mapped, &mbuf, PyBUF_SIMPLE) < 0) {
+      if (!PyErr_Occurred())
+        PyErr_SetString(PyExc_TypeError, "mapped must be bytes or None");
+      goto out;
+    }
+    if ((size_t)mbuf.len != c.n) {
+      PyErr_SetString(PyExc_ValueError, "mapped needs one flag per region");
+      goto out;
+    }
+    c.o.mapped = mbuf.buf;
+  }
   c.f = self->f;
   c.naddr = (size_t)na;
   c.step = step;
@@ -468,6 +485,8 @@ static PyObject *fetch_data(PyObject *self_obj, PyObject *args, PyObject *kw) {
     PyList_SET_ITEM(ret, i, v);
   }
 out:
+  if (mbuf.obj)
+    PyBuffer_Release(&mbuf);
   PyMem_Free(c.addrs);
   PyMem_Free(c.bytes);
   PyMem_Free(c.regs);
@@ -510,8 +529,9 @@ static PyMethodDef fetch_methods[] = {
     {"data", (PyCFunction)(void (*)(void))fetch_data,
      METH_VARARGS | METH_KEYWORDS,
      "data(addrs, token, step, layout, ptrs, lens, streams, timeout_s, "
-     "min_chunk=0, same_host=True) -> list[int]: bytes taken from each "
-     "source (same_host=False: TCP only)."},
+     "min_chunk=0, same_host=True, mapped=None) -> list[int]: bytes taken "
+     "from each source (same_host=False: TCP only; mapped: bytes, one flag "
+     "per region, nonzero where its pages are already mapped)."},
     {"stats", fetch_stats, METH_NOARGS,
      "stats() -> dict: what the last data() moved, same-host and TCP."},
     {"abort", fetch_abort, METH_NOARGS,

@@ -199,15 +199,17 @@ static int send_all(sg_ckpt_fetch_t *f, int fd, const uint8_t *p, size_t len,
   return 0;
 }
 
-/* prefault_range: prefault bytes [off, off + len) of the destination. */
+/* prefault_range: prefault bytes [off, off + len) of the destination,
+ * except regions flagged as already mapped. */
 static void prefault_range(const sg_ckpt_region_t *dst, const uint64_t *prefix,
-                           size_t n, uint64_t off, uint64_t len) {
+                           const uint8_t *mapped, size_t n, uint64_t off,
+                           uint64_t len) {
   size_t ri = sg__ckpt_find(prefix, n, off);
   uint64_t roff = ri < n ? off - prefix[ri] : 0;
   while (len > 0 && ri < n) {
     uint64_t avail = dst[ri].len - roff;
     uint64_t take = avail < len ? avail : len;
-    if (take)
+    if (take && !(mapped && mapped[ri]))
       prefault((uint8_t *)dst[ri].ptr + roff, take);
     len -= take;
     ri++;
@@ -446,7 +448,8 @@ struct job_s {
   sg_ckpt_req_t proto; /* kind, step, layout, token */
   const sg_ckpt_region_t *dst;
   const uint64_t *prefix;
-  const uint64_t *lens; /* n announced region lengths */
+  const uint64_t *lens;  /* n announced region lengths */
+  const uint8_t *mapped; /* NULL or n flags: not populated */
   size_t n;
   uint64_t total, chunk, nchunks;
   sg_deadline_t deadline;
@@ -622,7 +625,8 @@ static int map_read(job_t *j, size_t si, uint64_t off, uint64_t len,
       if (take > PIECE - batch)
         take = PIECE - batch;
       uint8_t *to = (uint8_t *)j->dst[ri].ptr + roff;
-      prefault(to, take);
+      if (!(j->mapped && j->mapped[ri]))
+        prefault(to, take);
       pieces[k].remote = src->raddr[ri] + roff;
       pieces[k].local = to;
       pieces[k].len = (size_t)take;
@@ -700,7 +704,7 @@ static void *stream_main(void *arg) {
       q.length = len;
       rc = exchange(j->f, fd, addr, &q, j->deadline, &r, &err);
       if (rc == 0) {
-        prefault_range(j->dst, j->prefix, j->n, off, len);
+        prefault_range(j->dst, j->prefix, j->mapped, j->n, off, len);
         rc =
             recv_into(j->f, fd, j->dst, j->prefix, j->n, off, len, j->deadline);
         if (rc)
@@ -806,6 +810,7 @@ int sg_ckpt_fetch_data(sg_ckpt_fetch_t *f, const char *const *addrs,
   j.dst = dst;
   j.prefix = prefix;
   j.lens = lens;
+  j.mapped = o ? o->mapped : NULL;
   j.n = n;
   j.self_ok = !(o && o->same_host < 0) && sg_samehost_self(&j.self) == 0;
   j.progress = o ? o->progress : NULL;

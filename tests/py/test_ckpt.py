@@ -5,6 +5,7 @@ input, and the torchft interface.
 
 from __future__ import annotations
 
+import array
 import collections
 import socket
 import struct
@@ -435,6 +436,25 @@ def test_fetch_in_place_into_the_replicas_tensors(pair) -> None:
         assert got["user"]["model"]["w"].data_ptr() != mine_w.data_ptr()
     finally:
         c.shutdown()
+
+
+def test_mapped_flags_are_checked(pair) -> None:
+    """The binding's per-region 'already mapped' flags: bytes, one per
+    region, else a clear error before anything moves."""
+    a, _ = pair
+    a.send_checkpoint([1], 3, {"x": torch.arange(10), "y": torch.ones(4)}, T60)
+    f = _C.CkptFetch()
+    host_port = a.metadata().removeprefix("sgckpt://")
+    _h, lens, layout = f.info(host_port, "tok", 3, 10.0)
+    dst = [torch.empty(n, dtype=torch.uint8) for n in lens]
+    ptrs = array.array("Q", [t.data_ptr() for t in dst])
+    want = array.array("Q", lens)
+    for bad, err in ((b"\x01", ValueError), ([1, 1], TypeError), (b"\x01" * 3, ValueError)):
+        with pytest.raises(err):
+            f.data([host_port], "tok", 3, layout, ptrs, want, 1, 10.0, mapped=bad)
+    assert f.data([host_port], "tok", 3, layout, ptrs, want, 1, 10.0, mapped=b"\x01\x00")
+    assert torch.equal(dst[0].view(torch.int64), torch.arange(10))
+    assert torch.equal(dst[1].view(torch.float32), torch.ones(4))
 
 
 def test_no_fetch_in_place_while_serving(pair) -> None:

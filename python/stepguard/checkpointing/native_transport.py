@@ -348,6 +348,7 @@ class NativeTransport(CheckpointTransport[T]):
         todo: List[Tuple[int, torch.Tensor, bool]] = []
         ptrs = array.array("Q")
         want = array.array("Q")
+        mapped = bytearray()  # 1: the replica's own, touched memory
         for i, m in enumerate(theirs):
             if m[0] == "v":
                 leaves[i] = m[1]
@@ -364,6 +365,7 @@ class NativeTransport(CheckpointTransport[T]):
                 todo.append((i, buf, True))
                 ptrs.append(ptr)
                 want.append(nbytes)
+                mapped.append(1)
                 continue
             numel = math.prod(shape)
             if _MALLOC_MIN <= nbytes <= _MALLOC_MAX:
@@ -384,6 +386,7 @@ class NativeTransport(CheckpointTransport[T]):
             todo.append((i, buf, False))
             ptrs.append(buf.data_ptr() if span else 0)
             want.append(nbytes)
+            mapped.append(0)
         if want.tolist() != list(lens):
             raise RuntimeError("checkpoint header and region table disagree")
         self.last_recv_bytes = fetch.data(
@@ -395,6 +398,7 @@ class NativeTransport(CheckpointTransport[T]):
             want,
             self._streams,
             max(deadline - time.monotonic(), 0.0),
+            mapped=bytes(mapped) if in_place_bytes else None,
         )
         self.last_recv_stats = fetch.stats()
         self.last_recv_stats["in_place_bytes"] = in_place_bytes

@@ -16,7 +16,10 @@
  *   rounds    a Quorum round starts when every group rank has a waiting
  *             call; its outcome answers every Quorum call waiting when it
  *             arrives, each with that rank's own view (results.c)
- *   commit    ShouldCommit votes are ANDed per round
+ *   commit    ShouldCommit votes are ANDed per round; the round's state is
+ *             the loop's but guarded by commit_mu, so that an in-process
+ *             vote that ends a round nobody waits in is answered right on
+ *             its caller's thread
  *   liveness  which group ranks spoke on which connection; a rank whose
  *             connections all closed and who stays silent past the grace
  *             makes the group leave for good (manager.h)
@@ -148,6 +151,10 @@ struct sg_mgr_server_s {
   sg_rpc_server_t *rpc;
   int port;
   int handles_open;
+
+  /* the commit round: loop thread, and in-process votes, under commit_mu
+     (ranks[].voted and .vote_no, n_voted, n_no, commit_waiters) */
+  pthread_mutex_t commit_mu;
 
   /* loop thread only */
   int closing;
@@ -335,12 +342,14 @@ static void fail_all(sg_mgr_server_t *s, int status, const char *msg) {
     respond(w->to, status, msg, NULL, 0);
     waiter_free(w);
   }
+  pthread_mutex_lock(&s->commit_mu);
   while (s->commit_waiters) {
     struct waiter *w = s->commit_waiters;
     waiter_unlink(&s->commit_waiters, w);
     respond(w->to, status, msg, NULL, 0);
     waiter_free(w);
   }
+  pthread_mutex_unlock(&s->commit_mu);
 }
 
 /* ---- leaving ------------------------------------------------------------ */
@@ -734,7 +743,9 @@ static void waiter_cancel(sg_mgr_server_t *s, struct waiter *w) {
     waiter_unlink(&s->quorum_waiters, w);
     quorum_waiter_gone(s, w);
   } else {
+    pthread_mutex_lock(&s->commit_mu);
     waiter_unlink(&s->commit_waiters, w);
+    pthread_mutex_unlock(&s->commit_mu);
   }
   waiter_free(w);
 }
@@ -845,12 +856,18 @@ static void handle_quorum(sg_mgr_server_t *s, sg_rpc_call_t *call,
   torchft__manager_quorum_request__free_unpacked(req, &sg__pb_allocator);
 }
 
-static void finish_commit_round(sg_mgr_server_t *s) {
-  int decision = s->n_no == 0;
+/* encode_decision: a ShouldCommitResponse into buf (16 bytes); its length. */
+static size_t encode_decision(int decision, uint8_t *buf) {
   Torchft__ShouldCommitResponse m = TORCHFT__SHOULD_COMMIT_RESPONSE__INIT;
   m.should_commit = decision;
+  return torchft__should_commit_response__pack(&m, buf);
+}
+
+/* finish_commit_round: answer every vote of the round; commit_mu held. */
+static void finish_commit_round(sg_mgr_server_t *s) {
+  int decision = s->n_no == 0;
   uint8_t buf[16];
-  size_t len = torchft__should_commit_response__pack(&m, buf);
+  size_t len = encode_decision(decision, buf);
   sg_log(SG_LOG_DEBUG, LOG, "[Replica %s] should_commit: %s", s->name,
          decision ? "yes" : "no");
   while (s->commit_waiters) {
@@ -869,8 +886,13 @@ static void commit_vote(sg_mgr_server_t *s, reply_t to, int64_t g, int vote,
                         int has_conn, uint64_t conn_id) {
   if (check_rank(s, to, g) || check_left(s, to))
     return;
-  if (!add_waiter(s, to, W_COMMIT, g))
+  if (has_conn)
+    note_speaker(s, g, conn_id);
+  pthread_mutex_lock(&s->commit_mu);
+  if (!add_waiter(s, to, W_COMMIT, g)) {
+    pthread_mutex_unlock(&s->commit_mu);
     return;
+  }
   struct rank *r = &s->ranks[g];
   /* torchft: a no vote sticks for the round; the step is not checked */
   if (!vote && !r->vote_no) {
@@ -881,10 +903,9 @@ static void commit_vote(sg_mgr_server_t *s, reply_t to, int64_t g, int vote,
     r->voted = 1;
     s->n_voted++;
   }
-  if (has_conn)
-    note_speaker(s, g, conn_id);
   if (s->n_voted == (size_t)s->world_size)
     finish_commit_round(s);
+  pthread_mutex_unlock(&s->commit_mu);
 }
 
 static void handle_should_commit(sg_mgr_server_t *s, sg_rpc_call_t *call,
@@ -1214,6 +1235,43 @@ int sg_mgr_local_quorum_start(sg_mgr_server_t *s, int64_t group_rank,
   return 0;
 }
 
+/*
+ * commit_here: the vote of `c` (not yet posted) ends a round in which no
+ * other call waits: decide it on the caller's thread, as the loop would,
+ * and complete `c`.  Returns 1 if it did; 0 leaves everything else to the
+ * loop (refusals included, so their answers stay the loop's).
+ */
+static int commit_here(sg_mgr_server_t *s, sg_mgr_local_t *c) {
+  int64_t g = c->group_rank;
+  if (g < 0 || g >= s->world_size || atomic_load(&s->left))
+    return 0;
+  pthread_mutex_lock(&s->mu);
+  int stopping = s->stopping;
+  pthread_mutex_unlock(&s->mu);
+  if (stopping)
+    return 0;
+  pthread_mutex_lock(&s->commit_mu);
+  struct rank *r = &s->ranks[g];
+  size_t voted = s->n_voted + (r->voted ? 0 : 1);
+  if (s->commit_waiters || voted != (size_t)s->world_size) {
+    pthread_mutex_unlock(&s->commit_mu);
+    return 0;
+  }
+  /* a no vote sticks for the round, as in commit_vote */
+  size_t no = s->n_no + (!c->vote && !r->vote_no ? 1 : 0);
+  int decision = no == 0;
+  for (int64_t i = 0; i < s->world_size; i++)
+    s->ranks[i].voted = s->ranks[i].vote_no = 0;
+  s->n_voted = s->n_no = 0;
+  pthread_mutex_unlock(&s->commit_mu);
+  sg_log(SG_LOG_DEBUG, LOG, "[Replica %s] should_commit: %s", s->name,
+         decision ? "yes" : "no");
+  uint8_t buf[16];
+  size_t len = encode_decision(decision, buf);
+  local_complete(c, SG_GRPC_OK, NULL, buf, len);
+  return 1;
+}
+
 int sg_mgr_local_should_commit_start(sg_mgr_server_t *s, int64_t group_rank,
                                      int64_t step, int should_commit,
                                      sg_deadline_t deadline,
@@ -1223,7 +1281,8 @@ int sg_mgr_local_should_commit_start(sg_mgr_server_t *s, int64_t group_rank,
   if (rc)
     return rc;
   c->vote = should_commit != 0;
-  local_post(s, c);
+  if (!commit_here(s, c))
+    local_post(s, c);
   *out = c;
   return 0;
 }
@@ -1598,6 +1657,7 @@ static void server_free(sg_mgr_server_t *s) {
   pthread_cond_destroy(&s->cv);
   pthread_cond_destroy(&s->job_cv);
   pthread_mutex_destroy(&s->mu);
+  pthread_mutex_destroy(&s->commit_mu);
   sg_free(s);
 }
 
@@ -1690,6 +1750,7 @@ int sg_mgr_server_start(const sg_mgr_server_opts_t *o, sg_mgr_server_t **out,
   if (!s)
     return sg_err_set(err, SG_ENOMEM, "out of memory");
   pthread_mutex_init(&s->mu, NULL);
+  pthread_mutex_init(&s->commit_mu, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);

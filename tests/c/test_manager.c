@@ -1320,6 +1320,44 @@ static void test_local_deadline_abort_and_slices(void **state) {
   sg_lh_server_stop(lh);
 }
 
+/* The vote that ends a round nobody waits in is decided on the caller's
+ * thread: a no vote of a rank whose call gave up still counts (torchft),
+ * and the round starts afresh after it. */
+static void test_local_vote_ends_round_of_departed_voter(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
+  group_t g;
+  group_start(&g, "a", sg_lh_server_address(lh), "st:1");
+  sg_err_t err;
+  int out = -1;
+  /* rank 1 votes no and gives up before rank 0 comes */
+  assert_int_equal(sg_mgr_client_should_commit(
+                       g.cl[1], 1, 1, 0, sg_deadline_in_ms(200), &out, &err),
+                   SG_ETIMEDOUT);
+  usleep(100 * 1000); /* the cancel reaches the server */
+  assert_int_equal(local_vote(g.srv, 0, 1, &out, &err), 0);
+  assert_int_equal(out, 0);
+  /* a new round: rank 1 yes (gives up), rank 0 yes -> yes */
+  assert_int_equal(sg_mgr_client_should_commit(
+                       g.cl[1], 1, 2, 1, sg_deadline_in_ms(200), &out, &err),
+                   SG_ETIMEDOUT);
+  usleep(100 * 1000);
+  assert_int_equal(local_vote(g.srv, 0, 1, &out, &err), 0);
+  assert_int_equal(out, 1);
+  /* rank 0 alone does not end a round of two: it waits, then times out */
+  sg_mgr_local_t *c = NULL;
+  assert_int_equal(sg_mgr_local_should_commit_start(
+                       g.srv, 0, 3, 1, sg_deadline_in_ms(200), &c, &err),
+                   0);
+  assert_false(sg_mgr_local_done(c));
+  assert_int_equal(sg_mgr_local_wait(c, sg_deadline_in_ms(10000)), 0);
+  assert_int_equal(sg_mgr_local_should_commit_result(c, &out, &err),
+                   SG_ETIMEDOUT);
+  sg_mgr_local_free(c);
+  group_stop(&g);
+  sg_lh_server_stop(lh);
+}
+
 /* Stopping the server fails a waiting in-process call at once, as
  * UNAVAILABLE from the wire; the call may be freed after the server. */
 static void test_local_stop_fails_waiting_call(void **state) {
@@ -1415,6 +1453,7 @@ int main(void) {
       cmocka_unit_test(test_local_steps_world_one),
       cmocka_unit_test(test_local_errors_match_wire),
       cmocka_unit_test(test_local_deadline_abort_and_slices),
+      cmocka_unit_test(test_local_vote_ends_round_of_departed_voter),
       cmocka_unit_test(test_local_stop_fails_waiting_call),
       cmocka_unit_test(test_local_allocation_failures),
   };

@@ -36,43 +36,48 @@ static float u2f(uint32_t u) {
   return f;
 }
 
-float sg__comm_f16_to_f32(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-  uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-  if (exp == 0) {
-    float v = (float)mant * 5.9604644775390625e-8f; /* mant * 2^-24, exact */
-    return u2f(f2u(v) | sign);
-  }
-  if (exp == 31)
-    return u2f(sign | 0x7f800000u | (mant << 13) | (mant ? 0x400000u : 0));
-  return u2f(sign | ((exp + 112) << 23) | (mant << 13));
+/*
+ * The float16 conversions are branch-free (every case computed, one
+ * selected with masks: a conditional would keep a branch, since the float
+ * operations of the other cases may not be speculated under the default
+ * -ftrapping-math) so that the loops using them vectorise; they give the same
+ * bits as the plain definitions (checked for every float16 and every
+ * float32 when they were written, and against a branchy reference in
+ * test_f16_branch_free).  float32 -> float16 rounds to nearest even: a
+ * subnormal result by a float addition of 0.5, which leaves the value's
+ * bits rounded at 2^-24 in the low mantissa (flush-to-zero modes do not
+ * change it: the sum is normal, and inputs that DAZ would flush round to
+ * zero anyway); a normal one by the integer carry trick.  NaN becomes the
+ * quiet 0x7e00 (sign kept); values from 65520 on go to infinity.
+ */
+static inline float f16_to_f32(uint32_t h) { /* h < 0x10000 */
+  uint32_t sign = (h & 0x8000u) << 16, em = h & 0x7fffu;
+  uint32_t normal = (em << 13) + 0x38000000u; /* exponent - 15 + 127 */
+  uint32_t infnan = (em << 13) | 0x7f800000u | ((em & 0x3ffu) ? 0x400000u : 0);
+  uint32_t sub = f2u((float)(int32_t)em * 5.9604644775390625e-8f); /* exact */
+  uint32_t is_special = 0u - (uint32_t)(em >= 0x7c00u);
+  uint32_t is_normal = 0u - (uint32_t)(em >= 0x400u);
+  uint32_t r = (is_special & infnan) |
+               (~is_special & ((is_normal & normal) | (~is_normal & sub)));
+  return u2f(r | sign);
 }
 
-uint16_t sg__comm_f32_to_f16(float f) {
-  uint32_t x = f2u(f);
-  uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+static inline uint32_t f32_to_f16(float f) { /* < 0x10000 */
+  uint32_t x = f2u(f), sign = (x >> 16) & 0x8000u;
   x &= 0x7fffffffu;
-  if (x > 0x7f800000u)
-    return sign | 0x7e00; /* NaN, quiet */
-  if (x >= 0x47800000u)
-    return sign | 0x7c00; /* >= 65536 and infinity */
-  if (x < 0x38800000u) {  /* below the smallest normal: subnormal or 0 */
-    uint32_t e = x >> 23;
-    if (e < 102)
-      return sign;
-    uint32_t mant = (x & 0x7fffffu) | 0x800000u, shift = 126 - e;
-    uint32_t r = mant >> shift, rem = mant & ((1u << shift) - 1);
-    uint32_t half = 1u << (shift - 1);
-    if (rem > half || (rem == half && (r & 1)))
-      r++;
-    return (uint16_t)(sign | r);
-  }
-  uint32_t r = (((x >> 23) - 112) << 10) | ((x & 0x7fffffu) >> 13);
-  uint32_t rem = x & 0x1fff;
-  if (rem > 0x1000 || (rem == 0x1000 && (r & 1)))
-    r++; /* may carry into the exponent, up to infinity: correct */
-  return (uint16_t)(sign | r);
+  uint32_t big = x > 0x7f800000u ? 0x7e00u : 0x7c00u; /* NaN, or infinity */
+  uint32_t sub = f2u(u2f(x) + 0.5f) - 0x3f000000u;
+  uint32_t normal = (x + 0xc8000fffu + ((x >> 13) & 1)) >> 13;
+  uint32_t is_big = 0u - (uint32_t)(x >= 0x47800000u);
+  uint32_t is_sub = 0u - (uint32_t)(x < 0x38800000u);
+  uint32_t r =
+      (is_big & big) | (~is_big & ((is_sub & sub) | (~is_sub & normal)));
+  return r | sign;
 }
+
+float sg__comm_f16_to_f32(uint16_t h) { return f16_to_f32(h); }
+
+uint16_t sg__comm_f32_to_f16(float f) { return (uint16_t)f32_to_f16(f); }
 
 float sg__comm_bf16_to_f32(uint16_t h) { return u2f((uint32_t)h << 16); }
 
@@ -141,42 +146,13 @@ uint16_t sg__comm_f32_to_bf16(float f) {
     break;                                                                     \
   }
 
-/* half_reduce: widen, combine in float32, round once. */
-#define HALF_LOOP(TO32, FROM32, EXPR)                                          \
-  do {                                                                         \
-    uint16_t *d_ = dst;                                                        \
-    const uint16_t *a_ = a, *b_ = b;                                           \
-    for (size_t i = 0; i < count; i++) {                                       \
-      float x = TO32(a_[i]), y = TO32(b_[i]);                                  \
-      d_[i] = FROM32(EXPR);                                                    \
-    }                                                                          \
-  } while (0)
-
-#define HALF_OPS(TO32, FROM32)                                                 \
-  switch (op) {                                                                \
-  case SG_COMM_SUM:                                                            \
-  case SG_COMM_AVG:                                                            \
-    HALF_LOOP(TO32, FROM32, x + y);                                            \
-    break;                                                                     \
-  case SG_COMM_PRODUCT:                                                        \
-    HALF_LOOP(TO32, FROM32, x *y);                                             \
-    break;                                                                     \
-  case SG_COMM_MIN:                                                            \
-    HALF_LOOP(TO32, FROM32, FMIN(x, y));                                       \
-    break;                                                                     \
-  case SG_COMM_MAX:                                                            \
-    HALF_LOOP(TO32, FROM32, FMAX(x, y));                                       \
-    break;                                                                     \
-  default:                                                                     \
-    break;                                                                     \
-  }
-
 /*
- * bfloat16 two at a time: a 32-bit word holds two values, and each one's
- * float32 is the word shifted or masked (no shuffles), so the loop runs in
- * 32-bit lanes on any vector unit.  Both halves get the same treatment, so
- * the result does not depend on byte order.  bf16_round_hi is
- * sg__comm_f32_to_bf16 with the result left in the high half.
+ * Half types two at a time: a 32-bit word holds two values, each widened
+ * to float32, combined and rounded back once (one rounding per call) in
+ * 32-bit lanes, so the loop needs no widening or narrowing shuffles.  For
+ * bfloat16 a value's float32 is the word shifted or masked.  Both halves
+ * get the same treatment, so the result does not depend on byte order.
+ * bf16_round_hi is sg__comm_f32_to_bf16 with the result left in the high half.
  */
 static inline uint32_t bf16_round_hi(uint32_t x) {
   uint32_t nan = x | 0x400000u; /* quiet */
@@ -184,7 +160,9 @@ static inline uint32_t bf16_round_hi(uint32_t x) {
   return ((x & 0x7fffffffu) > 0x7f800000u ? nan : rounded) & 0xffff0000u;
 }
 
-#define BF16_LOOP(EXPR)                                                        \
+/* Two half values per 32-bit word: x and y are the floats of one half of
+ * a word of each operand, the result goes back into the same half. */
+#define PAIR_LOOP(LO, HI, JOIN, ONE_IN, ONE_OUT, EXPR)                         \
   do {                                                                         \
     uint8_t *d_ = dst;                                                         \
     const uint8_t *a_ = a, *b_ = b;                                            \
@@ -193,37 +171,53 @@ static inline uint32_t bf16_round_hi(uint32_t x) {
       uint32_t u, v, w;                                                        \
       memcpy(&u, a_ + 4 * i, 4);                                               \
       memcpy(&v, b_ + 4 * i, 4);                                               \
-      float x = u2f(u << 16), y = u2f(v << 16);                                \
-      w = bf16_round_hi(f2u(EXPR)) >> 16;                                      \
-      x = u2f(u & 0xffff0000u);                                                \
-      y = u2f(v & 0xffff0000u);                                                \
-      w |= bf16_round_hi(f2u(EXPR));                                           \
+      float x = LO(u), y = LO(v);                                              \
+      float lo_ = (EXPR);                                                      \
+      x = HI(u);                                                               \
+      y = HI(v);                                                               \
+      w = JOIN(lo_, (EXPR));                                                   \
       memcpy(d_ + 4 * i, &w, 4);                                               \
     }                                                                          \
     if (count & 1) {                                                           \
       uint16_t u, v, w;                                                        \
       memcpy(&u, a_ + 4 * pairs_, 2);                                          \
       memcpy(&v, b_ + 4 * pairs_, 2);                                          \
-      float x = sg__comm_bf16_to_f32(u), y = sg__comm_bf16_to_f32(v);          \
-      w = sg__comm_f32_to_bf16(EXPR);                                          \
+      float x = ONE_IN(u), y = ONE_IN(v);                                      \
+      w = ONE_OUT(EXPR);                                                       \
       memcpy(d_ + 4 * pairs_, &w, 2);                                          \
     }                                                                          \
   } while (0)
 
-#define BF16_OPS()                                                             \
+/* bfloat16: a half's float32 is the word shifted or masked */
+#define BF16_LO(u) u2f((u) << 16)
+#define BF16_HI(u) u2f((u)&0xffff0000u)
+#define BF16_JOIN(lo, hi)                                                      \
+  ((bf16_round_hi(f2u(lo)) >> 16) | bf16_round_hi(f2u(hi)))
+#define BF16_LOOP(EXPR)                                                        \
+  PAIR_LOOP(BF16_LO, BF16_HI, BF16_JOIN, sg__comm_bf16_to_f32,                 \
+            sg__comm_f32_to_bf16, EXPR)
+
+/* float16: the branch-free conversions on each half */
+#define F16_LO(u) f16_to_f32((u)&0xffffu)
+#define F16_HI(u) f16_to_f32((u) >> 16)
+#define F16_JOIN(lo, hi) (f32_to_f16(lo) | (f32_to_f16(hi) << 16))
+#define F16_LOOP(EXPR)                                                         \
+  PAIR_LOOP(F16_LO, F16_HI, F16_JOIN, f16_to_f32, (uint16_t)f32_to_f16, EXPR)
+
+#define PAIR_OPS(LOOP)                                                         \
   switch (op) {                                                                \
   case SG_COMM_SUM:                                                            \
   case SG_COMM_AVG:                                                            \
-    BF16_LOOP(x + y);                                                          \
+    LOOP(x + y);                                                               \
     break;                                                                     \
   case SG_COMM_PRODUCT:                                                        \
-    BF16_LOOP(x *y);                                                           \
+    LOOP(x *y);                                                                \
     break;                                                                     \
   case SG_COMM_MIN:                                                            \
-    BF16_LOOP(FMIN(x, y));                                                     \
+    LOOP(FMIN(x, y));                                                          \
     break;                                                                     \
   case SG_COMM_MAX:                                                            \
-    BF16_LOOP(FMAX(x, y));                                                     \
+    LOOP(FMAX(x, y));                                                          \
     break;                                                                     \
   default:                                                                     \
     break;                                                                     \
@@ -247,10 +241,10 @@ reduce_body(sg_comm_dtype_t dtype, sg_comm_redop_t op, void *dst, const void *a,
     FLOAT_OPS(double);
     break;
   case SG_COMM_F16:
-    HALF_OPS(sg__comm_f16_to_f32, sg__comm_f32_to_f16);
+    PAIR_OPS(F16_LOOP);
     break;
   case SG_COMM_BF16:
-    BF16_OPS();
+    PAIR_OPS(BF16_LOOP);
     break;
   case SG_COMM_I8:
     INT_OPS(int8_t, uint8_t);

@@ -364,12 +364,15 @@ static void test_kernels(void **state) {
   assert_int_equal(iv[1], 3);
 }
 
-/* The bfloat16 kernel works on pairs of values in 32-bit words; it must
+/* The half kernels work on pairs of values in 32-bit words; they must
  * give, bit for bit, what widening each element, combining and rounding it
- * with sg__comm_f32_to_bf16 gives: random bit patterns (NaNs, infinities,
- * subnormals, ties), odd counts, operands at odd addresses, dst aliasing an
- * operand. */
-static void test_bf16_kernel_bits(void **state) {
+ * gives: random bit patterns (NaNs, infinities, subnormals, ties), odd
+ * counts, operands at odd addresses, dst aliasing an operand. */
+static void half_kernel_bits(sg_comm_dtype_t dt) {
+  float (*to32)(uint16_t) =
+      dt == SG_COMM_BF16 ? sg__comm_bf16_to_f32 : sg__comm_f16_to_f32;
+  uint16_t (*from32)(float) =
+      dt == SG_COMM_BF16 ? sg__comm_f32_to_bf16 : sg__comm_f32_to_f16;
   enum { N = 1031 };
   uint16_t a[N + 1], b[N + 1], d[N + 1], want[N];
   uint64_t seed = 0x243f6a8885a308d3ull;
@@ -380,20 +383,20 @@ static void test_bf16_kernel_bits(void **state) {
     if (i % 17 == 0) /* values that round: same exponent, close */
       b[i] = (uint16_t)((a[i] & 0xff80) | (b[i] & 0x7f));
   }
-  a[3] = 0x7fc1;  /* NaN with a payload */
-  b[5] = 0xff81;  /* signalling NaN, negative */
-  a[7] = 0x7f80;  /* infinity */
-  b[7] = 0xff80;  /* minus infinity: inf - inf is NaN */
-  a[9] = 0x0001;  /* subnormal */
-  a[11] = 0x7f7f; /* largest: overflows to infinity */
-  b[11] = 0x7f7f;
+  int bf = dt == SG_COMM_BF16;
+  a[3] = bf ? 0x7fc1 : 0x7e01;  /* NaN with a payload */
+  b[5] = bf ? 0xff81 : 0xfc01;  /* signalling NaN, negative */
+  a[7] = bf ? 0x7f80 : 0x7c00;  /* infinity */
+  b[7] = bf ? 0xff80 : 0xfc00;  /* minus infinity: inf - inf is NaN */
+  a[9] = 0x0001;                /* subnormal */
+  a[11] = bf ? 0x7f7f : 0x7bff; /* largest: overflows to infinity */
+  b[11] = a[11];
   for (int op = 0; op < SG_COMM_NREDOPS; op++) {
     for (size_t off = 0; off < 2; off++) {
       for (size_t n = N - 3; n <= N; n++) {
         const uint16_t *pa = a + off, *pb = b;
         for (size_t i = 0; i < n; i++) {
-          float x = sg__comm_bf16_to_f32(pa[i]),
-                y = sg__comm_bf16_to_f32(pb[i]);
+          float x = to32(pa[i]), y = to32(pb[i]);
           float r = op == SG_COMM_PRODUCT ? x * y
                     : op == SG_COMM_MIN   ? (x != x   ? x
                                              : y != y ? y
@@ -404,18 +407,72 @@ static void test_bf16_kernel_bits(void **state) {
                                              : y > x  ? y
                                                       : x)
                                           : x + y;
-          want[i] = sg__comm_f32_to_bf16(r);
+          want[i] = from32(r);
         }
-        sg__comm_reduce(SG_COMM_BF16, (sg_comm_redop_t)op, d + off, pa, pb, n);
+        sg__comm_reduce(dt, (sg_comm_redop_t)op, d + off, pa, pb, n);
         assert_memory_equal(d + off, want, n * 2);
         /* in place: dst is the first operand */
         memcpy(d + off, pa, n * 2);
-        sg__comm_reduce(SG_COMM_BF16, (sg_comm_redop_t)op, d + off, d + off, pb,
-                        n);
+        sg__comm_reduce(dt, (sg_comm_redop_t)op, d + off, d + off, pb, n);
         assert_memory_equal(d + off, want, n * 2);
       }
     }
   }
+}
+
+static void test_half_kernel_bits(void **state) {
+  half_kernel_bits(SG_COMM_BF16);
+  half_kernel_bits(SG_COMM_F16);
+}
+
+/* The float16 conversions are branch-free; a plain, branchy statement of
+ * the same rounding (nearest even, subnormals, NaN -> 0x7e00 with the sign,
+ * 65520 and up -> infinity) must agree on a spread of float32 values. */
+static uint16_t f16_reference(float f) {
+  uint32_t x;
+  memcpy(&x, &f, 4);
+  uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+  x &= 0x7fffffffu;
+  if (x > 0x7f800000u)
+    return sign | 0x7e00;
+  if (x >= 0x47800000u)
+    return sign | 0x7c00;
+  if (x < 0x38800000u) {
+    uint32_t e = x >> 23;
+    if (e < 102)
+      return sign;
+    uint32_t mant = (x & 0x7fffffu) | 0x800000u, shift = 126 - e;
+    uint32_t r = mant >> shift, rem = mant & ((1u << shift) - 1);
+    uint32_t half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (r & 1)))
+      r++;
+    return (uint16_t)(sign | r);
+  }
+  uint32_t r = (((x >> 23) - 112) << 10) | ((x & 0x7fffffu) >> 13);
+  uint32_t rem = x & 0x1fff;
+  if (rem > 0x1000 || (rem == 0x1000 && (r & 1)))
+    r++;
+  return (uint16_t)(sign | r);
+}
+
+static void test_f16_branch_free(void **state) {
+  /* every 251st float32, then values at and next to a rounding tie for
+   * every exponent around float16's range (where rounding carries) */
+  for (uint64_t u = 0; u < 0x100000000ull; u += 251) {
+    float f;
+    uint32_t x = (uint32_t)u;
+    memcpy(&f, &x, 4);
+    assert_int_equal(sg__comm_f32_to_f16(f), f16_reference(f));
+  }
+  for (uint32_t e = 100; e < 145; e++)
+    for (uint32_t m = 0; m < 0x800000u; m += 0x2000 * 7)
+      for (uint32_t d = 0; d < 3; d++)
+        for (uint32_t sign = 0; sign < 2; sign++) {
+          uint32_t x = (sign << 31) | (e << 23) | m | (0x1000u - 1 + d);
+          float f;
+          memcpy(&f, &x, 4);
+          assert_int_equal(sg__comm_f32_to_f16(f), f16_reference(f));
+        }
 }
 
 /* ---- pure: plans and schedules ----------------------------------------------
@@ -1768,7 +1825,8 @@ int main(void) {
       cmocka_unit_test(test_f16_roundtrip),
       cmocka_unit_test(test_bf16_rounding),
       cmocka_unit_test(test_kernels),
-      cmocka_unit_test(test_bf16_kernel_bits),
+      cmocka_unit_test(test_half_kernel_bits),
+      cmocka_unit_test(test_f16_branch_free),
       cmocka_unit_test(test_chunks),
       cmocka_unit_test(test_ring_schedule),
       cmocka_unit_test(test_rd_schedule),

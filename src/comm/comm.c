@@ -765,10 +765,12 @@ static int fail(struct xfer *x, int code, const char *fmt, ...) {
   return code;
 }
 
-/* peer_gone: whether rank p's connection shows a crash (EOF with nothing
- * queued, or an error) right now, and record the order in which peers were
- * seen gone; a BYE or data for a later transfer turns the watch off (that
- * transfer will tell).  Never blocks. */
+/* peer_gone: called when poll() showed a hangup on rank p's connection:
+ * whether it is a crash (an error, EOF with nothing queued, or EOF after
+ * bytes that are not a BYE: a peer killed in the middle of sending to us),
+ * and record the order in which peers were seen gone; a BYE first turns
+ * the watch off (a clean close; the next transfer will tell).  Never
+ * blocks. */
 static int peer_gone(sg_comm_t *c, int p) {
   struct peer *pe = &c->peers[p];
   uint8_t b[SG__COMM_FRAME_LEN];
@@ -780,7 +782,7 @@ static int peer_gone(sg_comm_t *c, int p) {
     ssize_t n = recv(pe->fd, b, sizeof(b), MSG_PEEK | MSG_DONTWAIT);
     if (n < 0 && (errno == EAGAIN || errno == EINTR))
       return 0;
-    gone = n <= 0;
+    gone = n <= 0 || n < 4 || memcmp(b, "SGBY", 4) != 0;
   }
   pe->unwatched = 1;
   if (gone && !pe->gone_at)

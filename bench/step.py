@@ -5,7 +5,10 @@ Gloo process group, and against torchft's DDP, in the same run.
 Every replica is one process (one rank per replica group) training the same
 small MLP on CPU.  A step is ``zero_grad`` (for the fault-tolerant kinds:
 the quorum), forward, backward (the gradient allreduce) and
-``optimizer.step`` (the commit vote), timed by each process after a warm-up.
+``optimizer.step`` (the commit vote), timed by each process after a warm-up;
+each process also counts its threads' context switches per step (a wakeup
+or a preemption each: on a shared 2-core machine they cost more than the
+work they do).
 The kinds run in turn, for 2 and 3 replicas, for several rounds, so they see
 the same machine; each kind's figure is the median over rounds of the
 median step time of replica 0.  Ratios are against plain DDP (the goal for
@@ -51,6 +54,22 @@ def wait_file(path: str, timeout: float) -> str:
         time.sleep(0.01)
     with open(path) as f:
         return f.read()
+
+
+def ctx_switches() -> int:
+    """Context switches of every thread of this process so far (voluntary
+    and not): each is a wakeup or a preemption the step paid for."""
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                for line in f:
+                    # voluntary_ctxt_switches, nonvoluntary_ctxt_switches
+                    if "ctxt_switches" in line:
+                        total += int(line.split()[-1])
+        except OSError:
+            pass  # the thread ended
+    return total
 
 
 def make_model(torch, width: int):
@@ -106,8 +125,11 @@ def worker(a: argparse.Namespace) -> int:
     times = []
     phases: dict[str, list[float]] = {"zero_grad": [], "forward": [], "backward": [], "step": []}
     committed = 0
+    cs0 = 0
     for i in range(a.warmup + a.steps):
         x, y = data[i % len(data)]
+        if i == a.warmup:
+            cs0 = ctx_switches()
         t0 = time.perf_counter()
         opt.zero_grad()
         ta = time.perf_counter()
@@ -125,8 +147,9 @@ def worker(a: argparse.Namespace) -> int:
             for k, v in (("zero_grad", ta - t0), ("forward", tb - ta),
                          ("backward", tc - tb), ("step", t1 - tc)):
                 phases[k].append(v)
+    cs_per_step = (ctx_switches() - cs0) / max(1, a.steps)
     result = {"kind": a.kind, "rank": a.rank, "world": a.world, "times": times,
-              "phases": phases,
+              "phases": phases, "ctx_switches_per_step": cs_per_step,
               "committed": committed if manager else len(times) + a.warmup,
               "participants": manager.num_participants() if manager else a.world}
     tmp = a.out + ".tmp"
@@ -234,6 +257,8 @@ def run_once(kind: str, n: int, a: argparse.Namespace) -> dict:
             "phase_median_ms": {k: 1e3 * statistics.median(v)
                                 for k, v in results[0]["phases"].items()},
             "p90_ms": 1e3 * statistics.quantiles(results[0]["times"], n=10)[-1],
+            # every thread of replica 0's process, per timed step
+            "ctx_switches_per_step": results[0]["ctx_switches_per_step"],
             "all_replicas_median_ms": 1e3 * statistics.median(
                 t for res in results for t in res["times"])}
 
@@ -274,8 +299,8 @@ def main() -> int:
                 runs[n][k].append(r)
                 ph = " ".join(f"{p} {v:.2f}" for p, v in r["phase_median_ms"].items())
                 print(f"round {rnd + 1}/{a.rounds} replicas {n} {k:9s} "
-                      f"median {r['median_ms']:7.2f} ms  p90 {r['p90_ms']:7.2f} ms  ({ph})",
-                      flush=True)
+                      f"median {r['median_ms']:7.2f} ms  p90 {r['p90_ms']:7.2f} ms  "
+                      f"cs/step {r['ctx_switches_per_step']:5.1f}  ({ph})", flush=True)
 
     summary: dict[str, dict] = {}
     print(f"\nmedian step time over {a.rounds} rounds (ms), MLP 256-{a.width}-{a.width}-10, "

@@ -88,6 +88,7 @@ def worker(a: argparse.Namespace) -> int:
     model = make_model(torch, a.width)
     inner = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     manager = None
+    waited = [0.0]  # this step's time in manager.wait_quorum
     if a.kind == "plain":
         port_file = os.path.join(a.dir, "plain.port")
         if a.rank == 0:
@@ -119,17 +120,32 @@ def worker(a: argparse.Namespace) -> int:
             quorum_timeout=timedelta(seconds=60), connect_timeout=timedelta(seconds=60))
         ddp = ft.DistributedDataParallel(manager, model)
         opt = ft.Optimizer(manager, inner)
+        # time spent waiting for the quorum (inside backward, at the first
+        # bucket): how much of the lighthouse round trip the forward pass
+        # did not hide
+        real_wait = manager.wait_quorum
+
+        def timed_wait() -> None:
+            t = time.perf_counter()
+            try:
+                real_wait()
+            finally:
+                waited[0] += time.perf_counter() - t
+
+        manager.wait_quorum = timed_wait
     gen = torch.Generator().manual_seed(a.rank)
     data = [(torch.randn(a.batch, 256, generator=gen), torch.randint(0, 10, (a.batch,), generator=gen))
             for _ in range(8)]
     times = []
-    phases: dict[str, list[float]] = {"zero_grad": [], "forward": [], "backward": [], "step": []}
+    phases: dict[str, list[float]] = {"zero_grad": [], "forward": [], "backward": [], "step": [],
+                                      "quorum_wait": []}
     committed = 0
     cs0 = 0
     for i in range(a.warmup + a.steps):
         x, y = data[i % len(data)]
         if i == a.warmup:
             cs0 = ctx_switches()
+        waited[0] = 0.0
         t0 = time.perf_counter()
         opt.zero_grad()
         ta = time.perf_counter()
@@ -145,7 +161,8 @@ def worker(a: argparse.Namespace) -> int:
         if i >= a.warmup:
             times.append(t1 - t0)
             for k, v in (("zero_grad", ta - t0), ("forward", tb - ta),
-                         ("backward", tc - tb), ("step", t1 - tc)):
+                         ("backward", tc - tb), ("step", t1 - tc),
+                         ("quorum_wait", waited[0])):
                 phases[k].append(v)
     cs_per_step = (ctx_switches() - cs0) / max(1, a.steps)
     result = {"kind": a.kind, "rank": a.rank, "world": a.world, "times": times,

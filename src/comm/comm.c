@@ -782,7 +782,7 @@ static int peer_gone(sg_comm_t *c, int p) {
     ssize_t n = recv(pe->fd, b, sizeof(b), MSG_PEEK | MSG_DONTWAIT);
     if (n < 0 && (errno == EAGAIN || errno == EINTR))
       return 0;
-    gone = n <= 0 || n < 4 || memcmp(b, "SGBY", 4) != 0;
+    gone = n < 4 || memcmp(b, "SGBY", 4) != 0; /* n < 0: an error */
   }
   pe->unwatched = 1;
   if (gone && !pe->gone_at)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import array
 import collections
+import gc
 import socket
 import struct
 import threading
@@ -137,6 +138,7 @@ def test_round_trip_is_bit_identical(pair) -> None:
     a.send_checkpoint([1], 12, sd, T60)
     got = b.recv_checkpoint(0, a.metadata(), 12, T60)
     assert_identical(sd, got)
+    assert gc.isenabled()
     assert isinstance(got["user"]["model"]["param"], torch.nn.Parameter)
     # received tensors own fresh memory
     before = _bits(sd["user"]["model"]["torch.int64"])
@@ -483,6 +485,7 @@ def test_in_place_fetch_cut_half_way_then_healed(procs, monkeypatch) -> None:
         dying = _spawn_source(procs, mb, 1 << 20)
         with pytest.raises(RuntimeError, match="truncated|closed|reset|refused"):
             b.recv_checkpoint(0, dying, 9, T60, into=mine)
+        assert gc.isenabled()  # paused only while tensors are built
         same = (mine["w"] == expect).sum().item()
         assert 0 < same < expect.numel(), same  # half-loaded: never returned
         healthy = _spawn_source(procs, mb, -1)

@@ -25,6 +25,7 @@
  * docs/internals/comm.md.
  */
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -53,6 +54,7 @@
 #define PULL_MIN (256u << 10)       /* same-host path from this size */
 #define PULL_BUDGET (2u << 20)      /* bytes read from a peer per pass */
 #define DESC_MIN (256u << 10)       /* smallest descriptor but a segment end */
+#define LOOP_SNDBUF (256 << 10) /* send buffer between two ends on one host */
 
 enum op_kind {
   OP_ALLREDUCE = 1,
@@ -667,6 +669,35 @@ out:
   return rc;
 }
 
+/*
+ * loopback_tune: a connection whose two ends have the same address joins
+ * two processes of this host.  There the receiver copies out of the very
+ * pages the sender's copy just wrote, so a small send queue keeps them in
+ * cache; the autotuned one (up to tcp_wmem's 4 MiB) spills them: at 64 MiB
+ * a 256 KiB SO_SNDBUF took 30-40% less CPU per allreduce, and 2.3x less
+ * time at 4 ranks (docs/internals/comm.md).  Between hosts the buffer
+ * must cover the bandwidth-delay product, so it stays autotuned there.
+ * Best effort: a failure only leaves the default.
+ */
+static void loopback_tune(int fd) {
+  struct sockaddr_storage a, b;
+  socklen_t la = sizeof(a), lb = sizeof(b);
+  int same = 0, v = LOOP_SNDBUF;
+  if (getsockname(fd, (struct sockaddr *)&a, &la) != 0 ||
+      getpeername(fd, (struct sockaddr *)&b, &lb) != 0 ||
+      a.ss_family != b.ss_family)
+    return;
+  if (a.ss_family == AF_INET)
+    same = ((struct sockaddr_in *)&a)->sin_addr.s_addr ==
+           ((struct sockaddr_in *)&b)->sin_addr.s_addr;
+  else if (a.ss_family == AF_INET6)
+    same = memcmp(&((struct sockaddr_in6 *)&a)->sin6_addr,
+                  &((struct sockaddr_in6 *)&b)->sin6_addr,
+                  sizeof(struct in6_addr)) == 0;
+  if (same)
+    (void)setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, sizeof(v));
+}
+
 static void *progress_main(void *arg);
 
 int sg_comm_connect(sg_comm_t *c, const char *const *addrs,
@@ -688,6 +719,9 @@ int sg_comm_connect(sg_comm_t *c, const char *const *addrs,
     rc = dial(c, p, addrs[p], deadline, err);
   if (rc == 0)
     rc = accept_higher(c, deadline, err);
+  for (int p = 0; rc == 0 && p < c->world; p++)
+    if (p != c->rank)
+      loopback_tune(c->peers[p].fd);
   if (rc == 0)
     rc = samehost_setup(c, deadline, err);
   if (rc == 0 && pthread_create(&c->thread, NULL, progress_main, c) != 0)

@@ -13,6 +13,7 @@
  * process read each other's memory, with pull_min = 1 so that every
  * transfer takes it).  The SIGKILL test runs both ways in real processes.
  */
+#include <arpa/inet.h>
 #include <math.h>
 #include <poll.h>
 #include <pthread.h>
@@ -1566,6 +1567,70 @@ static void test_samehost_bad_peer(void **state) {
   assert_int_equal(sg_sock_registered_count(), 0);
 }
 
+/* sndbuf_of_port: SO_SNDBUF of this process's TCP socket whose local or
+ * peer port is `port`, or -1. */
+static int sndbuf_of_port(int port) {
+  for (int fd = 3; fd < 1024; fd++) {
+    struct sockaddr_in a, b;
+    socklen_t la = sizeof(a), lb = sizeof(b);
+    int ty = 0, v = 0;
+    socklen_t lt = sizeof(ty), lv = sizeof(v);
+    if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &ty, &lt) != 0 ||
+        ty != SOCK_STREAM || getsockname(fd, (struct sockaddr *)&a, &la) != 0 ||
+        getpeername(fd, (struct sockaddr *)&b, &lb) != 0 ||
+        a.sin_family != AF_INET)
+      continue;
+    if ((ntohs(a.sin_port) == port || ntohs(b.sin_port) == port) &&
+        getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, &lv) == 0)
+      return v;
+  }
+  return -1;
+}
+
+/* Connections whose two ends have the same address (both processes on this
+ * host) get a small fixed send buffer; others keep the autotuned one.
+ * 127.0.0.2 is this host too, but a connection to it from 127.0.0.1 has
+ * two different addresses, which is what a connection between hosts looks
+ * like to the library. */
+static void test_loopback_sndbuf(void **state) {
+  const char *hosts[2] = {"127.0.0.1", "127.0.0.2"};
+  for (int k = 0; k < 2; k++) {
+    sg_comm_opts_t o0 = {.rank = 0,
+                         .world_size = 2,
+                         .generation = 4,
+                         .bind_host = hosts[k],
+                         .same_host = -1};
+    sg_comm_opts_t o1 = o0;
+    o1.rank = 1;
+    o1.bind_host = "127.0.0.1";
+    sg_comm_t *c0 = NULL, *c1 = NULL;
+    assert_int_equal(sg_comm_new(&o0, &c0, NULL), 0);
+    assert_int_equal(sg_comm_new(&o1, &c1, NULL), 0);
+    int port = sg_comm_port(c0);
+    char addr0[64], addr1[64];
+    snprintf(addr0, sizeof(addr0), "%s:%d", hosts[k], port);
+    snprintf(addr1, sizeof(addr1), "127.0.0.1:%d", sg_comm_port(c1));
+    const char *addrs[2] = {addr0, addr1};
+    struct one_conn a0 = {.c = c0, .addrs = addrs, .ms = 10000};
+    struct one_conn a1 = {.c = c1, .addrs = addrs, .ms = 10000};
+    pthread_t th0, th1;
+    pthread_create(&th0, NULL, one_connect, &a0);
+    pthread_create(&th1, NULL, one_connect, &a1);
+    pthread_join(th0, NULL);
+    pthread_join(th1, NULL);
+    assert_int_equal(a0.rc, 0);
+    assert_int_equal(a1.rc, 0);
+    int v = sndbuf_of_port(port); /* Linux reports twice what was set */
+    if (k == 0)
+      assert_int_equal(v, 2 * (256 << 10));
+    else
+      assert_true(v > 0 && v != 2 * (256 << 10));
+    sg_comm_free(c0);
+    sg_comm_free(c1);
+  }
+  assert_int_equal(sg_sock_registered_count(), 0);
+}
+
 /* Every allocation of creating a communicator and submitting to it may
  * fail: each failure is an error return, never a crash, callback or leak
  * (ASan checks the leaks). */
@@ -1852,6 +1917,7 @@ int main(void) {
       cmocka_unit_test(test_connect_abort_and_args),
       cmocka_unit_test(test_bad_peer_frames),
       cmocka_unit_test(test_samehost_bad_peer),
+      cmocka_unit_test(test_loopback_sndbuf),
       cmocka_unit_test(test_alloc_failures),
       cmocka_unit_test(test_fork_child_leaves_it_alone),
       cmocka_unit_test(test_sigkill_mid_allreduce),

@@ -241,6 +241,10 @@ SG_EXPORT void sg_mgr_client_free(sg_mgr_client_t *c);
  * sg_mgr_server_stop (SG_ECONNREFUSED, as UNAVAILABLE from the wire), or
  * ended by its deadline (SG_ETIMEDOUT) or sg_mgr_local_abort (SG_EABORTED),
  * in which case the server forgets it as it forgets a cancelled wire call.
+ *
+ * In a forked child a call started in the parent is left alone: waiting
+ * returns at once, its result is SG_ESTATE, abort and free touch nothing
+ * (its locks may have been held at fork(); its memory stays allocated).
  */
 typedef struct sg_mgr_local_s sg_mgr_local_t;
 

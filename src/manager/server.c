@@ -87,6 +87,7 @@ struct sg_mgr_local_s {
   sg_deadline_t deadline;
   sg_mgr_local_t *next;  /* in the server's inbox or cancel list (s->mu) */
   sg_mgr_local_t *cnext; /* in the cancel list (s->mu) */
+  pid_t pid;             /* the process that started it */
   struct waiter *w;      /* loop thread: its waiter, while it has one */
   int had_waiter;        /* loop thread: a waiter took the server's ref */
   pthread_mutex_t mu;    /* guards everything below */
@@ -1186,6 +1187,7 @@ static int local_new(sg_mgr_server_t *s, enum waiter_kind kind, int64_t g,
   c->step = step;
   c->deadline = deadline;
   c->refs = 1;
+  c->pid = s->pid;
   *out = c;
   return 0;
 }
@@ -1291,6 +1293,8 @@ int sg_mgr_local_should_commit_start(sg_mgr_server_t *s, int64_t group_rank,
  * forget it.  Takes c->mu, then s->mu (the loop never holds s->mu while it
  * takes c->mu, and it clears c->srv under c->mu before s goes away). */
 static void local_end(sg_mgr_local_t *c, int rc, const char *msg) {
+  if (getpid() != c->pid)
+    return; /* a forked child: its lock may have been held at fork() */
   pthread_mutex_lock(&c->mu);
   sg_mgr_server_t *s = c->srv;
   if (!c->done) {
@@ -1309,6 +1313,8 @@ static void local_end(sg_mgr_local_t *c, int rc, const char *msg) {
 }
 
 int sg_mgr_local_wait(sg_mgr_local_t *c, sg_deadline_t until) {
+  if (getpid() != c->pid)
+    return 0; /* never completes here: the result says so */
   int timed_out = 0;
   pthread_mutex_lock(&c->mu);
   for (;;) {
@@ -1335,6 +1341,8 @@ int sg_mgr_local_wait(sg_mgr_local_t *c, sg_deadline_t until) {
 }
 
 int sg_mgr_local_done(sg_mgr_local_t *c) {
+  if (getpid() != c->pid)
+    return 1;
   pthread_mutex_lock(&c->mu);
   int done = c->done;
   pthread_mutex_unlock(&c->mu);
@@ -1351,6 +1359,10 @@ static int local_result(sg_mgr_local_t *c, enum waiter_kind kind,
                         uint8_t **resp, size_t *len, sg_err_t *err) {
   *resp = NULL;
   *len = 0;
+  if (getpid() != c->pid)
+    return sg_err_set(err, SG_ESTATE,
+                      "the call was started before fork() and cannot finish "
+                      "in the child");
   pthread_mutex_lock(&c->mu);
   int rc;
   if (!c->done || c->taken || c->kind != kind) {
@@ -1394,8 +1406,8 @@ int sg_mgr_local_should_commit_result(sg_mgr_local_t *c, int *out,
 }
 
 void sg_mgr_local_free(sg_mgr_local_t *c) {
-  if (!c)
-    return;
+  if (!c || getpid() != c->pid)
+    return; /* in a forked child the memory is left alone, as its locks */
   local_end(c, SG_EABORTED, "call aborted");
   local_unref(c);
 }

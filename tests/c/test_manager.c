@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -1358,6 +1359,64 @@ static void test_local_vote_ends_round_of_departed_voter(void **state) {
   sg_lh_server_stop(lh);
 }
 
+/* A forked child that finds a call its parent started leaves it alone and
+ * does not hang; the parent's call still completes. */
+static void test_local_call_in_forked_child(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
+  group_t g;
+  group_start(&g, "a", sg_lh_server_address(lh), "st:1");
+  sg_mgr_local_t *c = NULL;
+  sg_err_t err;
+  assert_int_equal(sg_mgr_local_quorum_start(g.srv, 0, 1, "m", 0, 0, 0, NULL,
+                                             sg_deadline_in_ms(30000), &c,
+                                             &err),
+                   0);
+  pid_t pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0) {
+    sg_mgr_quorum_result_t r;
+    sg_mgr_local_t *d = NULL;
+    int ok = sg_mgr_local_wait(c, sg_deadline_in_ms(60000)) == 0 &&
+             sg_mgr_local_done(c) &&
+             sg_mgr_local_quorum_result(c, &r, &err) == SG_ESTATE &&
+             sg_mgr_local_should_commit_start(g.srv, 0, 1, 1,
+                                              sg_deadline_in_ms(1000), &d,
+                                              &err) == SG_ESTATE &&
+             d == NULL;
+    sg_mgr_local_abort(c);
+    sg_mgr_local_free(c);
+    _exit(ok ? 0 : 1);
+  }
+  int status = 0;
+  int64_t t0 = sg_now_ns();
+  while (waitpid(pid, &status, WNOHANG) == 0) {
+    if ((sg_now_ns() - t0) / 1000000 > 20000) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      fail_msg("the child hung");
+    }
+    usleep(10 * 1000);
+  }
+  assert_true(WIFEXITED(status));
+  assert_int_equal(WEXITSTATUS(status), 0);
+  /* the parent's call is untouched: rank 1 completes the round */
+  struct qreq q;
+  q_init(&q, &g, 1, 1);
+  q_start(&q);
+  assert_int_equal(sg_mgr_local_wait(c, sg_deadline_in_ms(60000)), 0);
+  sg_mgr_quorum_result_t r;
+  assert_int_equal(sg_mgr_local_quorum_result(c, &r, &err), 0);
+  assert_int_equal(r.max_step, 1);
+  sg_mgr_quorum_result_free(&r);
+  sg_mgr_local_free(c);
+  q_join(&q);
+  assert_int_equal(q.rc, 0);
+  q_free(&q, 1);
+  group_stop(&g);
+  sg_lh_server_stop(lh);
+}
+
 /* Stopping the server fails a waiting in-process call at once, as
  * UNAVAILABLE from the wire; the call may be freed after the server. */
 static void test_local_stop_fails_waiting_call(void **state) {
@@ -1454,6 +1513,7 @@ int main(void) {
       cmocka_unit_test(test_local_errors_match_wire),
       cmocka_unit_test(test_local_deadline_abort_and_slices),
       cmocka_unit_test(test_local_vote_ends_round_of_departed_voter),
+      cmocka_unit_test(test_local_call_in_forked_child),
       cmocka_unit_test(test_local_stop_fails_waiting_call),
       cmocka_unit_test(test_local_allocation_failures),
   };

@@ -5,14 +5,16 @@
  *
  *   threads   loop     libuv loop running the gRPC server, every handler,
  *                      the liveness timer and the delivery of quorum results;
- *                      owns all per-rank and per-call state (no lock)
+ *                      owns all per-rank and per-call state (no lock but
+ *                      commit_mu, below)
  *             quorum   makes the blocking lighthouse Quorum call of a round
  *                      (with torchft's retry rule) and posts the outcome to
  *                      the loop through an async handle
  *             heartbeat sends Heartbeat every interval
  *             Both workers share one lighthouse channel (one connection, so
  *             the lighthouse sees one liveness signal).  `mu` guards only the
- *             hand-off between the loop and the workers.
+ *             hand-off between the loop and the workers, and the queues of
+ *             in-process calls.
  *   rounds    a Quorum round starts when every group rank has a waiting
  *             call; its outcome answers every Quorum call waiting when it
  *             arrives, each with that rank's own view (results.c)
@@ -23,6 +25,11 @@
  *   liveness  which group ranks spoke on which connection; a rank whose
  *             connections all closed and who stays silent past the grace
  *             makes the group leave for good (manager.h)
+ *   local     in-process calls (sg_mgr_local_*, manager.h): a caller in this
+ *             process queues its call and wakes the loop (local_async),
+ *             which runs it through the same handlers as a call from the
+ *             wire, answering with the same bytes; a caller that gives up
+ *             queues a cancellation the same way
  */
 #include <arpa/inet.h>
 #include <ifaddrs.h>
@@ -85,7 +92,7 @@ struct sg_mgr_local_s {
   int shrink_only, init_sync, vote;
   char *metadata, *handle; /* owned (Quorum) */
   sg_deadline_t deadline;
-  sg_mgr_local_t *next;  /* in the server's inbox or cancel list (s->mu) */
+  sg_mgr_local_t *next;  /* in the server's inbox (s->mu) */
   sg_mgr_local_t *cnext; /* in the cancel list (s->mu) */
   pid_t pid;             /* the process that started it */
   struct waiter *w;      /* loop thread: its waiter, while it has one */

@@ -5,8 +5,9 @@
  *
  *   threads   loop     libuv loop running the gRPC server, every handler,
  *                      the liveness timer and the delivery of quorum results;
- *                      owns all per-rank and per-call state (no lock but
- *                      commit_mu, below)
+ *                      owns the liveness state; the quorum round's state
+ *                      is under quorum_mu and the commit round's under
+ *                      commit_mu (below)
  *             quorum   makes the blocking lighthouse Quorum call of a round
  *                      (with torchft's retry rule) and posts the outcome to
  *                      the loop through an async handle
@@ -17,7 +18,11 @@
  *             in-process calls.
  *   rounds    a Quorum round starts when every group rank has a waiting
  *             call; its outcome answers every Quorum call waiting when it
- *             arrives, each with that rank's own view (results.c)
+ *             arrives, each with that rank's own view (results.c).  While
+ *             only in-process calls wait (a group of one), a call arrives
+ *             on its caller's thread and the quorum thread answers it, so
+ *             neither wakes the loop; a call from the wire is answered on
+ *             the loop only
  *   commit    ShouldCommit votes are ANDed per round; the round's state is
  *             the loop's but guarded by commit_mu, so that an in-process
  *             vote that ends a round nobody waits in is answered right on
@@ -95,8 +100,9 @@ struct sg_mgr_local_s {
   sg_mgr_local_t *next;  /* in the server's inbox (s->mu) */
   sg_mgr_local_t *cnext; /* in the cancel list (s->mu) */
   pid_t pid;             /* the process that started it */
-  struct waiter *w;      /* loop thread: its waiter, while it has one */
-  int had_waiter;        /* loop thread: a waiter took the server's ref */
+  struct waiter *w;      /* its waiter while it has one (its round's lock) */
+  int had_waiter;        /* a waiter took the server's reference (set by the
+                            thread that ran it, under its round's lock) */
   pthread_mutex_t mu;    /* guards everything below */
   pthread_cond_t cv;     /* signalled on completion (CLOCK_MONOTONIC) */
   sg_mgr_server_t *srv;  /* NULL once done: nobody posts to it then */
@@ -145,7 +151,7 @@ static void job_clear(struct job *j) {
 struct sg_mgr_server_s {
   /* options (strings owned) */
   char *replica_id, *name, *lighthouse_addr, *store_addr, *auth_token, *bind;
-  int64_t logged_qid; /* quorum id last logged at info (quorum worker) */
+  int64_t logged_qid; /* quorum id last logged at info (quorum_mu) */
   char *address;
   int64_t world_size, hb_interval_ms, connect_timeout_ms, quorum_retries,
       grace_ms;
@@ -163,6 +169,13 @@ struct sg_mgr_server_s {
   /* the commit round: loop thread, and in-process votes, under commit_mu
      (ranks[].voted and .vote_no, n_voted, n_no, commit_waiters) */
   pthread_mutex_t commit_mu;
+  /* the quorum round: loop thread, in-process arrivals and the quorum
+     thread's answers, under quorum_mu (ranks[].metadata, .handle, .waiting,
+     .step, .commit_failures, n_arrived, last_*, quorum_waiters,
+     round_in_flight, logged_qid, q_closed).  Order: quorum_mu, then
+     commit_mu or mu or a call's mu. */
+  pthread_mutex_t quorum_mu;
+  int q_closed; /* the server is stopping: no round starts, none waits */
 
   /* loop thread only */
   int closing;
@@ -341,8 +354,10 @@ static void quorum_waiter_gone(sg_mgr_server_t *s, struct waiter *w) {
   }
 }
 
-/* fail_all: answer every waiting call (both kinds) with `status`. */
-static void fail_all(sg_mgr_server_t *s, int status, const char *msg) {
+/* fail_quorum_waiters: answer every waiting Quorum call with `status`
+ * (quorum_mu held; on the loop, or where every waiter is in-process). */
+static void fail_quorum_waiters(sg_mgr_server_t *s, int status,
+                                const char *msg) {
   while (s->quorum_waiters) {
     struct waiter *w = s->quorum_waiters;
     waiter_unlink(&s->quorum_waiters, w);
@@ -350,6 +365,14 @@ static void fail_all(sg_mgr_server_t *s, int status, const char *msg) {
     respond(w->to, status, msg, NULL, 0);
     waiter_free(w);
   }
+}
+
+/* fail_all: answer every waiting call (both kinds) with `status`.  Loop
+ * thread; takes quorum_mu and commit_mu. */
+static void fail_all(sg_mgr_server_t *s, int status, const char *msg) {
+  pthread_mutex_lock(&s->quorum_mu);
+  fail_quorum_waiters(s, status, msg);
+  pthread_mutex_unlock(&s->quorum_mu);
   pthread_mutex_lock(&s->commit_mu);
   while (s->commit_waiters) {
     struct waiter *w = s->commit_waiters;
@@ -482,14 +505,15 @@ static void on_conn_close(void *ud, uint64_t conn_id) {
 /* ---- quorum rounds ------------------------------------------------------ */
 
 /* maybe_start_round: every group rank waits and no round is under way:
- * hand the group's request to the quorum thread.  Loop thread. */
+ * hand the group's request to the quorum thread.  quorum_mu held (on the
+ * loop, or where every waiter is in-process). */
 static void maybe_start_round(sg_mgr_server_t *s) {
-  if (s->round_in_flight || s->closing || atomic_load(&s->left) ||
+  if (s->round_in_flight || s->q_closed || atomic_load(&s->left) ||
       s->n_arrived < (size_t)s->world_size)
     return;
   int64_t *steps = sg_malloc((size_t)s->world_size * sizeof(*steps));
   if (!steps) {
-    fail_all(s, SG_GRPC_RESOURCE_EXHAUSTED, "manager out of memory");
+    fail_quorum_waiters(s, SG_GRPC_RESOURCE_EXHAUSTED, "manager out of memory");
     return;
   }
   struct job j = {0};
@@ -534,7 +558,8 @@ static void maybe_start_round(sg_mgr_server_t *s) {
     }
     if (nomem) {
       job_clear(&j);
-      fail_all(s, SG_GRPC_RESOURCE_EXHAUSTED, "manager out of memory");
+      fail_quorum_waiters(s, SG_GRPC_RESOURCE_EXHAUSTED,
+                          "manager out of memory");
       return;
     }
   }
@@ -614,7 +639,8 @@ static void encode_results(reply_t to, const sg__mgr_results_t *r,
   respond_msg(to, &m.base);
 }
 
-/* deliver: answer every waiting Quorum call with the round's outcome. */
+/* deliver: answer every waiting Quorum call with the round's outcome
+ * (quorum_mu held; on the loop, or where every waiter is in-process). */
 static void deliver(sg_mgr_server_t *s, int rc, const char *msg,
                     Torchft__LighthouseQuorumResponse *resp) {
   sg__mgr_peer_t *peers = NULL;
@@ -712,12 +738,44 @@ static void on_result(uv_async_t *a) {
   s->result = NULL;
   s->result_ready = 0;
   pthread_mutex_unlock(&s->mu);
+  pthread_mutex_lock(&s->quorum_mu);
   s->round_in_flight = 0;
-  if (!s->closing && !atomic_load(&s->left))
+  if (!s->q_closed && !atomic_load(&s->left))
     deliver(s, rc, msg, resp);
+  maybe_start_round(s);
+  pthread_mutex_unlock(&s->quorum_mu);
   if (resp)
     torchft__lighthouse_quorum_response__free_unpacked(resp, &sg__pb_allocator);
-  maybe_start_round(s);
+}
+
+/* all_local: every call in the list is an in-process one (quorum_mu). */
+static int all_local(const struct waiter *w) {
+  for (; w; w = w->next)
+    if (w->to.call)
+      return 0;
+  return 1;
+}
+
+/*
+ * deliver_here: the quorum thread answers the round itself when only
+ * in-process calls wait (nobody on the wire needs the loop to answer), so
+ * the loop is not woken.  Returns 1 if it did (the result is consumed and
+ * freed); 0 leaves it to the loop.
+ */
+static int deliver_here(sg_mgr_server_t *s, int rc, const char *msg,
+                        Torchft__LighthouseQuorumResponse *resp) {
+  pthread_mutex_lock(&s->quorum_mu);
+  if (s->q_closed || atomic_load(&s->left) || !all_local(s->quorum_waiters)) {
+    pthread_mutex_unlock(&s->quorum_mu);
+    return 0;
+  }
+  s->round_in_flight = 0;
+  deliver(s, rc, msg, resp);
+  maybe_start_round(s); /* only in-process calls can be waiting here */
+  pthread_mutex_unlock(&s->quorum_mu);
+  if (resp)
+    torchft__lighthouse_quorum_response__free_unpacked(resp, &sg__pb_allocator);
+  return 1;
 }
 
 /* ---- calls -------------------------------------------------------------- */
@@ -748,14 +806,33 @@ static struct waiter *add_waiter(sg_mgr_server_t *s, reply_t to,
  * a round no longer counts as arrived; a vote stays counted (torchft). */
 static void waiter_cancel(sg_mgr_server_t *s, struct waiter *w) {
   if (w->kind == W_QUORUM) {
+    pthread_mutex_lock(&s->quorum_mu);
     waiter_unlink(&s->quorum_waiters, w);
     quorum_waiter_gone(s, w);
+    waiter_free(w);
+    pthread_mutex_unlock(&s->quorum_mu);
   } else {
     pthread_mutex_lock(&s->commit_mu);
     waiter_unlink(&s->commit_waiters, w);
+    waiter_free(w);
     pthread_mutex_unlock(&s->commit_mu);
   }
-  waiter_free(w);
+}
+
+/* local_cancel: forget the in-process call `c` whose caller gave up, if it
+ * still waits (its waiter is read under the lock its round is under). */
+static void local_cancel(sg_mgr_server_t *s, sg_mgr_local_t *c) {
+  pthread_mutex_t *mu = c->kind == W_QUORUM ? &s->quorum_mu : &s->commit_mu;
+  pthread_mutex_lock(mu);
+  struct waiter *w = c->w;
+  if (w) {
+    waiter_unlink(w->kind == W_QUORUM ? &s->quorum_waiters : &s->commit_waiters,
+                  w);
+    if (w->kind == W_QUORUM)
+      quorum_waiter_gone(s, w);
+    waiter_free(w); /* drops the server's reference */
+  }
+  pthread_mutex_unlock(mu);
 }
 
 static int check_rank(sg_mgr_server_t *s, reply_t to, int64_t g) {
@@ -786,11 +863,16 @@ struct qargs {
   uint64_t conn_id;
 };
 
-/* quorum_arrive: group rank a->group_rank waits for this step's quorum. */
-static void quorum_arrive(sg_mgr_server_t *s, reply_t to,
-                          const struct qargs *a) {
+/* quorum_arrive_locked: group rank a->group_rank waits for this step's
+ * quorum (quorum_mu held). */
+static void quorum_arrive_locked(sg_mgr_server_t *s, reply_t to,
+                                 const struct qargs *a) {
   if (check_rank(s, to, a->group_rank) || check_left(s, to))
     return;
+  if (s->q_closed) {
+    respond_err(to, SG_GRPC_UNAVAILABLE, "manager shutting down");
+    return;
+  }
   if (strlen(a->metadata) > SG_MGR_MAX_METADATA_LEN) {
     respond_err(to, SG_GRPC_INVALID_ARGUMENT,
                 "checkpoint_metadata too long (max %d bytes)",
@@ -829,9 +911,17 @@ static void quorum_arrive(sg_mgr_server_t *s, reply_t to,
     s->n_arrived++;
   s->last_shrink_only = a->shrink_only != 0;
   s->last_timeout_ms = sg_deadline_left_ms(a->deadline);
-  if (a->has_conn)
-    note_speaker(s, a->group_rank, a->conn_id);
   maybe_start_round(s);
+}
+
+/* quorum_arrive: quorum_arrive_locked from the loop. */
+static void quorum_arrive(sg_mgr_server_t *s, reply_t to,
+                          const struct qargs *a) {
+  pthread_mutex_lock(&s->quorum_mu);
+  quorum_arrive_locked(s, to, a);
+  pthread_mutex_unlock(&s->quorum_mu);
+  if (a->has_conn && a->group_rank >= 0 && a->group_rank < s->world_size)
+    note_speaker(s, a->group_rank, a->conn_id);
 }
 
 static void handle_quorum(sg_mgr_server_t *s, sg_rpc_call_t *call,
@@ -944,6 +1034,7 @@ static void handle_checkpoint_metadata(sg_mgr_server_t *s, sg_rpc_call_t *call,
                 "invalid CheckpointMetadataRequest");
     return;
   }
+  pthread_mutex_lock(&s->quorum_mu);
   if (req->rank < 0 || req->rank >= s->world_size ||
       !s->ranks[req->rank].metadata) {
     respond_err(wire(call), SG_GRPC_INVALID_ARGUMENT, "rank not found");
@@ -953,6 +1044,7 @@ static void handle_checkpoint_metadata(sg_mgr_server_t *s, sg_rpc_call_t *call,
     m.checkpoint_metadata = s->ranks[req->rank].metadata;
     respond_msg(wire(call), &m.base);
   }
+  pthread_mutex_unlock(&s->quorum_mu);
   torchft__checkpoint_metadata_request__free_unpacked(req, &sg__pb_allocator);
 }
 
@@ -1050,8 +1142,10 @@ static void local_set_done(sg_mgr_local_t *c, int rc, const char *msg) {
 /*
  * local_complete: the server's answer to an in-process call, turned into
  * what the wire client would return for the same answer (a copy of the
- * message, or the error code and 'status: NAME, message: "..."').  Loop
- * thread (or the stopping thread once the loop has ended).
+ * message, or the error code and 'status: NAME, message: "..."'; and, as
+ * for a wire call, SG_ETIMEDOUT when the answer comes after the call's
+ * deadline: a round that failed on the lighthouse deadline the call gave
+ * it is a timeout for the caller).  Whoever answers calls of its kind.
  */
 static void local_complete(sg_mgr_local_t *c, int status, const char *msg,
                            const uint8_t *body, size_t len) {
@@ -1066,11 +1160,14 @@ static void local_complete(sg_mgr_local_t *c, int status, const char *msg,
       msg = "manager out of memory";
     }
   }
+  int late = sg_now_ns() >= c->deadline;
   if (status != SG_GRPC_OK)
     snprintf(m, sizeof(m), "status: %s, message: \"%s\"",
              sg__grpc_status_name(status), msg ? msg : "");
   pthread_mutex_lock(&c->mu);
-  if (!c->done) {
+  if (!c->done && late) {
+    local_set_done(c, SG_ETIMEDOUT, "deadline exceeded");
+  } else if (!c->done) {
     local_set_done(c, status == SG_GRPC_OK ? 0 : sg__grpc_status_to_err(status),
                    status == SG_GRPC_OK ? "" : m);
     c->resp = copy;
@@ -1140,9 +1237,8 @@ static void on_local(uv_async_t *a) {
     sg_mgr_local_t *c = cancels;
     cancels = c->cnext;
     c->cnext = NULL;
-    if (c->w)
-      waiter_cancel(s, c->w); /* drops the server's reference */
-    local_unref(c);           /* the cancellation's */
+    local_cancel(s, c);
+    local_unref(c); /* the cancellation's */
   }
 }
 
@@ -1219,6 +1315,38 @@ static void local_post(sg_mgr_server_t *s, sg_mgr_local_t *c) {
   pthread_mutex_unlock(&s->mu);
 }
 
+/*
+ * arrive_here: the Quorum call `c` (not yet posted) arrives on the caller's
+ * thread when only in-process calls wait, so the loop is not woken (the
+ * round, if it starts, goes straight to the quorum thread).  Returns 1 if
+ * it did (answered or waiting); 0 leaves it to the loop.
+ */
+static int arrive_here(sg_mgr_server_t *s, sg_mgr_local_t *c) {
+  pthread_mutex_lock(&s->quorum_mu);
+  if (s->q_closed || !all_local(s->quorum_waiters)) {
+    pthread_mutex_unlock(&s->quorum_mu);
+    return 0;
+  }
+  c->srv = s;
+  c->refs = 2; /* the caller's and the server's: nobody else has c yet */
+  struct qargs a = {0};
+  a.group_rank = c->group_rank;
+  a.step = c->step;
+  a.commit_failures = c->commit_failures;
+  a.shrink_only = c->shrink_only;
+  a.init_sync = c->init_sync;
+  a.metadata = c->metadata;
+  a.handle = c->handle;
+  a.deadline = c->deadline;
+  reply_t to = {NULL, c};
+  quorum_arrive_locked(s, to, &a);
+  int had_waiter = c->had_waiter;
+  pthread_mutex_unlock(&s->quorum_mu);
+  if (!had_waiter) /* refused at once */
+    local_unref(c);
+  return 1;
+}
+
 int sg_mgr_local_quorum_start(sg_mgr_server_t *s, int64_t group_rank,
                               int64_t step, const char *checkpoint_metadata,
                               int shrink_only, int init_sync,
@@ -1239,7 +1367,8 @@ int sg_mgr_local_quorum_start(sg_mgr_server_t *s, int64_t group_rank,
   c->shrink_only = shrink_only != 0;
   c->init_sync = init_sync != 0;
   c->commit_failures = commit_failures;
-  local_post(s, c);
+  if (!arrive_here(s, c))
+    local_post(s, c);
   *out = c;
   return 0;
 }
@@ -1565,6 +1694,11 @@ static void *quorum_main(void *arg) {
     sg_err_clear(&e);
     int rc = quorum_with_retries(s, &j, &resp, &e);
     job_clear(&j);
+    if (rc != SG_ECANCELED &&
+        deliver_here(s, rc, e.msg[0] ? e.msg : sg_strerror(rc), resp)) {
+      pthread_mutex_lock(&s->mu);
+      continue;
+    }
     pthread_mutex_lock(&s->mu);
     s->result = resp;
     s->result_rc = rc;
@@ -1629,6 +1763,9 @@ static void on_stop(uv_async_t *a) {
   s->closing = 1;
   uv_timer_stop(&s->grace_timer);
   uv_timer_stop(&s->kill_timer);
+  pthread_mutex_lock(&s->quorum_mu);
+  s->q_closed = 1; /* no call waits for a round from now on */
+  pthread_mutex_unlock(&s->quorum_mu);
   fail_all(s, SG_GRPC_UNAVAILABLE, "manager shutting down");
   on_local(&s->local_async); /* answers calls started before the stop */
   sg_rpc_server_close(s->rpc, on_rpc_closed, s);
@@ -1677,6 +1814,7 @@ static void server_free(sg_mgr_server_t *s) {
   pthread_cond_destroy(&s->job_cv);
   pthread_mutex_destroy(&s->mu);
   pthread_mutex_destroy(&s->commit_mu);
+  pthread_mutex_destroy(&s->quorum_mu);
   sg_free(s);
 }
 
@@ -1770,6 +1908,7 @@ int sg_mgr_server_start(const sg_mgr_server_opts_t *o, sg_mgr_server_t **out,
     return sg_err_set(err, SG_ENOMEM, "out of memory");
   pthread_mutex_init(&s->mu, NULL);
   pthread_mutex_init(&s->commit_mu, NULL);
+  pthread_mutex_init(&s->quorum_mu, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);

@@ -1214,6 +1214,50 @@ static void test_local_steps_world_one(void **state) {
   sg_lh_server_stop(lh);
 }
 
+/* An in-process call that arrived on its caller's thread, then a call from
+ * the wire completing the round: the loop answers both (the quorum thread
+ * does not answer a round a wire call waits in); then the other order. */
+static void test_local_first_then_wire(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
+  group_t g;
+  group_start(&g, "a", sg_lh_server_address(lh), "st:1");
+  for (int order = 0; order < 2; order++) {
+    sg_mgr_local_t *c = NULL;
+    sg_err_t err;
+    struct qreq q;
+    q_init(&q, &g, 1, 7 + order);
+    if (order == 1) {
+      q_start(&q);
+      usleep(100 * 1000);
+    }
+    assert_int_equal(
+        sg_mgr_local_quorum_start(g.srv, 0, 7 + order, "m", 0, 0, 0, NULL,
+                                  sg_deadline_in_ms(10000), &c, &err),
+        0);
+    if (order == 0) {
+      usleep(100 * 1000);
+      assert_false(sg_mgr_local_done(c));
+      q_start(&q);
+    }
+    assert_int_equal(sg_mgr_local_wait(c, sg_deadline_in_ms(60000)), 0);
+    sg_mgr_quorum_result_t r;
+    sg_err_clear(&err);
+    if (sg_mgr_local_quorum_result(c, &r, &err))
+      fail_msg("order %d: %s", order, err.msg);
+    q_join(&q);
+    if (q.rc)
+      fail_msg("order %d, wire: %s", order, q.err.msg);
+    assert_int_equal(r.quorum_id, q.r.quorum_id);
+    assert_int_equal(r.max_step, 7 + order);
+    sg_mgr_quorum_result_free(&r);
+    q_free(&q, 1);
+    sg_mgr_local_free(c);
+  }
+  group_stop(&g);
+  sg_lh_server_stop(lh);
+}
+
 /* Refusals come back as the wire client reports them. */
 static void test_local_errors_match_wire(void **state) {
   (void)state;
@@ -1510,6 +1554,7 @@ int main(void) {
       cmocka_unit_test(test_stop_with_calls_in_flight),
       cmocka_unit_test(test_local_and_wire_ranks_share_rounds),
       cmocka_unit_test(test_local_steps_world_one),
+      cmocka_unit_test(test_local_first_then_wire),
       cmocka_unit_test(test_local_errors_match_wire),
       cmocka_unit_test(test_local_deadline_abort_and_slices),
       cmocka_unit_test(test_local_vote_ends_round_of_departed_voter),

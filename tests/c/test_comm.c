@@ -700,7 +700,7 @@ static void run_allreduce(struct group *g, sg_comm_dtype_t dt,
   for (int r = 1; r < g->n; r++)
     assert_memory_equal(buf[0], buf[r], count * es);
   for (size_t i = 0; i < count; i++) {
-    double v[MAXW];
+    double v[MAXW] = {0}; /* -O3 cannot tell that g->n >= 1 */
     for (int r = 0; r < g->n; r++)
       v[r] = get_d(dt, in[r], i);
     double want = expected(dt, op, v, g->n);

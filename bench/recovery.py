@@ -20,8 +20,8 @@ later repetitions may get recycled memory.
   (``stepguard-inplace``, ``stepguard-tcp-inplace``): into the healer's own
   state, built and touched before the first heal as a restarted replica
   builds its model and optimizer, passed as ``into=`` as the Manager does
-  with ``NativeTransport(in_place=True)`` (the same source processes as the
-  fresh rows; the Manager's default transport receives fresh);
+  with its default transport (``NativeTransport``, ``in_place=True``; the
+  same source processes as the fresh rows);
 * ``torchft-http`` HTTPTransport(num_chunks=0), the Manager's default;
 * ``torchft-pg``  PGTransport over torchft's ProcessGroupGloo (two ranks);
 * ``loopback``   the limit of loopback TCP with as many streams as stepguard

@@ -233,5 +233,7 @@ class CkptFetch:
         streams: int,
         timeout_s: float,
         min_chunk: int = ...,
+        same_host: bool = ...,
+        mapped: bytes | None = ...,
     ) -> list[int]: ...
     def abort(self) -> None: ...

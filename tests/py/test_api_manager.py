@@ -77,7 +77,9 @@ class Replica:
         self.manager = Manager(self.pg, self._load, lambda: {"w": self.w}, **args)  # type: ignore[arg-type]
 
     def _load(self, sd: Dict[str, torch.Tensor]) -> None:
-        self.loaded.append(sd)
+        # a copy: a transport that fetches in place hands over the
+        # replica's own tensors, which keep changing after the load
+        self.loaded.append({k: v.clone() for k, v in sd.items()})
         self.w.copy_(sd["w"])
 
     def step(self, grad: float) -> tuple:

@@ -428,8 +428,8 @@ def test_fetch_in_place_into_the_replicas_tensors(pair) -> None:
     assert b.last_recv_stats["in_place_bytes"] == expect
     a.disallow_checkpoint()
 
-    # off (the default): nothing in place
-    c = NativeTransport(T60, hostname="127.0.0.1", auth_token="tok")
+    # off: nothing in place
+    c = NativeTransport(T60, hostname="127.0.0.1", auth_token="tok", in_place=False)
     try:
         a.send_checkpoint([1], 5, sd, T60)
         got = c.recv_checkpoint(0, a.metadata(), 5, T60, into=into)

@@ -26,7 +26,7 @@ and its share taken by the others).  Nothing half-loaded is ever returned.
 Given ``into`` (the replica's current state dict), tensors whose
 counterpart there has the same dtype, shape and strides are fetched straight
 into the replica's own memory, which it has already touched: no allocation
-and no page faults (with ``in_place=True``, ``fetches_in_place``: the Manager
+and no page faults (``in_place``, the default; ``fetches_in_place``: the Manager
 then passes its state and reports step -1 until the fetch completes, since a
 failed fetch leaves those tensors partly overwritten).  A source whose metadata is an ``http://`` URL (an HTTPTransport peer, e.g.
 a torchft replica) is fetched from with the HTTP transport's format when no
@@ -155,10 +155,12 @@ class NativeTransport(CheckpointTransport[T]):
         max_conns: connections the server holds at once (0: 256).
         in_place: whether ``recv_checkpoint(..., into=state)`` may fetch into
             ``state``'s tensors (else ``into`` is ignored and every tensor
-            is fetched into fresh memory).  Off by default: the tensors the
-            Manager then hands to the load functions are the replica's own
-            (as with torchft's PGTransport given ``state_dict``), so a load
-            function that keeps what it is given sees it change later.
+            is fetched into fresh memory).  On by default: no allocation and
+            no page faults on a heal.  The tensors the Manager then hands to
+            the load functions are the replica's own (as with torchft's
+            PGTransport given ``state_dict``), so a load function that keeps
+            what it is given, rather than copying from it, sees it change
+            later; pass ``in_place=False`` for fresh tensors.
     """
 
     def __init__(
@@ -170,7 +172,7 @@ class NativeTransport(CheckpointTransport[T]):
         auth_token: str | None = None,
         streams_per_source: int = 2,
         max_conns: int = 0,
-        in_place: bool = False,
+        in_place: bool = True,
     ) -> None:
         self._timeout = timeout
         # read by the Manager: pass the replica's state as ``into``

@@ -108,7 +108,11 @@ class ManagerServer:
 
 class ManagerClient:
     def __init__(
-        self, addr: str, connect_timeout_s: float, auth_token: str | None = None
+        self,
+        addr: str,
+        connect_timeout_s: float,
+        auth_token: str | None = None,
+        server: ManagerServer | None = None,
     ) -> None: ...
     def _quorum(
         self,

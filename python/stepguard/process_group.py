@@ -283,6 +283,7 @@ class ProcessGroup(BaseProcessGroup):
         self._group_name: Optional[str] = None
         self._reconfigure_id: str = uuid.uuid4().hex
         self._rendezvous_store: Optional[TCPStore] = None
+        self._rendezvous_host = ""
         self._handle_lock = threading.Lock()
         self._handle_cache: Optional[Tuple[Tuple[str, str, int, Optional[int]], str]] = None
         self._replica_id: Optional[str] = None
@@ -450,8 +451,11 @@ class ProcessGroup(BaseProcessGroup):
         its global rank.  The store starts on first use."""
         with self._handle_lock:
             if self._rendezvous_store is None:
+                # the name the store was started under is the one to
+                # advertise (and asking the system every step costs a call)
+                self._rendezvous_host = socket.gethostname()
                 self._rendezvous_store = TCPStore(
-                    host_name=socket.gethostname(),
+                    host_name=self._rendezvous_host,
                     port=0,
                     is_master=True,
                     wait_for_workers=False,
@@ -459,7 +463,7 @@ class ProcessGroup(BaseProcessGroup):
             port = self._rendezvous_store.port
             # Asked for at every quorum, on the quorum thread, which holds
             # the GIL the training loop needs: encode it once per identity.
-            key = (self._handle_id(), socket.gethostname(), port, self._global_rank)
+            key = (self._handle_id(), self._rendezvous_host, port, self._global_rank)
             if self._handle_cache is None or self._handle_cache[0] != key:
                 handle = json.dumps(
                     {"id": key[0], "store": f"{key[1]}:{key[2]}", "global_rank": key[3]}

@@ -7,6 +7,12 @@
  * sg_log_set_sink() returns.  The default sink formats the whole line first
  * and emits it with one write(2), so lines from different threads do not
  * interleave.
+ *
+ * Fork: a thread other than the forking one may hold the sink mutex at
+ * fork() (a manager's heartbeat line, say); the child, which has only the
+ * forking thread, would then block forever on its first line.  Handlers
+ * registered once take the mutex before fork() and release it on both
+ * sides, so the child always starts with it free.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -23,6 +29,7 @@ static atomic_int log_level = -1; /* -1 = not yet read from the environment */
 static pthread_mutex_t sink_mu = PTHREAD_MUTEX_INITIALIZER;
 static sg_log_cb sink_cb;
 static void *sink_ud;
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 
 static const char *const level_names[] = {"ERROR", "WARN", "INFO", "DEBUG",
                                           "TRACE"};
@@ -64,8 +71,22 @@ int sg_log_enabled(sg_log_level_t level) {
 
 void sg_log_set_level(sg_log_level_t level) { atomic_store(&log_level, level); }
 
+static void sink_lock(void) { pthread_mutex_lock(&sink_mu); }
+
+static void sink_unlock(void) { pthread_mutex_unlock(&sink_mu); }
+
+static void atfork_init(void) {
+  pthread_atfork(sink_lock, sink_unlock, sink_unlock);
+}
+
+/* Every path that takes the mutex registers the handlers first. */
+static void sink_enter(void) {
+  pthread_once(&atfork_once, atfork_init);
+  sink_lock();
+}
+
 void sg_log_set_sink(sg_log_cb cb, void *ud) {
-  pthread_mutex_lock(&sink_mu);
+  sink_enter();
   sink_cb = cb;
   sink_ud = ud;
   pthread_mutex_unlock(&sink_mu);
@@ -105,7 +126,7 @@ void sg_logv(sg_log_level_t level, const char *subsystem, const char *fmt,
     return;
   char msg[1024];
   vsnprintf(msg, sizeof(msg), fmt, ap);
-  pthread_mutex_lock(&sink_mu);
+  sink_enter();
   if (sink_cb)
     sink_cb(sink_ud, level, subsystem, msg);
   else

@@ -88,6 +88,49 @@ def test_blocking_call_in_forked_child(procs) -> None:
     assert rest.strip() == "0", "the forked child's call failed"
 
 
+# A thread logs without pause (the GIL released inside, as the manager's
+# threads log) while the main thread forks; each child logs one line.  A
+# child forked while the thread held the log's lock used to block forever.
+LOG_FORK_CHILD = """
+import os, sys, threading, time
+from stepguard import _C
+stop = threading.Event()
+def spam():
+    while not stop.is_set():
+        _C.log(2, "spam", "x" * 200)
+t = threading.Thread(target=spam)
+t.start()
+hung = 0
+for _ in range(int(sys.argv[1])):
+    pid = os.fork()
+    if pid == 0:
+        _C.log(2, "child", "one line")
+        os._exit(0)
+    deadline = time.monotonic() + 20
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            hung += 1
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.005)
+stop.set()
+t.join()
+print(hung, flush=True)
+"""
+
+
+def test_child_forked_while_another_thread_logs_can_log(procs) -> None:
+    """Before the log's fork handlers, about one fork in thirty hung here;
+    the forked-child test above hit the same hang when a server thread's
+    line was being written at its fork()."""
+    p = procs.spawn(LOG_FORK_CHILD, "150", stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL, text=True)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out
+    assert out.strip() == "0", f"{out.strip()} of 150 children hung on their first log line"
+
+
 FORK_PENDING_CHILD = """
 import os, sys
 from datetime import timedelta

@@ -1886,6 +1886,10 @@ static void test_sigkill_mid_allreduce_samehost(void **state) {
 
 int main(void) {
   signal(SIGPIPE, SIG_IGN);
+  /* SG_TEST_FILTER=test_sigkill* runs the matching tests only (a loop) */
+  const char *filter = getenv("SG_TEST_FILTER");
+  if (filter && *filter)
+    cmocka_set_test_filter(filter);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_f16_roundtrip),
       cmocka_unit_test(test_bf16_rounding),

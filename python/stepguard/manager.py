@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import itertools
 import logging
 import os
 import re
 import socket
 import threading
+import time
 import traceback
 import uuid
 import weakref
@@ -47,6 +49,7 @@ from typing import (
     Dict,
     List,
     Optional,
+    Tuple,
     TypeVar,
     cast,
 )
@@ -337,6 +340,10 @@ class Manager:
         self._participating_replica_world_size: int = 0
         self._is_state_dict_read_allowed = True
         self._warned_quantize = False
+        # the bucket allreduce's options (read by c10d at each call)
+        self._sum_opts = AllreduceOptions()
+        self._sum_opts.reduceOp = ReduceOp.SUM
+        self._bucket_deadlines = _BucketDeadlines()
 
         self._global_rank: int = (
             self._group_rank
@@ -482,9 +489,10 @@ class Manager:
         One callback runs when the collective completes, on the process
         group's thread; ``allreduce``'s lazy chain runs four there (the
         deadline, the error swallowing, the average and DDP's), each taking
-        the GIL from backward.
+        the GIL from backward.  The deadlines of all buckets share one
+        timer (``_BucketDeadlines``).
         """
-        if self.errored():
+        if self._errored is not None:
             return _done_future(tensor)
         self.wait_quorum()
         num_participants = self.num_participants()
@@ -493,9 +501,7 @@ class Manager:
         if not torch.is_floating_point(tensor):
             raise ValueError("average reduce op is only supported for floating point tensors")
         try:
-            opts = AllreduceOptions()
-            opts.reduceOp = ReduceOp.SUM
-            fut = self._pg.allreduce([tensor], opts).get_future()
+            fut = self._pg.allreduce([tensor], self._sum_opts).get_future()
         except Exception as e:  # noqa: BLE001 - a failed step, not a crash
             self._logger.exception(f"got exception in all reduce -- skipping remaining: {e}")
             self.report_error(e)
@@ -524,10 +530,11 @@ class Manager:
         def on_timeout() -> None:
             settle(TimeoutError(f"future did not complete within {timeout}"))
 
-        handle = _call_later(timeout, on_timeout)
+        deadlines = self._bucket_deadlines
+        key = deadlines.add(timeout.total_seconds(), on_timeout)
 
         def on_done(f: torch.futures.Future[object]) -> None:
-            handle.cancel()
+            deadlines.remove(key)
             try:
                 f.value()
             except Exception as e:  # noqa: BLE001 - swallowed on purpose
@@ -1030,6 +1037,56 @@ def _done_future(value: T) -> torch.futures.Future[T]:
     fut: torch.futures.Future[T] = torch.futures.Future()
     fut.set_result(value)
     return fut
+
+
+class _BucketDeadlines:
+    """The deadlines of the bucket allreduces in flight, served by one
+    timer: arming a timer per bucket cost a heap push under the timer's
+    lock on backward's thread, and kept every bucket's callbacks alive for
+    the whole timeout after it completed.  A deadline fires exactly when
+    its own timeout has passed; the timer is re-armed at the earliest one
+    still pending."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: Dict[int, Tuple[float, Callable[[], None]]] = {}
+        self._seq = itertools.count()
+        self._armed: Optional[float] = None  # when the armed timer fires
+        self._pid = os.getpid()  # a forked child has no timer armed
+
+    def add(self, timeout_s: float, on_timeout: Callable[[], None]) -> int:
+        """Calls ``on_timeout`` (on a timer thread) in ``timeout_s``
+        seconds unless ``remove`` is called first; returns the key."""
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        with self._lock:
+            if self._pid != os.getpid():
+                self._pid = os.getpid()
+                self._armed = None
+            key = next(self._seq)
+            self._pending[key] = (deadline, on_timeout)
+            if self._armed is None or deadline < self._armed:
+                self._arm(deadline)
+        return key
+
+    def remove(self, key: int) -> None:
+        """Cancels the deadline ``key`` (no effect once it fired)."""
+        with self._lock:
+            self._pending.pop(key, None)
+
+    def _arm(self, deadline: float) -> None:
+        self._armed = deadline
+        _call_later(timedelta(seconds=max(deadline - time.monotonic(), 0.0)), self._fire)
+
+    def _fire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._armed = None
+            due = [k for k, (d, _) in self._pending.items() if d <= now]
+            callbacks = [self._pending.pop(k)[1] for k in due]
+            if self._pending:
+                self._arm(min(d for d, _ in self._pending.values()))
+        for cb in callbacks:
+            cb()
 
 
 class _NativeQuorum:

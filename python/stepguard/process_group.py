@@ -589,6 +589,18 @@ class ProcessGroupWrapper(ProcessGroup):
         self._global_ranks: Optional[List[int]] = None
         self.errors_logger: logging.Logger = logging.getLogger("torchft_errors")
 
+    # True where _run_context, _opts_hook and _wrap_work are this class's
+    # no-ops, so an operation can go straight to the wrapped group (set for
+    # each subclass by __init_subclass__).
+    _plain_hooks = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._plain_hooks = all(
+            getattr(cls, name) is getattr(ProcessGroupWrapper, name)
+            for name in ("_run_context", "_opts_hook", "_wrap_work")
+        )
+
     def getBackendName(self) -> str:
         pg = self._pg
         if isinstance(pg, ProcessGroup):
@@ -750,6 +762,11 @@ class ProcessGroupWrapper(ProcessGroup):
             )
 
     def allreduce(self, tensors: List[torch.Tensor], opts: object) -> Work:  # type: ignore[override]
+        pg = self._pg
+        if self._plain_hooks and pg is not None:
+            # The hot path (every gradient bucket): with the base class's
+            # no-op hooks there is nothing to wrap, so one call.
+            return pg.allreduce(tensors, opts)  # type: ignore[arg-type]
         with self._run_context():
             return self._wrap_work(
                 self.parent.allreduce(tensors, self._opts_hook(opts)), opts  # type: ignore[arg-type]

@@ -356,3 +356,80 @@ def test_in_process_calls_start_no_thread_and_ctrl_c_stops_them(procs):
     assert p.wait(timeout=10) == 3
     assert time.monotonic() - t0 < 10
     assert "interrupted" in p.stdout.read()
+
+
+# ---- the per-step hot path's helpers --------------------------------------
+
+
+def test_bucket_deadlines_fire_each_at_its_own_time_and_not_when_removed() -> None:
+    """The bucket allreduces' shared timer: a deadline fires once, never
+    before its own timeout, a removed one never; the timer is re-armed for
+    deadlines later than the one it was armed for."""
+    from stepguard.manager import _BucketDeadlines
+
+    d = _BucketDeadlines()
+    fired: dict[str, float] = {}
+    done = threading.Event()
+
+    def mark(name: str):
+        def cb() -> None:
+            fired[name] = time.monotonic()
+            if name == "late":
+                done.set()
+        return cb
+
+    t0 = time.monotonic()
+    d.add(0.05, mark("early"))
+    gone = d.add(0.1, mark("removed"))
+    d.add(0.3, mark("late"))
+    d.remove(gone)
+    assert done.wait(10), f"the late deadline never fired: {fired}"
+    time.sleep(0.2)  # anything still armed would fire now
+    assert set(fired) == {"early", "late"}, fired
+    assert fired["early"] - t0 >= 0.05 and fired["late"] - t0 >= 0.3, fired
+    # an earlier deadline added while a later one is armed still fires first
+    done.clear()
+    fired.clear()
+    t1 = time.monotonic()
+    d.add(5.0, mark("never"))
+    d.add(0.05, mark("late"))
+    assert done.wait(10), "a deadline earlier than the armed one never fired"
+    assert "never" not in fired and fired["late"] - t1 >= 0.05
+
+
+def test_wrapper_allreduce_goes_straight_to_the_group_only_without_hooks() -> None:
+    """ProcessGroupGloo's allreduce is one call into the c10d group; a
+    subclass that overrides a hook still gets it called."""
+    import torch
+    from torch.distributed import AllreduceOptions, ReduceOp
+
+    from stepguard.process_group import ProcessGroupGloo, ProcessGroupNCCL, ProcessGroupWrapper
+
+    assert ProcessGroupGloo._plain_hooks and not ProcessGroupNCCL._plain_hooks
+
+    calls: list = []
+
+    class Inner:
+        def allreduce(self, tensors, opts):
+            calls.append(("inner", opts))
+            return "work"
+
+    class Hooked(ProcessGroupGloo):
+        def _wrap_work(self, work, opts):
+            calls.append(("wrap", work))
+            return "wrapped"
+
+    opts = AllreduceOptions()
+    opts.reduceOp = ReduceOp.SUM
+    plain = ProcessGroupGloo()
+    with pytest.raises(AssertionError, match="not initialized"):
+        plain.allreduce([torch.zeros(1)], opts)
+    plain._pg = Inner()
+    assert plain.allreduce([torch.zeros(1)], opts) == "work"
+    assert calls == [("inner", opts)]
+    calls.clear()
+    hooked = Hooked()
+    assert not Hooked._plain_hooks and ProcessGroupWrapper._plain_hooks
+    hooked._pg = Inner()
+    assert hooked.allreduce([torch.zeros(1)], opts) == "wrapped"
+    assert calls == [("inner", opts), ("wrap", "work")]

@@ -522,6 +522,353 @@ static void fetch_dealloc(PyObject *self_obj) {
   Py_DECREF(tp);
 }
 
+/* ---- plan: destinations for a header's leaves -------------------------------
+ *
+ * One pass over the received header's leaves in C: the region table is
+ * checked against the header, and every tensor whose counterpart in the
+ * replica's own state can take its bytes in place gets that tensor's address.
+ * Reading a handful of attributes per tensor through the C API costs a
+ * fraction of what the same checks cost as Python bytecode, which matters at
+ * thousands of tensors per state.
+ */
+
+typedef struct {
+  PyObject *torch, *dtypes, *dtype_type, *strided, *tensor_t, *param_t;
+  PyObject *s_dtype, *s_shape, *s_stride, *s_is_cpu, *s_layout, *s_is_nested,
+      *s_data_ptr, *s_requires_grad, *s_itemsize;
+} plan_ctx;
+
+typedef struct {
+  uint64_t start, end;
+  Py_ssize_t leaf;
+  size_t region;
+} plan_hit;
+
+static int hit_cmp(const void *a, const void *b) {
+  const plan_hit *x = a, *y = b;
+  if (x->start != y->start)
+    return x->start < y->start ? -1 : 1;
+  return x->leaf < y->leaf ? -1 : x->leaf > y->leaf;
+}
+
+static int plan_bad(const char *what, Py_ssize_t i) {
+  PyErr_Format(PyExc_RuntimeError, "bad checkpoint header: leaf %zd: %s", i,
+               what);
+  return -1;
+}
+
+/* plan_dtype: the (dtype, itemsize) pair named `name`, cached in dtypes. */
+static PyObject *plan_dtype(plan_ctx *c, PyObject *name, Py_ssize_t i) {
+  PyObject *hit = PyDict_GetItemWithError(c->dtypes, name); /* borrowed */
+  if (hit || PyErr_Occurred())
+    return hit;
+  PyObject *dt = PyObject_GetAttr(c->torch, name), *size = NULL;
+  if (!dt) {
+    PyErr_Clear();
+    plan_bad("unknown dtype", i);
+    return NULL;
+  }
+  if (!PyObject_TypeCheck(dt, (PyTypeObject *)c->dtype_type) ||
+      !(size = PyObject_GetAttr(dt, c->s_itemsize))) {
+    Py_DECREF(dt);
+    if (!PyErr_Occurred())
+      plan_bad("not a dtype", i);
+    return NULL;
+  }
+  PyObject *pair = PyTuple_Pack(2, dt, size);
+  Py_DECREF(dt);
+  Py_DECREF(size);
+  if (!pair || PyDict_SetItem(c->dtypes, name, pair) < 0) {
+    Py_XDECREF(pair);
+    return NULL;
+  }
+  Py_DECREF(pair); /* the dict holds it */
+  return pair;
+}
+
+/* plan_elems: product of a shape tuple of non-negative ints (-1: bad). */
+static int plan_elems(PyObject *shape, PyObject *stride, uint64_t *out) {
+  if (!PyTuple_Check(shape) || !PyTuple_Check(stride) ||
+      PyTuple_GET_SIZE(shape) != PyTuple_GET_SIZE(stride))
+    return -1;
+  uint64_t n = 1;
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(shape); k++) {
+    PyObject *d = PyTuple_GET_ITEM(shape, k);
+    if (!PyLong_Check(d))
+      return -1;
+    long long v = PyLong_AsLongLong(d);
+    if (v < 0) {
+      PyErr_Clear();
+      return -1;
+    }
+    if (v && n > SG_CKPT_MAX_TOTAL / (uint64_t)v)
+      return -1;
+    n *= (uint64_t)v;
+  }
+  *out = n;
+  return 0;
+}
+
+/* attr_is: 1 when t.<name> is `want` (identity), 0 when not, -1 error. */
+static int attr_is(PyObject *t, PyObject *name, PyObject *want) {
+  PyObject *v = PyObject_GetAttr(t, name);
+  if (!v)
+    return -1;
+  int r = v == want;
+  Py_DECREF(v);
+  return r;
+}
+
+static int attr_eq(PyObject *v, PyObject *want) {
+  if (!v)
+    return -1;
+  int r = PyObject_RichCompareBool(v, want, Py_EQ);
+  Py_DECREF(v);
+  return r;
+}
+
+/*
+ * plan_check: 1 when tensor `t` can take the region in place (*start: its
+ * address), 0 when not, -1 on error.  A plain CPU strided tensor with the
+ * same dtype, shape and strides (the caller checks the span is dense); the
+ * kind is checked first, since sparse and nested tensors have no strides.
+ */
+static int plan_check(plan_ctx *c, PyObject *t, PyObject *dtype,
+                      PyObject *shape, PyObject *stride, uint64_t *start) {
+  int r;
+  if ((r = attr_is(t, c->s_dtype, dtype)) != 1)
+    return r;
+  if ((r = attr_is(t, c->s_layout, c->strided)) != 1)
+    return r;
+  if ((r = attr_is(t, c->s_is_cpu, Py_True)) != 1)
+    return r;
+  if ((r = attr_is(t, c->s_is_nested, Py_False)) != 1)
+    return r;
+  if ((r = attr_eq(PyObject_GetAttr(t, c->s_shape), shape)) != 1)
+    return r;
+  if ((r = attr_eq(PyObject_CallMethodNoArgs(t, c->s_stride), stride)) != 1)
+    return r;
+  PyObject *p = PyObject_CallMethodNoArgs(t, c->s_data_ptr);
+  if (!p)
+    return -1;
+  unsigned long long a = PyLong_AsUnsignedLongLong(p);
+  Py_DECREF(p);
+  if (a == (unsigned long long)-1 && PyErr_Occurred())
+    return -1;
+  *start = a;
+  return a != 0;
+}
+
+/* plan_match: plan_check for a tensor of exactly torch.Tensor or
+ * Parameter; a tensor whose attributes raise does not match. */
+static int plan_match(plan_ctx *c, PyObject *t, PyObject *dtype,
+                      PyObject *shape, PyObject *stride, uint64_t *start) {
+  if (Py_TYPE(t) != (PyTypeObject *)c->tensor_t &&
+      Py_TYPE(t) != (PyTypeObject *)c->param_t)
+    return 0;
+  int r = plan_check(c, t, dtype, shape, stride, start);
+  if (r < 0) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+      return -1; /* KeyboardInterrupt and the like */
+    PyErr_Clear();
+    r = 0;
+  }
+  return r;
+}
+
+/* plan_keeps: whether in-place tensor `t` is returned as it is (its
+ * requires_grad and Parameter-ness are the header's); -1 on error. */
+static int plan_keeps(plan_ctx *c, PyObject *t, PyObject *rg, PyObject *param) {
+  int want_rg = PyObject_IsTrue(rg), want_p = PyObject_IsTrue(param);
+  if (want_rg < 0 || want_p < 0)
+    return -1;
+  PyObject *v = PyObject_GetAttr(t, c->s_requires_grad);
+  if (!v)
+    return -1;
+  int has_rg = v == Py_True;
+  Py_DECREF(v);
+  int is_p = Py_TYPE(t) == (PyTypeObject *)c->param_t;
+  return has_rg == want_rg && is_p == want_p;
+}
+
+static PyObject *fetch_plan(PyObject *self_obj, PyObject *args) {
+  plan_ctx c;
+  PyObject *metas, *mine, *lens_obj, *ret = NULL;
+  PyObject *leaves = NULL, *ptrs = NULL, *mapped = NULL, *rest = NULL;
+  plan_hit *hits = NULL;
+  Py_buffer lb = {0};
+  static const char *const names[] = {"dtype",    "shape",         "stride",
+                                      "is_cpu",   "layout",        "is_nested",
+                                      "data_ptr", "requires_grad", "itemsize"};
+  memset(&c, 0, sizeof(c));
+  PyObject **slots[] = {&c.s_dtype,    &c.s_shape,         &c.s_stride,
+                        &c.s_is_cpu,   &c.s_layout,        &c.s_is_nested,
+                        &c.s_data_ptr, &c.s_requires_grad, &c.s_itemsize};
+  (void)self_obj;
+  if (!PyArg_ParseTuple(args, "O!OOOO!OOOO:plan", &PyList_Type, &metas, &mine,
+                        &lens_obj, &c.torch, &PyDict_Type, &c.dtypes,
+                        &c.dtype_type, &c.strided, &c.tensor_t, &c.param_t))
+    return NULL;
+  if (!PyType_Check(c.dtype_type) || !PyType_Check(c.tensor_t) ||
+      !PyType_Check(c.param_t)) {
+    PyErr_SetString(PyExc_TypeError, "plan: dtype, tensor and parameter types");
+    return NULL;
+  }
+  Py_ssize_t nleaves = PyList_GET_SIZE(metas);
+  if (mine != Py_None &&
+      (!PyList_Check(mine) || PyList_GET_SIZE(mine) != nleaves)) {
+    PyErr_SetString(PyExc_ValueError, "mine: None or a list, one per leaf");
+    return NULL;
+  }
+  if (PyObject_GetBuffer(lens_obj, &lb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+    return NULL;
+  if (lb.itemsize != 8) {
+    PyErr_SetString(PyExc_ValueError, "lens: a buffer of 8-byte integers");
+    goto out;
+  }
+  const uint64_t *lens = lb.buf;
+  size_t nreg = (size_t)lb.len / 8;
+  for (size_t k = 0; k < sizeof(names) / sizeof(names[0]); k++)
+    if (!(*slots[k] = PyUnicode_InternFromString(names[k])))
+      goto out;
+  leaves = PyList_New(nleaves);
+  ptrs = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(nreg * 8));
+  mapped = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)nreg);
+  rest = PyList_New(0);
+  hits = PyMem_Calloc(nreg ? nreg : 1, sizeof(*hits));
+  if (!leaves || !ptrs || !mapped || !rest || !hits) {
+    if (!PyErr_Occurred())
+      PyErr_NoMemory();
+    goto out;
+  }
+  uint64_t *ptr = (uint64_t *)(void *)PyByteArray_AS_STRING(ptrs);
+  uint8_t *map = (uint8_t *)PyByteArray_AS_STRING(mapped);
+  memset(ptr, 0, nreg * 8);
+  memset(map, 0, nreg);
+  size_t r = 0, nhits = 0;
+  for (Py_ssize_t i = 0; i < nleaves; i++) {
+    PyObject *m = PyList_GET_ITEM(metas, i);
+    if (!PyTuple_Check(m) || PyTuple_GET_SIZE(m) < 2 ||
+        !PyUnicode_Check(PyTuple_GET_ITEM(m, 0))) {
+      plan_bad("not a leaf record", i);
+      goto out;
+    }
+    PyObject *kind = PyTuple_GET_ITEM(m, 0);
+    if (PyUnicode_CompareWithASCIIString(kind, "v") == 0) {
+      PyObject *v = PyTuple_GET_ITEM(m, 1);
+      Py_INCREF(v);
+      PyList_SET_ITEM(leaves, i, v);
+      continue;
+    }
+    if (PyUnicode_CompareWithASCIIString(kind, "t") != 0 ||
+        PyTuple_GET_SIZE(m) != 8 || !PyUnicode_Check(PyTuple_GET_ITEM(m, 1)) ||
+        !PyLong_Check(PyTuple_GET_ITEM(m, 4))) {
+      plan_bad("not a leaf record", i);
+      goto out;
+    }
+    Py_INCREF(Py_None);
+    PyList_SET_ITEM(leaves, i, Py_None);
+    if (r >= nreg) {
+      PyErr_SetString(PyExc_RuntimeError,
+                      "checkpoint header and region table disagree");
+      goto out;
+    }
+    PyObject *shape = PyTuple_GET_ITEM(m, 2), *stride = PyTuple_GET_ITEM(m, 3);
+    PyObject *dt = plan_dtype(&c, PyTuple_GET_ITEM(m, 1), i);
+    if (!dt)
+      goto out;
+    long long span = PyLong_AsLongLong(PyTuple_GET_ITEM(m, 4));
+    long long isz = PyLong_AsLongLong(PyTuple_GET_ITEM(dt, 1));
+    uint64_t numel;
+    if (PyErr_Occurred() || span < 0 || isz <= 0 ||
+        plan_elems(shape, stride, &numel) < 0) {
+      PyErr_Clear();
+      plan_bad("bad shape, strides or span", i);
+      goto out;
+    }
+    if ((uint64_t)span > SG_CKPT_MAX_TOTAL / (uint64_t)isz ||
+        (uint64_t)span * (uint64_t)isz != lens[r]) {
+      PyErr_SetString(PyExc_RuntimeError,
+                      "checkpoint header and region table disagree");
+      goto out;
+    }
+    uint64_t start = 0;
+    int ok = 0;
+    if (mine != Py_None && span > 0 && (uint64_t)span == numel) {
+      ok = plan_match(&c, PyList_GET_ITEM(mine, i), PyTuple_GET_ITEM(dt, 0),
+                      shape, stride, &start);
+      if (ok < 0)
+        goto out;
+    }
+    if (ok) {
+      hits[nhits].start = start;
+      hits[nhits].end = start + lens[r];
+      hits[nhits].leaf = i;
+      hits[nhits].region = r;
+      nhits++;
+    }
+    r++;
+  }
+  if (r != nreg) {
+    PyErr_SetString(PyExc_RuntimeError,
+                    "checkpoint header and region table disagree");
+    goto out;
+  }
+  /* tied tensors: the first of overlapping memory in place, the rest fresh */
+  qsort(hits, nhits, sizeof(*hits), hit_cmp);
+  uint64_t end = 0, in_place = 0;
+  for (size_t k = 0; k < nhits; k++) {
+    plan_hit *h = &hits[k];
+    if (h->start < end)
+      continue; /* an alias: fresh memory */
+    end = h->end > end ? h->end : end;
+    ptr[h->region] = h->start;
+    map[h->region] = 1;
+    in_place += h->end - h->start;
+  }
+  /* leaves in header order: returned as they are, or left to the caller */
+  r = 0;
+  for (Py_ssize_t i = 0; i < nleaves; i++) {
+    PyObject *m = PyList_GET_ITEM(metas, i);
+    if (PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(m, 0), "v") == 0)
+      continue;
+    PyObject *own = Py_None;
+    if (map[r]) {
+      own = PyList_GET_ITEM(mine, i);
+      int keep =
+          plan_keeps(&c, own, PyTuple_GET_ITEM(m, 5), PyTuple_GET_ITEM(m, 6));
+      if (keep < 0)
+        goto out;
+      if (keep) {
+        Py_INCREF(own);
+        PyList_SetItem(leaves, i, own);
+        r++;
+        continue;
+      }
+    }
+    PyObject *item = Py_BuildValue("(nnO)", i, (Py_ssize_t)r, own);
+    if (!item || PyList_Append(rest, item) < 0) {
+      Py_XDECREF(item);
+      goto out;
+    }
+    Py_DECREF(item);
+    r++;
+  }
+  ret = Py_BuildValue("(OOOOK)", leaves, ptrs, mapped, rest,
+                      (unsigned long long)in_place);
+out:
+  for (size_t s = 0; s < sizeof(slots) / sizeof(slots[0]); s++)
+    Py_XDECREF(*slots[s]);
+  PyMem_Free(hits);
+  Py_XDECREF(leaves);
+  Py_XDECREF(ptrs);
+  Py_XDECREF(mapped);
+  Py_XDECREF(rest);
+  if (lb.obj)
+    PyBuffer_Release(&lb);
+  return ret;
+}
+
 static PyMethodDef fetch_methods[] = {
     {"info", fetch_info, METH_VARARGS,
      "info(addr, token, step, timeout_s) -> (header: bytes, lens: list[int], "
@@ -534,6 +881,15 @@ static PyMethodDef fetch_methods[] = {
      "per region, nonzero where its pages are already mapped)."},
     {"stats", fetch_stats, METH_NOARGS,
      "stats() -> dict: what the last data() moved, same-host and TCP."},
+    {"plan", fetch_plan, METH_VARARGS,
+     "plan(leaves, mine, lens, torch, dtypes, dtype_type, strided, "
+     "tensor_type, parameter_type) -> (values, ptrs: bytearray, mapped: "
+     "bytearray, rest: list[(leaf, region, own)], in_place_bytes): checks the "
+     "header's leaf records against the region table `lens` and gives each "
+     "tensor leaf whose counterpart mine[i] (None: no in-place fetch) can take "
+     "it in place that tensor's address (aliases after the first: not); "
+     "values holds the non-tensor leaves and the tensors returned as they "
+     "are, rest the others (own: the in-place tensor, else None)."},
     {"abort", fetch_abort, METH_NOARGS,
      "abort(): fail the running and every later call (any thread)."},
     {NULL, NULL, 0, NULL},

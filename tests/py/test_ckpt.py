@@ -687,3 +687,136 @@ def test_cuda_tensors_are_served_from_a_host_copy(pair) -> None:
     assert got["t"].stride() == expect["t"].stride()
     assert got["k"] == 3
     a.disallow_checkpoint()
+
+
+_Pair = collections.namedtuple("_Pair", ["a", "b"])
+
+
+def _odd_tree(g: torch.Generator) -> dict:
+    return {
+        "d": collections.OrderedDict(x=torch.randn(5, generator=g), n=None),
+        "l": [torch.randn(3, generator=g), (torch.randn(2, generator=g), 7), []],
+        "nt": _Pair(torch.randn(4, generator=g), "s"),
+        "e": {},
+        "none": None,
+    }
+
+
+def test_structure_walk_and_rebuild_match_pytree() -> None:
+    """The fetch's own walk along a received tree and its rebuild give what
+    torch's pytree gives: the same leaves in the same order, the same tree
+    (dicts, lists, tuples, OrderedDict, None, empty nodes, namedtuples), and a
+    different structure is reported as such."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    from stepguard.checkpointing import native_transport as nt
+
+    tree = _odd_tree(torch.Generator().manual_seed(1))
+    leaves, spec = tree_flatten(tree)
+    out: list = []
+    walked = nt._along(spec, tree, out)
+    # a namedtuple's spec type is not its class: the walk gives up there
+    assert not walked
+    del tree["nt"]
+    leaves, spec = tree_flatten(tree)
+    out = []
+    assert nt._along(spec, tree, out)
+    assert len(out) == len(leaves) and all(a is b for a, b in zip(out, leaves))
+    rebuilt = nt._unflatten(leaves, spec)
+    theirs = tree_flatten(tree_unflatten(leaves, spec))[1]
+    assert tree_flatten(rebuilt)[1] == spec == theirs
+    assert all(a is b for a, b in zip(tree_flatten(rebuilt)[0], leaves))
+    assert type(rebuilt["d"]) is collections.OrderedDict and rebuilt["none"] is None
+    for other in (
+        {**tree, "e": {"k": 1}},  # another number of children
+        {**tree, "d": dict(tree["d"])},  # another node type
+        {**tree, "extra": 1},  # other keys
+    ):
+        assert not nt._along(spec, other, [])
+    # a node where the received tree has a leaf: that leaf's candidate is
+    # the node (no match), the rest still line up
+    swapped = {**tree, "none": None, "l": [{"x": 1}, tree["l"][1], []]}
+    got: list = []
+    assert nt._along(spec, swapped, got)
+    assert got[2] == {"x": 1} and got[3] is tree["l"][1][0]
+
+
+def test_plan_checks_the_header_against_the_region_table() -> None:
+    """The binding's one-pass planner: leaf records that are not well formed,
+    a region table that disagrees with the header, or an unknown dtype are a
+    clear error; a good header gives every tensor leaf its place."""
+    f = _C.CkptFetch()
+    args = (torch, {}, torch.dtype, torch.strided, torch.Tensor, torch.nn.Parameter)
+    good = [("t", "float32", (2, 3), (3, 1), 6, False, False, "cpu"), ("v", 5)]
+    lens = array.array("Q", [24])
+    own = torch.zeros(2, 3)
+    values, ptrs, mapped, rest, in_place = f.plan(good, [own, None], lens, *args)
+    assert values[0] is own and values[1] == 5 and rest == []
+    assert memoryview(ptrs).cast("Q")[0] == own.data_ptr() and mapped == b"\x01"
+    assert in_place == 24
+    values, ptrs, mapped, rest, in_place = f.plan(good, None, lens, *args)
+    assert values == [None, 5] and rest == [(0, 0, None)] and in_place == 0
+    assert bytes(ptrs) == bytes(8) and mapped == b"\x00"
+    bad_records = [
+        [("t", "float32", (2, 3), (3, 1), 6)],  # short
+        [("x", 1)],  # unknown kind
+        [("t", "float32", (2, -3), (3, 1), 6, False, False, "cpu")],
+        [("t", "float32", (2, 3), (3,), 6, False, False, "cpu")],
+        [("t", "float32", [2, 3], (3, 1), 6, False, False, "cpu")],
+        [("t", "float32", (2, 3), (3, 1), -6, False, False, "cpu")],
+        [("t", "no_such_dtype", (2, 3), (3, 1), 6, False, False, "cpu")],
+        [("t", "Tensor", (2, 3), (3, 1), 6, False, False, "cpu")],  # not a dtype
+        ["t"],
+    ]
+    for recs in bad_records:
+        with pytest.raises(RuntimeError, match="bad checkpoint header"):
+            f.plan(recs, None, lens, *args)
+    for recs, ls in (
+        (good, array.array("Q", [20])),  # length differs
+        (good, array.array("Q", [24, 8])),  # more regions than tensors
+        (good + good, lens),  # fewer
+    ):
+        with pytest.raises(RuntimeError, match="disagree"):
+            f.plan(recs, None, ls, *args)
+    with pytest.raises(ValueError):
+        f.plan(good, [own], lens, *args)  # one candidate per leaf
+
+
+def test_in_place_with_odd_counterparts(pair) -> None:
+    """Counterparts that cannot take bytes in place (sparse, nested, a
+    subclass, a non-tensor) get fresh memory without an error; a namedtuple
+    in the tree is matched by key path; a Parameter whose flags differ is
+    still fetched in place and returned with the sent flags."""
+    a, b = pair
+    g = torch.Generator().manual_seed(4)
+    sd = {
+        "sparse": torch.randn(4, 4, generator=g),
+        "nested": torch.randn(6, generator=g),
+        "sub": torch.randn(3, generator=g),
+        "plain": torch.randn(8, generator=g),
+        "p": torch.nn.Parameter(torch.randn(5, generator=g), requires_grad=True),
+        "nt": _Pair(torch.randn(7, generator=g), "s"),
+        "none": None,
+    }
+
+    class Sub(torch.Tensor):
+        pass
+
+    into = {
+        "sparse": torch.zeros(4, 4).to_sparse(),
+        "nested": torch.nested.nested_tensor([torch.zeros(3), torch.zeros(3)]),
+        "sub": torch.zeros(3).as_subclass(Sub),
+        "plain": "not a tensor",
+        "p": torch.zeros(5),  # a plain tensor: in place, returned as a Parameter
+        "nt": _Pair(torch.zeros(7), "old"),
+        "none": None,
+    }
+    a.send_checkpoint([1], 6, sd, T60)
+    got = b.recv_checkpoint(0, a.metadata(), 6, T60, into=into)
+    assert_identical(sd, got)
+    assert isinstance(got["p"], torch.nn.Parameter) and got["p"].requires_grad
+    assert got["p"].data_ptr() == into["p"].data_ptr()
+    assert got["nt"].a.data_ptr() == into["nt"].a.data_ptr()
+    assert b.last_recv_stats["in_place_bytes"] == 5 * 4 + 7 * 4
+    assert not into["sub"].any()
+    a.disallow_checkpoint()

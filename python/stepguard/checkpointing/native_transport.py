@@ -55,7 +55,13 @@ from typing import Any, Dict, List, Sequence, Tuple, TypeVar
 
 import numpy
 import torch
-from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import (
+    SUPPORTED_NODES,
+    TreeSpec,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_unflatten,
+)
 
 from stepguard import _C
 from stepguard.checkpointing.transport import CheckpointTransport
@@ -98,9 +104,6 @@ def _env_token(token: str | None) -> str | None:
     return os.environ.get("STEPGUARD_AUTH_TOKEN") or None
 
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
 def _plain(t: torch.Tensor) -> bool:
     """Whether ``t``'s bytes can be served from its memory as one span."""
     return (
@@ -119,6 +122,72 @@ def _span_elems(t: torch.Tensor) -> int:
     if n == 0 or t.is_contiguous():
         return n
     return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
+def _is_leaf_spec(spec: Any) -> bool:
+    return spec.num_nodes == 1 and spec.num_leaves == 1
+
+
+def _leaf_children(spec: Any, n: int) -> bool:
+    """Whether all ``n`` children of node ``spec`` are leaves (one node and
+    one leaf each: every child has at least one node, and a childless node
+    has no leaf)."""
+    return spec.num_nodes == n + 1 and spec.num_leaves == n
+
+
+def _fast_spec(spec: Any) -> bool:
+    """Whether ``spec`` is torch's Python TreeSpec (its children and context
+    readable), whose walk below is ``_along``'s and ``_build``'s."""
+    return isinstance(spec, TreeSpec) and hasattr(spec, "_children")
+
+
+def _along(spec: Any, node: Any, out: List[Any]) -> bool:
+    return _fast_spec(spec) and _walk(spec, node, out)
+
+
+def _walk(spec: Any, node: Any, out: List[Any]) -> bool:
+    """Append to ``out`` the subtrees of ``node`` at ``spec``'s leaves, in
+    leaf order; False where ``node``'s structure differs from ``spec``'s
+    above a leaf (another node type, other keys or another number of
+    children).  A run of leaves under one node costs one ``extend``, not a
+    call per leaf as ``tree_flatten`` does."""
+    if _is_leaf_spec(spec):
+        out.append(node)
+        return True
+    typ = spec.type
+    entry = SUPPORTED_NODES.get(typ)
+    if type(node) is not typ or entry is None:
+        return False  # includes namedtuples, whose spec type is not the class
+    kids, context = entry.flatten_fn(node)
+    subs = spec._children
+    if len(kids) != len(subs) or context != spec._context:
+        return False
+    if _leaf_children(spec, len(subs)):
+        out.extend(kids)
+        return True
+    return all(_walk(sub, kid, out) for sub, kid in zip(subs, kids))
+
+
+def _build(spec: Any, leaves: List[Any], start: int) -> Any:
+    if _is_leaf_spec(spec):
+        return leaves[start]
+    subs = spec._children
+    if _leaf_children(spec, len(subs)):
+        kids = leaves[start : start + len(subs)]
+    else:
+        kids = []
+        for sub in subs:
+            kids.append(_build(sub, leaves, start))
+            start += sub.num_leaves
+    return SUPPORTED_NODES[spec.type].unflatten_fn(kids, spec._context)
+
+
+def _unflatten(leaves: List[Any], spec: Any) -> Any:
+    """``tree_unflatten``, with a run of leaves under one node taken as one
+    slice (the same node functions build every node)."""
+    if not _fast_spec(spec) or spec.num_leaves != len(leaves):
+        return tree_unflatten(leaves, spec)
+    return _build(spec, leaves, 0)
 
 
 def parse_sources(metadata: str | Sequence[str]) -> List[str]:
@@ -198,6 +267,9 @@ class NativeTransport(CheckpointTransport[T]):
         # how the last fetch moved them: same_host_bytes (copied from the
         # sources' memory), tcp_bytes, same_host_sources
         self.last_recv_stats: dict = {}
+        # seconds in each part of the last fetch: info, unpickle, match (the
+        # candidates in ``into``), plan (destinations), data, build (tree)
+        self.last_recv_times: dict = {}
 
     # ---- serving ---------------------------------------------------------
 
@@ -224,6 +296,8 @@ class NativeTransport(CheckpointTransport[T]):
         leaves, spec = tree_flatten(state_dict)
         metas: List[Tuple[Any, ...]] = []
         held: List[Any] = []
+        # one string object per dtype and device: pickled once, memoized after
+        names: Dict[Any, str] = {}
         ptrs = array.array("Q")
         lens = array.array("Q")
         for leaf in leaves:
@@ -239,13 +313,17 @@ class NativeTransport(CheckpointTransport[T]):
                 metas.append(
                     (
                         "t",
-                        str(t.dtype).removeprefix("torch."),
+                        names.get(t.dtype)
+                        or names.setdefault(
+                            t.dtype, str(t.dtype).removeprefix("torch.")
+                        ),
                         tuple(t.shape),
                         tuple(t.stride()),
                         span,
                         leaf.requires_grad,
                         isinstance(leaf, torch.nn.Parameter),
-                        str(leaf.device),
+                        names.get(leaf.device)
+                        or names.setdefault(leaf.device, str(leaf.device)),
                     )
                 )
             else:
@@ -349,7 +427,9 @@ class NativeTransport(CheckpointTransport[T]):
         addrs = parse_sources(native)
         deadline = time.monotonic() + _seconds(timeout)
         fetch = _C.CkptFetch()
+        t0 = time.perf_counter()
         header, lens, layout, addrs = self._wait_for_sources(fetch, addrs, step, deadline)
+        t1 = time.perf_counter()
         with warnings.catch_warnings(), _gc_paused():
             # a pickled TreeSpec (custom node types) warns on load in torch 2.13
             warnings.simplefilter("ignore", FutureWarning)
@@ -358,40 +438,30 @@ class NativeTransport(CheckpointTransport[T]):
             raise RuntimeError(
                 f"checkpoint header is for step {meta.get('step')}, wanted {step}"
             )
+        t2 = time.perf_counter()
         with _gc_paused():  # thousands of tensors: no collection mid-heal
             theirs = meta["leaves"]
-            dtypes: Dict[str, torch.dtype] = {}
-            local = self._in_place_targets(into, meta, dtypes)
-            in_place_bytes = 0
-            leaves: List[Any] = [None] * len(theirs)
+            spec = meta["spec"]
+            if not isinstance(theirs, list):
+                raise RuntimeError("bad checkpoint header: leaves")
+            mine = self._in_place_candidates(into, spec, len(theirs))
+            t3 = time.perf_counter()
+            dtypes: Dict[str, Tuple[torch.dtype, int]] = {}
+            # one pass in C: header against region table, in-place matches
+            leaves, ptr_bytes, mapped, rest, in_place_bytes = fetch.plan(
+                theirs, mine, array.array("Q", lens), torch, dtypes,
+                torch.dtype, torch.strided, torch.Tensor, torch.nn.Parameter,
+            )  # fmt: skip
+            ptrs = memoryview(ptr_bytes).cast("Q")
             # (leaf index, buffer, whether it is the replica's own tensor)
             todo: List[Tuple[int, torch.Tensor, bool]] = []
-            ptrs = array.array("Q")
-            want = array.array("Q")
-            mapped = bytearray()  # 1: the replica's own, touched memory
-            for i, m in enumerate(theirs):
-                if m[0] == "v":
-                    leaves[i] = m[1]
+            for i, r, own in rest:
+                if own is not None:  # in place, grad or Parameter-ness differ
+                    todo.append((i, own, True))
                     continue
-                _, dtype_name, shape, stride, span, requires_grad, is_param, _dev = m
-                dtype = dtypes.get(dtype_name)
-                if dtype is None:
-                    dtype = dtypes[dtype_name] = getattr(torch, dtype_name)
-                nbytes = span * dtype.itemsize
-                hit = local.get(i)
-                if hit is not None:  # the replica's own (touched) memory
-                    buf, ptr = hit
-                    in_place_bytes += nbytes
-                    if buf.requires_grad == requires_grad and (
-                        type(buf) is torch.nn.Parameter
-                    ) == bool(is_param):
-                        leaves[i] = buf  # as it is: the Manager loads it into itself
-                    else:
-                        todo.append((i, buf, True))
-                    ptrs.append(ptr)
-                    want.append(nbytes)
-                    mapped.append(1)
-                    continue
+                _, name, shape, stride, span, requires_grad, is_param, _ = theirs[i]
+                dtype = dtypes[name][0]
+                nbytes = lens[r]
                 numel = math.prod(shape)
                 if _MALLOC_MIN <= nbytes <= _MALLOC_MAX:
                     # malloc'd through numpy: glibc recycles freed heap memory up
@@ -412,22 +482,20 @@ class NativeTransport(CheckpointTransport[T]):
                     todo.append((i, buf, False))  # finished below
                 else:
                     leaves[i] = buf
-                ptrs.append(buf.data_ptr() if span else 0)
-                want.append(nbytes)
-                mapped.append(0)
-        if want.tolist() != list(lens):
-            raise RuntimeError("checkpoint header and region table disagree")
+                ptrs[r] = buf.data_ptr() if span else 0
+        t4 = time.perf_counter()
         self.last_recv_bytes = fetch.data(
             addrs,
             self._token,
             step,
             layout,
             ptrs,
-            want,
+            array.array("Q", lens),
             self._streams,
             max(deadline - time.monotonic(), 0.0),
             mapped=bytes(mapped) if in_place_bytes else None,
         )
+        t5 = time.perf_counter()
         self.last_recv_stats = fetch.stats()
         self.last_recv_stats["in_place_bytes"] = in_place_bytes
         with _gc_paused():
@@ -442,62 +510,48 @@ class NativeTransport(CheckpointTransport[T]):
                 elif requires_grad:
                     t.requires_grad_(True)
                 leaves[i] = t
-            return tree_unflatten(leaves, meta["spec"])
+            out = _unflatten(leaves, spec)
+        t6 = time.perf_counter()
+        # seconds in each part of the last fetch (profiling many small tensors)
+        self.last_recv_times = {
+            "info": t1 - t0,
+            "unpickle": t2 - t1,
+            "match": t3 - t2,
+            "plan": t4 - t3,
+            "data": t5 - t4,
+            "build": t6 - t5,
+        }
+        return out
 
-    def _in_place_targets(
-        self, into: Any, meta: dict, dtypes: Dict[str, torch.dtype]
-    ) -> Dict[int, Tuple[torch.Tensor, int]]:
-        """Leaf index -> (the tensor of ``into`` it is fetched into, its
-        address).
+    def _in_place_candidates(
+        self, into: Any, spec: Any, nleaves: int
+    ) -> List[Any] | None:
+        """For each received leaf, what sits at its place in ``into`` (or
+        None): the candidates :meth:`CkptFetch.plan` checks.
 
-        A received tensor leaf qualifies when its counterpart is a plain CPU
-        tensor with the same dtype, shape and strides, dense (the served span
-        has no gaps, so every byte written belongs to the tensor), and its
-        memory overlaps no other target (tied weights are fetched once in
-        place, the alias into fresh memory).  Nothing qualifies while this
-        transport serves a state: the served memory must not change.
+        By position when ``into`` has the received tree's structure down to
+        its leaves, else by key path (a replica whose optimizer has no state
+        yet still receives its weights in place).  None when nothing may be
+        fetched in place: no ``into``, ``in_place=False``, or while this
+        transport serves a state (served memory must not change).
+
+        :meth:`CkptFetch.plan` then takes a received tensor leaf in place when
+        its counterpart is a plain CPU tensor with the same dtype, shape and
+        strides, dense (the served span has no gaps, so every byte written
+        belongs to the tensor), and its memory overlaps no other target (tied
+        weights are fetched once in place, the alias into fresh memory).
         """
         if into is None or not self.fetches_in_place or self._serving_step >= 0:
-            return {}
-        mine, my_spec = tree_flatten(into)
-        theirs = meta["leaves"]
-        if my_spec == meta["spec"]:
-            pairs: Any = enumerate(mine)
-        else:  # same key paths, wherever they sit
-            by_path = dict(tree_flatten_with_path(into)[0])
-            slots, _ = tree_flatten_with_path(
-                tree_unflatten(list(range(len(theirs))), meta["spec"])
-            )
-            pairs = [(i, by_path.get(path)) for path, i in slots]
-        found: List[Tuple[int, int, int, torch.Tensor]] = []
-        for i, t in pairs:
-            if type(t) not in _PLAIN_TYPES:
-                continue
-            m = theirs[i]
-            if m[0] != "t" or not t.is_cpu or t.is_nested or t.layout != torch.strided:
-                continue
-            _, dtype_name, shape, stride, span, _rg, _param, _dev = m
-            dtype = dtypes.get(dtype_name)
-            if dtype is None:
-                dtype = dtypes[dtype_name] = getattr(torch, dtype_name)
-            if (
-                t.dtype != dtype
-                or t.shape != shape
-                or t.stride() != tuple(stride)
-                or span == 0
-                or span != t.numel()
-            ):
-                continue
-            start = t.data_ptr()
-            found.append((start, start + span * dtype.itemsize, i, t))
-        found.sort(key=lambda f: f[0])
-        out: Dict[int, Tuple[torch.Tensor, int]] = {}
-        end = 0
-        for start, stop, i, t in found:
-            if start >= end:
-                out[i] = (t, start)
-            end = max(end, stop)
-        return out
+            return None
+        out: List[Any] = []
+        if _along(spec, into, out) and len(out) == nleaves:
+            return out
+        by_path = dict(tree_flatten_with_path(into)[0])
+        slots, _ = tree_flatten_with_path(tree_unflatten(list(range(nleaves)), spec))
+        mine: List[Any] = [None] * nleaves
+        for path, i in slots:
+            mine[i] = by_path.get(path)
+        return mine
 
     def _wait_for_sources(
         self, fetch: Any, addrs: List[str], step: int, deadline: float

@@ -746,6 +746,9 @@ static PyObject *fetch_plan(PyObject *self_obj, PyObject *args) {
   memset(ptr, 0, nreg * 8);
   memset(map, 0, nreg);
   size_t r = 0, nhits = 0;
+  PyObject *prev = NULL, *dt = NULL; /* the last record checked, its dtype */
+  long long span = 0, isz = 1;
+  uint64_t numel = 0;
   for (Py_ssize_t i = 0; i < nleaves; i++) {
     PyObject *m = PyList_GET_ITEM(metas, i);
     if (!PyTuple_Check(m) || PyTuple_GET_SIZE(m) < 2 ||
@@ -774,17 +777,19 @@ static PyObject *fetch_plan(PyObject *self_obj, PyObject *args) {
       goto out;
     }
     PyObject *shape = PyTuple_GET_ITEM(m, 2), *stride = PyTuple_GET_ITEM(m, 3);
-    PyObject *dt = plan_dtype(&c, PyTuple_GET_ITEM(m, 1), i);
-    if (!dt)
-      goto out;
-    long long span = PyLong_AsLongLong(PyTuple_GET_ITEM(m, 4));
-    long long isz = PyLong_AsLongLong(PyTuple_GET_ITEM(dt, 1));
-    uint64_t numel;
-    if (PyErr_Occurred() || span < 0 || isz <= 0 ||
-        plan_elems(shape, stride, &numel) < 0) {
-      PyErr_Clear();
-      plan_bad("bad shape, strides or span", i);
-      goto out;
+    if (m != prev) { /* equal records arrive as one object: checked once */
+      dt = plan_dtype(&c, PyTuple_GET_ITEM(m, 1), i);
+      if (!dt)
+        goto out;
+      span = PyLong_AsLongLong(PyTuple_GET_ITEM(m, 4));
+      isz = PyLong_AsLongLong(PyTuple_GET_ITEM(dt, 1));
+      if (PyErr_Occurred() || span < 0 || isz <= 0 ||
+          plan_elems(shape, stride, &numel) < 0) {
+        PyErr_Clear();
+        plan_bad("bad shape, strides or span", i);
+        goto out;
+      }
+      prev = m;
     }
     if ((uint64_t)span > SG_CKPT_MAX_TOTAL / (uint64_t)isz ||
         (uint64_t)span * (uint64_t)isz != lens[r]) {

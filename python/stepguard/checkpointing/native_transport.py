@@ -298,6 +298,7 @@ class NativeTransport(CheckpointTransport[T]):
         held: List[Any] = []
         # one string object per dtype and device: pickled once, memoized after
         names: Dict[Any, str] = {}
+        records: Dict[Tuple[Any, ...], Tuple[Any, ...]] = {}
         ptrs = array.array("Q")
         lens = array.array("Q")
         for leaf in leaves:
@@ -310,22 +311,21 @@ class NativeTransport(CheckpointTransport[T]):
                 held.append(t)
                 ptrs.append(t.data_ptr() if nbytes else 0)
                 lens.append(nbytes)
-                metas.append(
-                    (
-                        "t",
-                        names.get(t.dtype)
-                        or names.setdefault(
-                            t.dtype, str(t.dtype).removeprefix("torch.")
-                        ),
-                        tuple(t.shape),
-                        tuple(t.stride()),
-                        span,
-                        leaf.requires_grad,
-                        isinstance(leaf, torch.nn.Parameter),
-                        names.get(leaf.device)
-                        or names.setdefault(leaf.device, str(leaf.device)),
-                    )
+                rec = (
+                    "t",
+                    names.get(t.dtype)
+                    or names.setdefault(t.dtype, str(t.dtype).removeprefix("torch.")),
+                    tuple(t.shape),
+                    tuple(t.stride()),
+                    span,
+                    leaf.requires_grad,
+                    isinstance(leaf, torch.nn.Parameter),
+                    names.get(leaf.device)
+                    or names.setdefault(leaf.device, str(leaf.device)),
                 )
+                # equal records are one object: pickled once, the rest are
+                # memo references that unpickle to that same object
+                metas.append(records.setdefault(rec, rec))
             else:
                 metas.append(("v", leaf))
         header = pickle.dumps(

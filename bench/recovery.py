@@ -34,7 +34,8 @@ later repetitions may get recycled memory.
 * ``memcpy``     one thread copying the same bytes between two pre-touched
   buffers of this process (numpy): the memory-bandwidth ceiling of a copy.
 
-Prints medians and the ratios the goals are stated in (each stepguard path
+Prints medians (for stepguard also of each part of a heal,
+``NativeTransport.last_recv_times``) and the ratios the goals are stated in (each stepguard path
 against loopback, goal >= 0.7, and against torchft-http, goal >= 2); the
 data goes to ``bench/results/recovery.json``.  Run
 ``.venv/bin/python bench/recovery.py`` (64 MiB states, a minute or two) or
@@ -234,6 +235,7 @@ class Stepguard(Runner):
         self.in_place_of = in_place_of  # in place, from that one's sources
         self.into = None
         self.ps: list = []
+        self.parts: list = []  # last_recv_times of each heal
 
     def start(self) -> None:
         from stepguard.checkpointing.native_transport import NativeTransport
@@ -272,6 +274,7 @@ class Stepguard(Runner):
             else:
                 os.environ["STEPGUARD_SAME_HOST"] = old
         check(sd, self.total, self.n)
+        self.parts.append(dict(self.t.last_recv_times))
         moved = self.t.last_recv_stats
         key = "same_host_bytes" if self.same_host else "tcp_bytes"
         if self.where[0][0] is None and moved.get(key) != self.total:
@@ -558,6 +561,15 @@ def main() -> None:
                 f"{'  dest: ' + dest if dest else ''}",
                 flush=True,
             )
+            parts = getattr(runners[kind], "parts", None)
+            if parts:  # NativeTransport.last_recv_times, medians
+                row[kind]["parts_ms"] = {
+                    k: statistics.median(p[k] for p in parts) * 1e3 for k in parts[0]
+                }
+                print(
+                    f"{'':14s} {'':22s} parts (ms): "
+                    + " ".join(f"{k} {v:.1f}" for k, v in row[kind]["parts_ms"].items())
+                )
         goals = {"loopback": 0.7, "torchft-http": 2.0}
         row["goals"] = {}
         for path in [

@@ -5,18 +5,25 @@ Gloo process group, and against torchft's DDP, in the same run.
 Every replica is one process (one rank per replica group) training the same
 small MLP on CPU.  A step is ``zero_grad`` (for the fault-tolerant kinds:
 the quorum), forward, backward (the gradient allreduce) and
-``optimizer.step`` (the commit vote), timed by each process after a warm-up;
-each process also counts its threads' context switches per step (a wakeup
-or a preemption each: on a shared 2-core machine they cost more than the
-work they do).
-The kinds run in turn, for 2 and 3 replicas, for several rounds, so they see
-the same machine; each kind's figure is the median over rounds of the
-median step time of replica 0.  Ratios are against plain DDP (the goal for
-stepguard is at most 1.05x) and stepguard against torchft.  Results go to
+``optimizer.step`` (the commit vote), timed by each process after a warm-up.
+
+Each replica process holds all three kinds (a model, optimizer and process
+group each; a lighthouse per fault-tolerant kind) and runs them in turn in
+blocks of ``--block`` steps, the order rotated every round, so that the
+kinds see the same machine within a fraction of a second: on a shared
+machine the load moves a step time by 30% between runs seconds apart.
+Every block records replica 0's step times, its CPU time per step (every
+thread of the process), its context switches per step (a wakeup or a
+preemption each) and the CPU its kind's lighthouse process used.  A kind's
+ratio to plain DDP is taken per pair of blocks of the same round, and
+reported as the median of those ratios with their quartiles and a 95%
+bootstrap confidence interval, for wall time and CPU time; the goal for
+stepguard is at most 1.05x.  ``--separate`` runs each kind in processes of
+its own instead (the earlier method).  Results go to
 ``bench/results/step.json``.
 
 Run with ``.venv/bin/python bench/step.py`` (a few minutes on 2 cores), or
-``--replicas 2 --rounds 1 --steps 40`` for a quick look.
+``--replicas 2 --rounds 1 --blocks 4`` for a quick look.
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("plain", "torchft", "stepguard")
+# plain DDP with find_unused_parameters=True, as the fault-tolerant kinds
+# build it: how much of their cost is that flag (--kinds to add it)
+REFERENCE_KINDS = ("plain-unused",)
 LISTEN_RE = re.compile(r"Lighthouse listening on:? http://\S+:(\d+)")
 # what the stepguard kind needs from the package
 API = ("Manager", "DistributedDataParallel", "Optimizer", "ProcessGroupGloo")
@@ -54,6 +64,26 @@ def wait_file(path: str, timeout: float) -> str:
         time.sleep(0.01)
     with open(path) as f:
         return f.read()
+
+
+def thread_cpu_ns() -> dict[int, int]:
+    """CPU nanoseconds of each thread of this process so far."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass  # the thread ended
+    return out
+
+
+def thread_name(tid: int) -> str:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
 
 
 def ctx_switches() -> int:
@@ -80,50 +110,76 @@ def make_model(torch, width: int):
         torch.nn.Linear(width, 10))
 
 
-def worker(a: argparse.Namespace) -> int:
-    import torch
-    import torch.distributed as dist
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds of process `pid` (every thread) so far, from the
+    scheduler's nanosecond counts (stat's ticks are 10 ms)."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass  # the thread ended
+    return total / 1e9
 
-    torch.set_num_threads(1)
-    model = make_model(torch, a.width)
-    inner = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    manager = None
-    waited = [0.0]  # this step's time in manager.wait_quorum
-    if a.kind == "plain":
-        port_file = os.path.join(a.dir, "plain.port")
-        if a.rank == 0:
-            store = dist.TCPStore("127.0.0.1", 0, a.world, is_master=True,
-                                  wait_for_workers=False)
-            tmp = port_file + ".tmp"
-            with open(tmp, "w") as f:
-                f.write(str(store.port))
-            os.rename(tmp, port_file)
-        else:
-            store = dist.TCPStore("127.0.0.1", int(wait_file(port_file, 60)), a.world,
-                                  is_master=False)
-        dist.init_process_group("gloo", store=store, rank=a.rank, world_size=a.world,
-                                timeout=timedelta(seconds=60))
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        opt = inner
-    else:
-        ft = importlib.import_module(a.kind)
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+class Kind:
+    """One kind's model, optimizer and (for the fault-tolerant kinds)
+    Manager in a replica's process."""
+
+    def __init__(self, kind: str, a: argparse.Namespace, lighthouse: str) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.kind = kind
+        self.model = make_model(torch, a.width)
+        inner = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        self.manager = None
+        self.waited = [0.0]  # this step's time in manager.wait_quorum
+        if kind in ("plain", "plain-unused"):
+            if not dist.is_initialized():  # both plain kinds share the default group
+                port_file = os.path.join(a.dir, "plain.port")
+                if a.rank == 0:
+                    self.store = dist.TCPStore("127.0.0.1", 0, a.world, is_master=True,
+                                               wait_for_workers=False)
+                    tmp = port_file + ".tmp"
+                    with open(tmp, "w") as f:
+                        f.write(str(self.store.port))
+                    os.rename(tmp, port_file)
+                else:
+                    self.store = dist.TCPStore("127.0.0.1", int(wait_file(port_file, 60)),
+                                               a.world, is_master=False)
+                dist.init_process_group("gloo", store=self.store, rank=a.rank,
+                                        world_size=a.world, timeout=timedelta(seconds=60))
+            self.ddp = torch.nn.parallel.DistributedDataParallel(
+                self.model, find_unused_parameters=kind == "plain-unused")
+            self.opt = inner
+            return
+        ft = importlib.import_module(kind)
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        model = self.model
         manager = ft.Manager(
             pg=ft.ProcessGroupGloo(timeout=timedelta(seconds=60)),
             load_state_dict=lambda sd: (model.load_state_dict(sd["m"]),
                                         inner.load_state_dict(sd["o"])),
             state_dict=lambda: {"m": model.state_dict(), "o": inner.state_dict()},
             min_replica_size=1, rank=0, world_size=1,
-            store_addr="127.0.0.1", store_port=store.port,
-            lighthouse_addr=a.lighthouse, replica_id=f"bench_{a.rank}", port=0,
+            store_addr="127.0.0.1", store_port=self.store.port,
+            lighthouse_addr=lighthouse, replica_id=f"bench_{a.rank}", port=0,
             hostname="127.0.0.1", timeout=timedelta(seconds=60),
             quorum_timeout=timedelta(seconds=60), connect_timeout=timedelta(seconds=60))
-        ddp = ft.DistributedDataParallel(manager, model)
-        opt = ft.Optimizer(manager, inner)
+        self.manager = manager
+        self.ddp = ft.DistributedDataParallel(manager, self.model)
+        self.opt = ft.Optimizer(manager, inner)
         # time spent waiting for the quorum (inside backward, at the first
         # bucket): how much of the lighthouse round trip the forward pass
         # did not hide
         real_wait = manager.wait_quorum
+        waited = self.waited
 
         def timed_wait() -> None:
             t = time.perf_counter()
@@ -133,51 +189,116 @@ def worker(a: argparse.Namespace) -> int:
                 waited[0] += time.perf_counter() - t
 
         manager.wait_quorum = timed_wait
-    gen = torch.Generator().manual_seed(a.rank)
-    data = [(torch.randn(a.batch, 256, generator=gen), torch.randint(0, 10, (a.batch,), generator=gen))
-            for _ in range(8)]
-    times = []
-    phases: dict[str, list[float]] = {"zero_grad": [], "forward": [], "backward": [], "step": [],
-                                      "quorum_wait": []}
-    committed = 0
-    cs0 = 0
-    for i in range(a.warmup + a.steps):
-        x, y = data[i % len(data)]
-        if i == a.warmup:
-            cs0 = ctx_switches()
-        waited[0] = 0.0
+
+    def step(self, x, y, times: list | None, phases: dict | None) -> bool:
+        """One training step; appends its timings when `times` is given.
+        Returns whether it committed."""
+        import torch
+
+        self.waited[0] = 0.0
         t0 = time.perf_counter()
-        opt.zero_grad()
+        self.opt.zero_grad()
         ta = time.perf_counter()
-        loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        loss = torch.nn.functional.cross_entropy(self.ddp(x), y)
         tb = time.perf_counter()
         loss.backward()
         tc = time.perf_counter()
-        before = manager.current_step() if manager else 0
-        opt.step()
+        before = self.manager.current_step() if self.manager else 0
+        self.opt.step()
         t1 = time.perf_counter()
-        if manager is not None and manager.current_step() == before + 1:
-            committed += 1
-        if i >= a.warmup:
+        if times is not None and phases is not None:
             times.append(t1 - t0)
             for k, v in (("zero_grad", ta - t0), ("forward", tb - ta),
                          ("backward", tc - tb), ("step", t1 - tc),
-                         ("quorum_wait", waited[0])):
+                         ("quorum_wait", self.waited[0])):
                 phases[k].append(v)
-    cs_per_step = (ctx_switches() - cs0) / max(1, a.steps)
-    result = {"kind": a.kind, "rank": a.rank, "world": a.world, "times": times,
-              "phases": phases, "ctx_switches_per_step": cs_per_step,
-              "committed": committed if manager else len(times) + a.warmup,
-              "participants": manager.num_participants() if manager else a.world}
+        return self.manager is None or self.manager.current_step() == before + 1
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+        elif dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def new_phases() -> dict[str, list[float]]:
+    return {"zero_grad": [], "forward": [], "backward": [], "step": [], "quorum_wait": []}
+
+
+def worker(a: argparse.Namespace) -> int:
+    import torch
+
+    torch.set_num_threads(1)
+    lighthouses = dict(kv.split("=", 1) for kv in a.lighthouse.split(",") if kv)
+    lh_pids = {k: int(v) for k, v in (kv.split("=", 1) for kv in a.lighthouse_pids.split(",")
+                                     if kv)}
+    kinds = [Kind(k, a, lighthouses.get(k, "")) for k in a.kind.split(",")]
+    gen = torch.Generator().manual_seed(a.rank)
+    data = [(torch.randn(a.batch, 256, generator=gen), torch.randint(0, 10, (a.batch,), generator=gen))
+            for _ in range(8)]
+    committed = {k.kind: 0 for k in kinds}
+    for i in range(a.warmup):
+        for k in kinds:
+            committed[k.kind] += k.step(*data[i % len(data)], None, None)
+    # blocks: `block` steps of one kind, the kinds in turn (the order rotated
+    # each round so that none always follows the same one); every replica
+    # runs the same sequence, so they switch kinds together
+    blocks: dict[str, list[dict]] = {k.kind: [] for k in kinds}
+    prof = None
+    if a.profile and a.rank == 0:
+        import cProfile
+
+        prof = {k.kind: cProfile.Profile() for k in kinds}
+    i = 0
+    for rnd in range(a.blocks):
+        order = kinds[rnd % len(kinds):] + kinds[:rnd % len(kinds)]
+        for k in order:
+            times: list[float] = []
+            phases = new_phases()
+            cs0 = ctx_switches()
+            th0 = thread_cpu_ns()
+            cpu0 = time.process_time()
+            lh0 = proc_cpu_s(lh_pids[k.kind]) if k.kind in lh_pids else 0.0
+            if prof is not None:
+                prof[k.kind].enable()
+            for _ in range(a.block):
+                committed[k.kind] += k.step(*data[i % len(data)], times, phases)
+                i += 1
+            if prof is not None:
+                prof[k.kind].disable()
+            cpu = time.process_time() - cpu0
+            lh = proc_cpu_s(lh_pids[k.kind]) - lh0 if k.kind in lh_pids else 0.0
+            th1 = thread_cpu_ns()
+            # CPU per step of each thread that ran in this block, busiest
+            # first: the main thread is "main", the others by thread id
+            threads = sorted((("main" if tid == os.getpid() else f"{tid}:{thread_name(tid)}"),
+                              (ns - th0.get(tid, 0)) / 1e6 / a.block)
+                             for tid, ns in th1.items() if ns > th0.get(tid, 0))
+            threads.sort(key=lambda kv: -kv[1])
+            blocks[k.kind].append({
+                "round": rnd, "times": times, "phases": phases,
+                # every thread of this process, per step of the block
+                "cpu_per_step": cpu / a.block,
+                "ctx_switches_per_step": (ctx_switches() - cs0) / a.block,
+                "thread_cpu_ms_per_step": dict(threads[:8]),
+                # the kind's lighthouse process (shared by the replicas)
+                "lighthouse_cpu_per_step": lh / a.block})
+    if prof is not None:
+        for name, p in prof.items():
+            p.dump_stats(f"{a.profile}.{name}.{a.world}")
+    result = {"rank": a.rank, "world": a.world, "blocks": blocks,
+              "committed": committed, "total": a.warmup + a.blocks * a.block,
+              "participants": {k.kind: (k.manager.num_participants() if k.manager else a.world)
+                               for k in kinds}}
     tmp = a.out + ".tmp"
     with open(tmp, "w") as f:
         json.dump(result, f)
     os.rename(tmp, a.out)
     sys.stdout.flush()
-    if manager is not None:
-        manager.shutdown(wait=False)
-    else:
-        dist.destroy_process_group()
+    for k in kinds:
+        k.close()
     os._exit(0)
 
 
@@ -225,22 +346,28 @@ def start_lighthouse(kind: str, n: int) -> tuple[subprocess.Popen, str]:
     raise RuntimeError(f"{kind} lighthouse did not start")
 
 
-def run_once(kind: str, n: int, a: argparse.Namespace) -> dict:
-    """Runs n replicas of `kind`; returns replica 0's result (all checked)."""
+def run_once(kinds: list[str], n: int, a: argparse.Namespace, blocks: int,
+             block: int) -> list[dict]:
+    """Runs n replicas, each running `kinds` in turn in blocks of `block`
+    steps; returns every replica's result (all checked)."""
     with tempfile.TemporaryDirectory(prefix="sg-step-") as d:
-        lh = None
-        addr = ""
-        if kind != "plain":
-            lh, addr = start_lighthouse(kind, n)
+        lhs: dict[str, tuple[subprocess.Popen, str]] = {}
         procs = []
         env = dict(os.environ, OMP_NUM_THREADS="1")
         try:
+            for k in kinds:
+                if k in ("torchft", "stepguard"):
+                    lhs[k] = start_lighthouse(k, n)
+            addrs = ",".join(f"{k}={addr}" for k, (_, addr) in lhs.items())
+            pids = ",".join(f"{k}={p.pid}" for k, (p, _) in lhs.items())
             for r in range(n):
-                cmd = [sys.executable, __file__, "--worker", "--kind", kind, "--rank", str(r),
-                       "--world", str(n), "--dir", d, "--lighthouse", addr,
-                       "--out", os.path.join(d, f"r{r}.json"), "--steps", str(a.steps),
-                       "--warmup", str(a.warmup), "--width", str(a.width),
-                       "--batch", str(a.batch)]
+                cmd = [sys.executable, __file__, "--worker", "--kind", ",".join(kinds),
+                       "--rank", str(r), "--world", str(n), "--dir", d,
+                       "--lighthouse", addrs, "--lighthouse-pids", pids,
+                       "--out", os.path.join(d, f"r{r}.json"), "--blocks", str(blocks),
+                       "--block", str(block), "--warmup", str(a.warmup),
+                       "--width", str(a.width), "--batch", str(a.batch),
+                       "--profile", a.profile]
                 procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
                                               stderr=open(os.path.join(d, f"r{r}.log"), "wb")))
             deadline = time.monotonic() + a.run_timeout
@@ -251,7 +378,7 @@ def run_once(kind: str, n: int, a: argparse.Namespace) -> dict:
                 out = os.path.join(d, f"r{r}.json")
                 if p.returncode != 0 or not os.path.exists(out):
                     log = Path(d, f"r{r}.log").read_text(errors="replace")[-2000:]
-                    raise RuntimeError(f"{kind} replica {r} failed (rc {p.returncode}):\n{log}")
+                    raise RuntimeError(f"{kinds} replica {r} failed (rc {p.returncode}):\n{log}")
                 with open(out) as f:
                     results.append(json.load(f))
         finally:
@@ -259,94 +386,179 @@ def run_once(kind: str, n: int, a: argparse.Namespace) -> dict:
                 if p.poll() is None:
                     p.kill()
                 p.wait()
-            if lh is not None:
+            for lh, _ in lhs.values():
                 lh.kill()
                 lh.wait()
-    total = a.steps + a.warmup
     for res in results:
-        # a benchmark of steps that did not commit, or without every replica, means nothing
-        if res["committed"] < total - 1 or res["participants"] != n:
-            raise RuntimeError(f"{kind} with {n} replicas: only {res['committed']}/{total} "
-                               f"steps committed, {res['participants']} participants")
-    return {"median_ms": 1e3 * statistics.median(results[0]["times"]),
-            # where replica 0's step goes: zero_grad (the quorum starts),
-            # forward, backward (the allreduce, after the quorum), step (the vote)
-            "phase_median_ms": {k: 1e3 * statistics.median(v)
-                                for k, v in results[0]["phases"].items()},
-            "p90_ms": 1e3 * statistics.quantiles(results[0]["times"], n=10)[-1],
-            # every thread of replica 0's process, per timed step
-            "ctx_switches_per_step": results[0]["ctx_switches_per_step"],
+        for k in kinds:
+            # a benchmark of steps that did not commit, or without every
+            # replica, means nothing
+            if res["committed"][k] < res["total"] - 1 or res["participants"][k] != n:
+                raise RuntimeError(f"{k} with {n} replicas: only {res['committed'][k]}/"
+                                   f"{res['total']} steps committed, "
+                                   f"{res['participants'][k]} participants")
+    return results
+
+
+def thread_medians(blocks: list[dict]) -> dict[str, float]:
+    """Median CPU ms per step of each thread over `blocks`, busiest six (a
+    thread id only means something within one run)."""
+    names = {n for b in blocks for n in b["thread_cpu_ms_per_step"]}
+    med = {n: statistics.median(b["thread_cpu_ms_per_step"].get(n, 0.0) for b in blocks)
+           for n in names}
+    return dict(sorted(med.items(), key=lambda kv: -kv[1])[:6])
+
+
+def median_ci(xs: list[float], reps: int = 2000) -> tuple[float, float]:
+    """95% bootstrap confidence interval of the median of `xs`."""
+    import random
+
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(reps))
+    return meds[int(0.025 * reps)], meds[int(0.975 * reps) - 1]
+
+
+def summarize(kinds: list[str], results: list[list[dict]]) -> dict:
+    """Replica 0's blocks of every run: per kind the median step time (all
+    steps pooled), CPU and context switches per step (median of blocks), and
+    for each kind against plain the ratio of paired blocks (same run and
+    round: the same machine state), their median, spread and a 95%
+    confidence interval."""
+    per_kind: dict[str, dict] = {}
+    blocks = {k: [b for res in results for b in res[0]["blocks"][k]] for k in kinds}
+    for k in kinds:
+        times = [t for b in blocks[k] for t in b["times"]]
+        per_kind[k] = {
+            "median_ms": 1e3 * statistics.median(times),
+            "p90_ms": 1e3 * statistics.quantiles(times, n=10)[-1],
+            "cpu_ms_per_step": 1e3 * statistics.median(b["cpu_per_step"] for b in blocks[k]),
+            "lighthouse_cpu_ms_per_step": 1e3 * statistics.median(
+                b["lighthouse_cpu_per_step"] for b in blocks[k]),
+            "ctx_switches_per_step": statistics.median(
+                b["ctx_switches_per_step"] for b in blocks[k]),
+            # CPU per step of replica 0's busiest threads (median over
+            # blocks; thread ids of the last run)
+            "thread_cpu_ms_per_step": thread_medians(blocks[k]),
+            "phase_median_ms": {p: 1e3 * statistics.median(x for b in blocks[k]
+                                                           for x in b["phases"][p])
+                                for p in blocks[k][0]["phases"]},
             "all_replicas_median_ms": 1e3 * statistics.median(
-                t for res in results for t in res["times"])}
+                t for res in results for r in res for b in r["blocks"][k] for t in b["times"]),
+        }
+    ratios: dict[str, dict] = {}
+    pairs = [(num, den) for num, den in (("stepguard", "plain"), ("torchft", "plain"),
+                                         ("stepguard", "torchft"), ("plain-unused", "plain"),
+                                         ("stepguard", "plain-unused"))
+             if num in kinds and den in kinds]
+    for num, den in pairs:
+        wall = [statistics.median(x["times"]) / statistics.median(y["times"])
+                for x, y in zip(blocks[num], blocks[den])]
+        cpu = [x["cpu_per_step"] / y["cpu_per_step"]
+               for x, y in zip(blocks[num], blocks[den]) if y["cpu_per_step"] > 0]
+        q = statistics.quantiles(wall, n=4) if len(wall) > 1 else [wall[0]] * 3
+        ratios[f"{num}/{den}"] = {
+            "pooled": per_kind[num]["median_ms"] / per_kind[den]["median_ms"],
+            "blocks": len(wall), "median": statistics.median(wall),
+            "q1": q[0], "q3": q[2], "ci95": median_ci(wall),
+            "cpu_median": statistics.median(cpu) if cpu else float("nan"),
+            "cpu_ci95": median_ci(cpu) if cpu else (float("nan"), float("nan"))}
+    return {"kinds": per_kind, "ratios": ratios}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--kind", choices=KINDS)
-    ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--world", type=int, default=1)
-    ap.add_argument("--dir", default="")
-    ap.add_argument("--lighthouse", default="")
-    ap.add_argument("--out", default="")
+    ap.add_argument("--kind", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--dir", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--lighthouse", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--lighthouse-pids", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     ap.add_argument("--replicas", default="2,3", help="comma-separated replica counts")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=60, help="timed steps per run")
-    ap.add_argument("--warmup", type=int, default=15)
+    ap.add_argument("--kinds", default=",".join(KINDS),
+                    help=f"comma-separated, from {KINDS + REFERENCE_KINDS}")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="runs (fresh processes) per replica count")
+    ap.add_argument("--blocks", type=int, default=12, help="blocks of each kind per run")
+    ap.add_argument("--block", type=int, default=10, help="steps per block")
+    ap.add_argument("--separate", action="store_true",
+                    help="each kind in processes of its own, one block of --blocks x --block "
+                         "steps per run (the earlier method)")
+    ap.add_argument("--warmup", type=int, default=15, help="untimed steps of each kind")
     ap.add_argument("--width", type=int, default=512, help="hidden width of the MLP")
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--run-timeout", type=float, default=180.0)
+    ap.add_argument("--run-timeout", type=float, default=300.0)
+    ap.add_argument("--profile", default="",
+                    help="cProfile replica 0's timed steps into PREFIX.<kind>.<replicas> "
+                         "(slows the step: for finding costs, not for the figures)")
     ap.add_argument("--output", default=str(ROOT / "bench/results/step.json"))
     a = ap.parse_args()
     if a.worker:
         return worker(a)
 
-    unavailable = {k: why for k in ("torchft", "stepguard") if (why := has_api(k))}
-    kinds = [k for k in KINDS if k not in unavailable]
+    wanted = a.kinds.split(",")
+    bad = [k for k in wanted if k not in KINDS + REFERENCE_KINDS]
+    if bad:
+        ap.error(f"unknown kinds {bad}")
+    unavailable = {k: why for k in ("torchft", "stepguard") if k in wanted and (why := has_api(k))}
+    kinds = [k for k in wanted if k not in unavailable]
     for k, why in unavailable.items():
         print(f"{k}: not measured ({why})")
     counts = [int(x) for x in a.replicas.split(",")]
-    runs: dict[int, dict[str, list[dict]]] = {n: {k: [] for k in kinds} for n in counts}
+    runs: dict[int, list[list[dict]]] = {n: [] for n in counts}
     for rnd in range(a.rounds):
         for n in counts:
-            # rotate the order so no kind always runs first
-            order = kinds[rnd % len(kinds):] + kinds[:rnd % len(kinds)]
-            for k in order:
-                r = run_once(k, n, a)
-                runs[n][k].append(r)
-                ph = " ".join(f"{p} {v:.2f}" for p, v in r["phase_median_ms"].items())
-                print(f"round {rnd + 1}/{a.rounds} replicas {n} {k:9s} "
-                      f"median {r['median_ms']:7.2f} ms  p90 {r['p90_ms']:7.2f} ms  "
-                      f"cs/step {r['ctx_switches_per_step']:5.1f}  ({ph})", flush=True)
+            if a.separate:
+                # rotate the order so no kind always runs first
+                order = kinds[rnd % len(kinds):] + kinds[:rnd % len(kinds)]
+                parts = [run_once([k], n, a, 1, a.blocks * a.block) for k in order]
+                res = [{"rank": r[0]["rank"],
+                        "blocks": {k: b for p in parts for k, b in p[i]["blocks"].items()}}
+                       for i, r in enumerate(zip(*parts))]
+            else:
+                res = run_once(kinds, n, a, a.blocks, a.block)
+            runs[n].append(res)
+            one = summarize(kinds, [res])
+            line = "  ".join(f"{k} {v['median_ms']:.2f} ms cpu {v['cpu_ms_per_step']:.2f} "
+                             f"cs {v['ctx_switches_per_step']:.1f}"
+                             for k, v in one["kinds"].items())
+            print(f"run {rnd + 1}/{a.rounds} replicas {n}: {line}", flush=True)
 
+    mode = "separate processes per kind" if a.separate else \
+        f"kinds interleaved in blocks of {a.block} steps in the same processes"
+    print(f"\nMLP 256-{a.width}-{a.width}-10, batch {a.batch}, Gloo on loopback; replica 0; "
+          f"{a.rounds} runs x {a.blocks} blocks x {a.block} steps per kind; {mode}")
     summary: dict[str, dict] = {}
-    print(f"\nmedian step time over {a.rounds} rounds (ms), MLP 256-{a.width}-{a.width}-10, "
-          f"batch {a.batch}, Gloo on loopback")
-    print(f"{'replicas':>8} " + " ".join(f"{k:>10}" for k in kinds)
-          + "  stepguard/plain  torchft/plain  stepguard/torchft")
     for n in counts:
-        med = {k: statistics.median(r["median_ms"] for r in runs[n][k]) for k in kinds}
-        phase_med = {k: {p: statistics.median(r["phase_median_ms"][p] for r in runs[n][k])
-                         for p in runs[n][k][0]["phase_median_ms"]} for k in kinds}
-        ratios = {}
-        for num, den in (("stepguard", "plain"), ("torchft", "plain"), ("stepguard", "torchft")):
-            if num in med and den in med:
-                ratios[f"{num}/{den}"] = med[num] / med[den]
-        summary[str(n)] = {"median_ms": med, "phase_median_ms": phase_med, "ratios": ratios,
-                           "runs": runs[n]}
-        print(f"{n:>8} " + " ".join(f"{med[k]:10.2f}" for k in kinds) + "  "
-              + "  ".join(f"{ratios.get(key, float('nan')):>15.3f}"
-                          for key in ("stepguard/plain", "torchft/plain", "stepguard/torchft")))
-    goal_met = all(s["ratios"].get("stepguard/plain", float("inf")) <= 1.05
+        sm = summarize(kinds, runs[n])
+        summary[str(n)] = sm
+        print(f"\n{n} replicas   median ms   p90 ms  cpu ms/step  lighthouse cpu  cs/step"
+              "   (zero_grad forward backward step quorum_wait, ms)")
+        for k, v in sm["kinds"].items():
+            ph = " ".join(f"{x:.2f}" for x in v["phase_median_ms"].values())
+            print(f"  {k:10s} {v['median_ms']:9.2f} {v['p90_ms']:8.2f} {v['cpu_ms_per_step']:12.2f} "
+                  f"{v['lighthouse_cpu_ms_per_step']:15.3f} {v['ctx_switches_per_step']:8.1f}   ({ph})")
+        for k, v in sm["kinds"].items():
+            print(f"  {k:10s} CPU ms/step by thread: "
+                  + ", ".join(f"{n} {x:.2f}" for n, x in v["thread_cpu_ms_per_step"].items()))
+        for key, r in sm["ratios"].items():
+            print(f"  {key:18s} wall {r['median']:.3f} (paired blocks: IQR {r['q1']:.3f}-"
+                  f"{r['q3']:.3f}, 95% CI {r['ci95'][0]:.3f}-{r['ci95'][1]:.3f}, "
+                  f"n={r['blocks']}; pooled steps {r['pooled']:.3f})  cpu {r['cpu_median']:.3f} "
+                  f"(95% CI {r['cpu_ci95'][0]:.3f}-{r['cpu_ci95'][1]:.3f})")
+    goal_met = all(s["ratios"].get("stepguard/plain", {}).get("median", float("inf")) <= 1.05
                    for s in summary.values())
-    print(f"goal stepguard/plain <= 1.05: {'met' if goal_met else 'NOT met'}"
+    print(f"\ngoal stepguard/plain <= 1.05 (median of paired blocks): "
+          f"{'met' if goal_met else 'NOT met'}"
           + (" (stepguard not measured)" if "stepguard" in unavailable else ""))
     out = {
         "benchmark": "step",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version()},
-        "config": {"rounds": a.rounds, "steps": a.steps, "warmup": a.warmup,
+                    "python": platform.python_version(), "load": os.getloadavg()},
+        "config": {"rounds": a.rounds, "blocks": a.blocks, "block": a.block,
+                   "separate": a.separate, "warmup": a.warmup,
                    "width": a.width, "batch": a.batch, "replicas": counts},
         "unavailable": unavailable,
         "goal": {"stepguard/plain": 1.05, "met": goal_met if "stepguard" in kinds else None},

@@ -401,8 +401,8 @@ def run_once(kinds: list[str], n: int, a: argparse.Namespace, blocks: int,
 
 
 def thread_medians(blocks: list[dict]) -> dict[str, float]:
-    """Median CPU ms per step of each thread over `blocks`, busiest six (a
-    thread id only means something within one run)."""
+    """Median CPU ms per step of each thread over `blocks` (of one run: a
+    thread id means nothing in another), the busiest six."""
     names = {n for b in blocks for n in b["thread_cpu_ms_per_step"]}
     med = {n: statistics.median(b["thread_cpu_ms_per_step"].get(n, 0.0) for b in blocks)
            for n in names}
@@ -437,8 +437,8 @@ def summarize(kinds: list[str], results: list[list[dict]]) -> dict:
             "ctx_switches_per_step": statistics.median(
                 b["ctx_switches_per_step"] for b in blocks[k]),
             # CPU per step of replica 0's busiest threads (median over
-            # blocks; thread ids of the last run)
-            "thread_cpu_ms_per_step": thread_medians(blocks[k]),
+            # the last run's blocks: thread ids differ between runs)
+            "thread_cpu_ms_per_step": thread_medians(results[-1][0]["blocks"][k]),
             "phase_median_ms": {p: 1e3 * statistics.median(x for b in blocks[k]
                                                            for x in b["phases"][p])
                                 for p in blocks[k][0]["phases"]},

@@ -62,6 +62,7 @@ from torch.distributed.distributed_c10d import AllreduceOptions, Work
 from stepguard.checkpointing import CheckpointTransport, NativeTransport
 from stepguard.checkpointing._rwlock import RWLock
 from stepguard.coordination import ManagerClient, ManagerServer, QuorumResult
+from stepguard import futures as _futures
 from stepguard.futures import _call_later, future_timeout
 from stepguard.process_group import ReconfigureOptions, _env
 from stepguard.work import _DummyWork
@@ -1052,15 +1053,16 @@ class _BucketDeadlines:
         self._pending: Dict[int, Tuple[float, Callable[[], None]]] = {}
         self._seq = itertools.count()
         self._armed: Optional[float] = None  # when the armed timer fires
-        self._pid = os.getpid()  # a forked child has no timer armed
+        # the process's timer when armed: a forked child gets a new one,
+        # with nothing armed (compared instead of getpid(), a system call)
+        self._timer: object = None
 
     def add(self, timeout_s: float, on_timeout: Callable[[], None]) -> int:
         """Calls ``on_timeout`` (on a timer thread) in ``timeout_s``
         seconds unless ``remove`` is called first; returns the key."""
         deadline = time.monotonic() + max(timeout_s, 0.0)
         with self._lock:
-            if self._pid != os.getpid():
-                self._pid = os.getpid()
+            if self._timer is not _futures._TIMER:
                 self._armed = None
             key = next(self._seq)
             self._pending[key] = (deadline, on_timeout)
@@ -1075,6 +1077,7 @@ class _BucketDeadlines:
 
     def _arm(self, deadline: float) -> None:
         self._armed = deadline
+        self._timer = _futures._TIMER
         _call_later(timedelta(seconds=max(deadline - time.monotonic(), 0.0)), self._fire)
 
     def _fire(self) -> None:

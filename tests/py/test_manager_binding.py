@@ -433,3 +433,34 @@ def test_wrapper_allreduce_goes_straight_to_the_group_only_without_hooks() -> No
     hooked._pg = Inner()
     assert hooked.allreduce([torch.zeros(1)], opts) == "wrapped"
     assert calls == [("inner", opts), ("wrap", "work")]
+
+
+def test_bucket_deadlines_rearm_in_a_forked_child() -> None:
+    """A child forked while a deadline is armed has no timer thread; a
+    later deadline of its own still fires (the child re-arms on its own
+    timer instead of counting on the parent's)."""
+    from stepguard.manager import _BucketDeadlines
+
+    d = _BucketDeadlines()
+    d.add(0.3, lambda: None)  # armed in the parent
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report whether its deadline fired, then _exit
+        try:
+            os.close(r)
+            fired = threading.Event()
+            d.add(0.6, fired.set)  # later than the armed one
+            os.write(w, b"1" if fired.wait(10) else b"0")
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        got = os.read(r, 1)  # the child writes within 10 s or exits
+        assert got == b"1", f"the child's deadline never fired ({got!r})"
+    finally:
+        os.close(r)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)

@@ -281,6 +281,25 @@ static void test_lengths_layout_addr_plan(void **unused) {
 /* ---- round trips --------------------------------------------------------
  */
 
+/* A fetch striped over two sources hands a source's unstarted share to the
+ * other's idle streams: under load one source can take every chunk before
+ * the other's first connection is up (same-host copies of 11 MB take a few
+ * ms).  Tests that check both contributed pass this progress callback: a
+ * stream that finished a chunk waits (up to 30 s) until the other source
+ * finished one too. */
+typedef struct {
+  atomic_int got[2];
+} both_t;
+
+static void both_contribute(void *arg, size_t source, uint64_t bytes) {
+  both_t *b = arg;
+  (void)bytes;
+  atomic_store(&b->got[source], 1);
+  int64_t until = sg_now_ns() + 30000000000LL;
+  while (!atomic_load(&b->got[1 - source]) && sg_now_ns() < until)
+    usleep(1000);
+}
+
 static void check_fetch(const char *const *addrs, size_t naddr,
                         const char *token, int64_t step, const state_t *src,
                         int streams, uint64_t *bytes) {
@@ -300,8 +319,13 @@ static void check_fetch(const char *const *addrs, size_t naddr,
   assert_int_equal(info.total, src->total);
   state_t d;
   dst_like(src, &d);
+  both_t both = {0};
   sg_ckpt_fetch_opts_t o = {.streams_per_source = streams,
                             .min_chunk = 64 << 10};
+  if (naddr == 2) {
+    o.progress = both_contribute;
+    o.progress_arg = &both;
+  }
   rc = sg_ckpt_fetch_data(f, addrs, naddr, token, step, info.layout, d.regs,
                           d.n, &o, sg_deadline_in_ms(60000), bytes, &err);
   if (rc)
@@ -346,11 +370,13 @@ static void test_round_trip_one_source(void **unused) {
   assert_memory_equal(d.mem, st.mem, st.total);
   sg_ckpt_fetch_free(f);
   free(d.mem);
+  /* the server counts bytes after each send returns, so the fetch can end
+   * first: disallow waits until every response is done */
+  assert_int_equal(sg_ckpt_server_disallow(s, sg_deadline_in_ms(10000)), 0);
   sg_ckpt_server_stats_t ss;
   sg_ckpt_server_stats(s, &ss);
   assert_int_equal(ss.bytes_sent, 4 * st.total);
   assert_int_equal(ss.bad_input, 0);
-  assert_int_equal(sg_ckpt_server_disallow(s, sg_deadline_in_ms(1000)), 0);
   sg_ckpt_server_stop(s);
   free(st.mem);
 }
@@ -367,6 +393,9 @@ static void test_striped_two_sources(void **unused) {
   const char *addrs[] = {a1, a2};
   uint64_t bytes[2];
   check_fetch(addrs, 2, NULL, 9, &st, 2, bytes);
+  /* every response done (and counted) before the counts are read */
+  assert_int_equal(sg_ckpt_server_disallow(s1, sg_deadline_in_ms(10000)), 0);
+  assert_int_equal(sg_ckpt_server_disallow(s2, sg_deadline_in_ms(10000)), 0);
   sg_ckpt_server_stats_t t1, t2;
   sg_ckpt_server_stats(s1, &t1);
   sg_ckpt_server_stats(s2, &t2);
@@ -618,6 +647,23 @@ static void bad_stop(bad_source_t *b) {
   sg_sock_close(b->listen_fd);
 }
 
+/* wait_for_refusal: progress callback that holds a stream that finished a
+ * chunk until the server `arg` has refused a request (up to 30 s), so the
+ * good source cannot take every chunk before the refused one was asked. */
+static void wait_for_refusal(void *arg, size_t source, uint64_t bytes) {
+  sg_ckpt_server_t *s = arg;
+  (void)source;
+  (void)bytes;
+  int64_t until = sg_now_ns() + 30000000000LL;
+  for (;;) {
+    sg_ckpt_server_stats_t ss;
+    sg_ckpt_server_stats(s, &ss);
+    if (ss.refused > 0 || sg_now_ns() >= until)
+      return;
+    usleep(1000);
+  }
+}
+
 static void test_source_dies_mid_stream(void **unused) {
   state_t st;
   make_state(&st, 5, 20);
@@ -665,8 +711,11 @@ static void test_source_dies_mid_stream(void **unused) {
   addr_of(other, ao);
   const char *mixed[] = {ao, ag};
   memset(d.mem, 0, d.total);
+  o.progress = wait_for_refusal;
+  o.progress_arg = other;
   rc = sg_ckpt_fetch_data(f, mixed, 2, NULL, 8, layout, d.regs, d.n, &o,
                           sg_deadline_in_ms(30000), bytes, &err);
+  o.progress = NULL;
   if (rc)
     fail_msg("%s", err.msg);
   assert_int_equal(bytes[0], 0);
@@ -1052,7 +1101,11 @@ static void test_same_host_round_trip(void **unused) {
   assert_int_equal(fs.same_host_sources, 1);
   free(d.mem);
   /* striped over two: both contribute, all of it same-host */
+  both_t both = {0};
+  o.progress = both_contribute;
+  o.progress_arg = &both;
   rc = fetch_from(two, 2, "tok", 6, &st, &o, &d, bytes, &fs, &err);
+  o.progress = NULL;
   if (rc)
     fail_msg("%s", err.msg);
   assert_memory_equal(d.mem, st.mem, st.total);
@@ -1187,11 +1240,20 @@ typedef struct {
 } killer_t;
 
 /* kill_after_first_chunk: progress callback that kills the victim source
- * (and reaps it) once it has delivered one chunk. */
+ * (and reaps it) once it has delivered one chunk.  Another source's stream
+ * that finished a chunk first waits (up to 30 s) for that: under load it
+ * could otherwise take every chunk before the victim's stream started, and
+ * nothing would be killed. */
 static void kill_after_first_chunk(void *arg, size_t source, uint64_t bytes) {
   killer_t *k = arg;
   (void)bytes;
-  if (source != k->source || atomic_exchange(&k->killed, 1))
+  if (source != k->source) {
+    int64_t until = sg_now_ns() + 30000000000LL;
+    while (!atomic_load(&k->killed) && sg_now_ns() < until)
+      usleep(1000);
+    return;
+  }
+  if (atomic_exchange(&k->killed, 1))
     return;
   kill(k->victim->pid, SIGKILL);
   waitpid(k->victim->pid, NULL, 0);
@@ -1219,7 +1281,10 @@ static void test_same_host_source_killed(void **unused) {
   int rc = fetch_from(one, 1, NULL, 4, &st, &o, &d, bytes, &fs, &err);
   assert_int_equal(atomic_load(&k.killed), 1);
   assert_int_equal(rc, SG_EPEER);
-  assert_non_null(strstr(err.msg, "same-host"));
+  if (!strstr(err.msg, "same-host"))
+    fail_msg("not a same-host read error (%llu same-host, %llu TCP bytes): %s",
+             (unsigned long long)fs.same_host_bytes,
+             (unsigned long long)fs.tcp_bytes, err.msg);
   assert_true(fs.same_host_bytes > 0 && fs.same_host_bytes < st.total);
   free(d.mem);
   child_stop(&a);
@@ -1353,6 +1418,10 @@ static void test_same_host_hostile_descriptor(void **unused) {
 }
 
 int main(void) {
+  /* SG_TEST_FILTER=test_same_host* runs the matching tests only (a loop) */
+  const char *filter = getenv("SG_TEST_FILTER");
+  if (filter && *filter)
+    cmocka_set_test_filter(filter);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_request_codec),
       cmocka_unit_test(test_response_codec),

@@ -120,6 +120,22 @@ static void group_stop(group_t *g) {
   memset(g, 0, sizeof(*g));
 }
 
+/* lh_group_start: a lighthouse of one replica and group "a" of `world`
+ * ranks on it, the setup most tests share; lh_group_stop ends both. */
+static sg_lh_server_t *lh_group_start(group_t *g, int64_t world) {
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
+  sg_mgr_server_opts_t o;
+  base_opts(&o, "a", sg_lh_server_address(lh), "st:1");
+  o.world_size = world;
+  group_start_opts(g, &o);
+  return lh;
+}
+
+static void lh_group_stop(group_t *g, sg_lh_server_t *lh) {
+  group_stop(g);
+  sg_lh_server_stop(lh);
+}
+
 struct qreq {
   sg_mgr_client_t *c;
   int64_t group_rank, step;
@@ -613,17 +629,15 @@ static void test_advertised_host(void **state) {
 
 static void test_metadata_of_silent_rank_not_found(void **state) {
   (void)state;
-  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
   group_t g;
-  group_start(&g, "a", sg_lh_server_address(lh), "st:1");
+  sg_lh_server_t *lh = lh_group_start(&g, 2);
   char *md = NULL;
   sg_err_t err;
   assert_int_equal(sg_mgr_client_checkpoint_metadata(
                        g.cl[0], 0, sg_deadline_in_ms(5000), &md, &err),
                    SG_EINVAL);
   assert_non_null(strstr(err.msg, "rank not found"));
-  group_stop(&g);
-  sg_lh_server_stop(lh);
+  lh_group_stop(&g, lh);
 }
 
 static void test_step_disagreement_uses_minimum(void **state) {
@@ -677,15 +691,13 @@ static void test_kill_calls_handler(void **state) {
     usleep(10 * 1000);
   assert_int_equal(atomic_load(&k.n), 1);
   assert_string_equal(k.msg, "bye now");
-  group_stop(&g);
-  sg_lh_server_stop(lh);
+  lh_group_stop(&g, lh);
 }
 
 static void test_bad_requests(void **state) {
   (void)state;
-  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
   group_t g;
-  group_start(&g, "a", sg_lh_server_address(lh), "st:1");
+  sg_lh_server_t *lh = lh_group_start(&g, 2);
   sg_err_t err;
   sg_mgr_quorum_result_t r;
   int out = 0;
@@ -739,8 +751,7 @@ static void test_bad_requests(void **state) {
   /* the server still serves */
   assert_int_equal(
       sg_mgr_client_kill(g.cl[1], NULL, sg_deadline_in_ms(5000), &err), 0);
-  group_stop(&g);
-  sg_lh_server_stop(lh);
+  lh_group_stop(&g, lh);
 }
 
 static void test_auth_token_required(void **state) {
@@ -766,8 +777,7 @@ static void test_auth_token_required(void **state) {
                        g.cl[0], 0, 0, 1, sg_deadline_in_ms(5000), &out, &err),
                    0);
   assert_true(out);
-  group_stop(&g);
-  sg_lh_server_stop(lh);
+  lh_group_stop(&g, lh);
 }
 
 static void test_lighthouse_down_then_back(void **state) {
@@ -818,8 +828,7 @@ static void test_lighthouse_down_then_back(void **state) {
   /* heartbeats keep it healthy past the heartbeat timeout */
   usleep(1500 * 1000);
   assert_true(heartbeating(port, "a"));
-  group_stop(&g);
-  sg_lh_server_stop(lh);
+  lh_group_stop(&g, lh);
 }
 
 static void test_quorum_retries(void **state) {
@@ -924,15 +933,13 @@ static void test_reconnect_within_grace_keeps_group(void **state) {
   q_free(q, 2);
   usleep(2500 * 1000);
   assert_false(sg_mgr_server_has_left(g.srv));
-  group_stop(&g);
-  sg_lh_server_stop(lh);
+  lh_group_stop(&g, lh);
 }
 
 static void test_cancelled_call_no_longer_counts(void **state) {
   (void)state;
-  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
   group_t g;
-  group_start(&g, "a", sg_lh_server_address(lh), "st:1");
+  sg_lh_server_t *lh = lh_group_start(&g, 2);
   /* rank 0 gives up before rank 1 arrives: rank 1 alone starts no round */
   struct qreq q[2];
   q_init(&q[0], &g, 0, 1);
@@ -951,8 +958,7 @@ static void test_cancelled_call_no_longer_counts(void **state) {
   run_round(&g, 1, steps, 0, q);
   assert_int_equal(q[0].r.replica_world_size, 1);
   q_free(q, 2);
-  group_stop(&g);
-  sg_lh_server_stop(lh);
+  lh_group_stop(&g, lh);
 }
 
 static void test_lighthouse_stops_during_round(void **state) {
@@ -1024,12 +1030,8 @@ static void test_quorum_after_restart_gets_full_timeout(void **state) {
  * normally afterwards. */
 static void test_allocation_failures(void **state) {
   (void)state;
-  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
-  sg_mgr_server_opts_t o;
-  base_opts(&o, "a", sg_lh_server_address(lh), "st:1");
-  o.world_size = 1;
   group_t g;
-  group_start_opts(&g, &o);
+  sg_lh_server_t *lh = lh_group_start(&g, 1);
   long failed = 0;
   for (long nth = 1; nth <= 80; nth++) {
     sg_mgr_quorum_result_t r;
@@ -1058,15 +1060,13 @@ static void test_allocation_failures(void **state) {
     fail_msg("quorum after failures: %s", err.msg);
   assert_int_equal(r.max_step, 100);
   sg_mgr_quorum_result_free(&r);
-  group_stop(&g);
-  sg_lh_server_stop(lh);
+  lh_group_stop(&g, lh);
 }
 
 static void test_stop_with_calls_in_flight(void **state) {
   (void)state;
-  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
   group_t g;
-  group_start(&g, "a", sg_lh_server_address(lh), "st:1");
+  sg_lh_server_t *lh = lh_group_start(&g, 2);
   struct qreq q;
   q_init(&q, &g, 0, 0); /* rank 1 never comes: rank 0 waits */
   q.timeout_ms = 30000;
@@ -1098,6 +1098,14 @@ static int local_quorum(sg_mgr_server_t *srv, int64_t g, int64_t step,
   rc = sg_mgr_local_quorum_result(c, r, err);
   sg_mgr_local_free(c);
   return rc;
+}
+
+/* local_start: group rank 0's in-process Quorum with metadata "m", started
+ * and not waited for. */
+static int local_start(sg_mgr_server_t *srv, int64_t step, int64_t timeout_ms,
+                       sg_mgr_local_t **c, sg_err_t *err) {
+  return sg_mgr_local_quorum_start(srv, 0, step, "m", 0, 0, 0, NULL,
+                                   sg_deadline_in_ms(timeout_ms), c, err);
 }
 
 static int local_vote(sg_mgr_server_t *srv, int64_t g, int vote, int *out,
@@ -1184,8 +1192,7 @@ static void test_local_and_wire_ranks_share_rounds(void **state) {
     assert_int_equal(out, round);
     assert_int_equal(v.out, round);
   }
-  group_stop(&g);
-  sg_lh_server_stop(lh);
+  lh_group_stop(&g, lh);
 }
 
 /* A group of one, in-process only: many steps, each vote answered. */
@@ -1210,8 +1217,7 @@ static void test_local_steps_world_one(void **state) {
     assert_int_equal(local_vote(g.srv, 0, vote, &out, &err), 0);
     assert_int_equal(out, vote);
   }
-  group_stop(&g);
-  sg_lh_server_stop(lh);
+  lh_group_stop(&g, lh);
 }
 
 /* An in-process call that arrived on its caller's thread, then a call from
@@ -1219,9 +1225,8 @@ static void test_local_steps_world_one(void **state) {
  * does not answer a round a wire call waits in); then the other order. */
 static void test_local_first_then_wire(void **state) {
   (void)state;
-  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
   group_t g;
-  group_start(&g, "a", sg_lh_server_address(lh), "st:1");
+  sg_lh_server_t *lh = lh_group_start(&g, 2);
   for (int order = 0; order < 2; order++) {
     sg_mgr_local_t *c = NULL;
     sg_err_t err;
@@ -1231,10 +1236,7 @@ static void test_local_first_then_wire(void **state) {
       q_start(&q);
       usleep(100 * 1000);
     }
-    assert_int_equal(
-        sg_mgr_local_quorum_start(g.srv, 0, 7 + order, "m", 0, 0, 0, NULL,
-                                  sg_deadline_in_ms(10000), &c, &err),
-        0);
+    assert_int_equal(local_start(g.srv, 7 + order, 10000, &c, &err), 0);
     if (order == 0) {
       usleep(100 * 1000);
       assert_false(sg_mgr_local_done(c));
@@ -1254,16 +1256,14 @@ static void test_local_first_then_wire(void **state) {
     q_free(&q, 1);
     sg_mgr_local_free(c);
   }
-  group_stop(&g);
-  sg_lh_server_stop(lh);
+  lh_group_stop(&g, lh);
 }
 
 /* Refusals come back as the wire client reports them. */
 static void test_local_errors_match_wire(void **state) {
   (void)state;
-  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
   group_t g;
-  group_start(&g, "a", sg_lh_server_address(lh), "st:1");
+  sg_lh_server_t *lh = lh_group_start(&g, 2);
   sg_mgr_quorum_result_t r, rw;
   sg_err_t err, werr;
   sg_err_clear(&err);
@@ -1298,24 +1298,20 @@ static void test_local_errors_match_wire(void **state) {
   assert_int_equal(sg_mgr_local_should_commit_result(c, &out, &err), SG_EINVAL);
   assert_int_equal(sg_mgr_local_should_commit_result(c, &out, &err), SG_ESTATE);
   sg_mgr_local_free(c);
-  group_stop(&g);
-  sg_lh_server_stop(lh);
+  lh_group_stop(&g, lh);
 }
 
 /* Deadline, abort and waiting in slices; an in-process Quorum that ended
  * before its round no longer counts as arrived (as a cancelled wire call). */
 static void test_local_deadline_abort_and_slices(void **state) {
   (void)state;
-  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
   group_t g;
-  group_start(&g, "a", sg_lh_server_address(lh), "st:1");
+  sg_lh_server_t *lh = lh_group_start(&g, 2);
   sg_mgr_local_t *c = NULL;
   sg_err_t err;
   sg_mgr_quorum_result_t r;
   /* rank 1 never comes: slices time out, then the deadline ends it */
-  assert_int_equal(sg_mgr_local_quorum_start(g.srv, 0, 1, "m", 0, 0, 0, NULL,
-                                             sg_deadline_in_ms(300), &c, &err),
-                   0);
+  assert_int_equal(local_start(g.srv, 1, 300, &c, &err), 0);
   assert_int_equal(sg_mgr_local_wait(c, sg_deadline_in_ms(20)), SG_EAGAIN);
   assert_false(sg_mgr_local_done(c));
   assert_int_equal(sg_mgr_local_quorum_result(c, &r, &err), SG_ESTATE);
@@ -1333,10 +1329,7 @@ static void test_local_deadline_abort_and_slices(void **state) {
   q_join(&q[1]);
   assert_int_equal(q[1].rc, SG_ETIMEDOUT);
   /* abort from another thread's point of view: it completes at once */
-  assert_int_equal(sg_mgr_local_quorum_start(g.srv, 0, 1, "m", 0, 0, 0, NULL,
-                                             sg_deadline_in_ms(30000), &c,
-                                             &err),
-                   0);
+  assert_int_equal(local_start(g.srv, 1, 30000, &c, &err), 0);
   sg_mgr_local_abort(c);
   sg_mgr_local_abort(c); /* idempotent */
   assert_true(sg_mgr_local_done(c));
@@ -1344,10 +1337,7 @@ static void test_local_deadline_abort_and_slices(void **state) {
   assert_int_equal(sg_mgr_local_quorum_result(c, &r, &err), SG_EABORTED);
   sg_mgr_local_free(c);
   /* free without waiting: aborted, nothing leaks */
-  assert_int_equal(sg_mgr_local_quorum_start(g.srv, 0, 1, "m", 0, 0, 0, NULL,
-                                             sg_deadline_in_ms(30000), &c,
-                                             &err),
-                   0);
+  assert_int_equal(local_start(g.srv, 1, 30000, &c, &err), 0);
   sg_mgr_local_free(c);
   usleep(100 * 1000);
   /* both ranks together still work */
@@ -1361,8 +1351,7 @@ static void test_local_deadline_abort_and_slices(void **state) {
   assert_int_equal(r.max_step, 2);
   sg_mgr_quorum_result_free(&r);
   q_free(&q[1], 1);
-  group_stop(&g);
-  sg_lh_server_stop(lh);
+  lh_group_stop(&g, lh);
 }
 
 /* The vote that ends a round nobody waits in is decided on the caller's
@@ -1370,9 +1359,8 @@ static void test_local_deadline_abort_and_slices(void **state) {
  * and the round starts afresh after it. */
 static void test_local_vote_ends_round_of_departed_voter(void **state) {
   (void)state;
-  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
   group_t g;
-  group_start(&g, "a", sg_lh_server_address(lh), "st:1");
+  sg_lh_server_t *lh = lh_group_start(&g, 2);
   sg_err_t err;
   int out = -1;
   /* rank 1 votes no and gives up before rank 0 comes */
@@ -1399,23 +1387,18 @@ static void test_local_vote_ends_round_of_departed_voter(void **state) {
   assert_int_equal(sg_mgr_local_should_commit_result(c, &out, &err),
                    SG_ETIMEDOUT);
   sg_mgr_local_free(c);
-  group_stop(&g);
-  sg_lh_server_stop(lh);
+  lh_group_stop(&g, lh);
 }
 
 /* A forked child that finds a call its parent started leaves it alone and
  * does not hang; the parent's call still completes. */
 static void test_local_call_in_forked_child(void **state) {
   (void)state;
-  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
   group_t g;
-  group_start(&g, "a", sg_lh_server_address(lh), "st:1");
+  sg_lh_server_t *lh = lh_group_start(&g, 2);
   sg_mgr_local_t *c = NULL;
   sg_err_t err;
-  assert_int_equal(sg_mgr_local_quorum_start(g.srv, 0, 1, "m", 0, 0, 0, NULL,
-                                             sg_deadline_in_ms(30000), &c,
-                                             &err),
-                   0);
+  assert_int_equal(local_start(g.srv, 1, 30000, &c, &err), 0);
   pid_t pid = fork();
   assert_true(pid >= 0);
   if (pid == 0) {
@@ -1457,23 +1440,18 @@ static void test_local_call_in_forked_child(void **state) {
   q_join(&q);
   assert_int_equal(q.rc, 0);
   q_free(&q, 1);
-  group_stop(&g);
-  sg_lh_server_stop(lh);
+  lh_group_stop(&g, lh);
 }
 
 /* Stopping the server fails a waiting in-process call at once, as
  * UNAVAILABLE from the wire; the call may be freed after the server. */
 static void test_local_stop_fails_waiting_call(void **state) {
   (void)state;
-  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
   group_t g;
-  group_start(&g, "a", sg_lh_server_address(lh), "st:1");
+  sg_lh_server_t *lh = lh_group_start(&g, 2);
   sg_mgr_local_t *c = NULL, *v = NULL;
   sg_err_t err;
-  assert_int_equal(sg_mgr_local_quorum_start(g.srv, 0, 1, "m", 0, 0, 0, NULL,
-                                             sg_deadline_in_ms(30000), &c,
-                                             &err),
-                   0);
+  assert_int_equal(local_start(g.srv, 1, 30000, &c, &err), 0);
   assert_int_equal(sg_mgr_local_should_commit_start(
                        g.srv, 0, 1, 1, sg_deadline_in_ms(30000), &v, &err),
                    0);
@@ -1502,12 +1480,8 @@ static void test_local_stop_fails_waiting_call(void **state) {
  * nothing leaks, and the server serves normally afterwards. */
 static void test_local_allocation_failures(void **state) {
   (void)state;
-  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
-  sg_mgr_server_opts_t o;
-  base_opts(&o, "a", sg_lh_server_address(lh), "st:1");
-  o.world_size = 1;
   group_t g;
-  group_start_opts(&g, &o);
+  sg_lh_server_t *lh = lh_group_start(&g, 1);
   long failed = 0;
   for (long nth = 1; nth <= 60; nth++) {
     sg_mgr_quorum_result_t r;
@@ -1528,8 +1502,7 @@ static void test_local_allocation_failures(void **state) {
     fail_msg("quorum after failures: %s", err.msg);
   assert_int_equal(r.max_step, 100);
   sg_mgr_quorum_result_free(&r);
-  group_stop(&g);
-  sg_lh_server_stop(lh);
+  lh_group_stop(&g, lh);
 }
 
 int main(void) {

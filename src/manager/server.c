@@ -1186,6 +1186,20 @@ static void local_take(sg_mgr_server_t *s, sg_mgr_local_t **inbox,
   s->inbox = s->inbox_tail = s->cancels = NULL;
 }
 
+/* local_qargs: the arguments of the in-process Quorum call `c`. */
+static struct qargs local_qargs(const sg_mgr_local_t *c) {
+  struct qargs a = {0};
+  a.group_rank = c->group_rank;
+  a.step = c->step;
+  a.commit_failures = c->commit_failures;
+  a.shrink_only = c->shrink_only;
+  a.init_sync = c->init_sync;
+  a.metadata = c->metadata;
+  a.handle = c->handle;
+  a.deadline = c->deadline;
+  return a;
+}
+
 /* local_run: hand one started call to its handler (loop thread).  The
  * server's reference passes to its waiter (which may be answered and
  * freed before the handler returns), or is dropped here when the call got
@@ -1201,15 +1215,7 @@ static void local_run(sg_mgr_server_t *s, sg_mgr_local_t *c) {
   } else if (s->closing) {
     respond_err(to, SG_GRPC_UNAVAILABLE, "manager shutting down");
   } else if (c->kind == W_QUORUM) {
-    struct qargs a = {0};
-    a.group_rank = c->group_rank;
-    a.step = c->step;
-    a.commit_failures = c->commit_failures;
-    a.shrink_only = c->shrink_only;
-    a.init_sync = c->init_sync;
-    a.metadata = c->metadata;
-    a.handle = c->handle;
-    a.deadline = c->deadline;
+    struct qargs a = local_qargs(c);
     quorum_arrive(s, to, &a);
   } else {
     commit_vote(s, to, c->group_rank, c->vote, 0, 0);
@@ -1329,15 +1335,7 @@ static int arrive_here(sg_mgr_server_t *s, sg_mgr_local_t *c) {
   }
   c->srv = s;
   c->refs = 2; /* the caller's and the server's: nobody else has c yet */
-  struct qargs a = {0};
-  a.group_rank = c->group_rank;
-  a.step = c->step;
-  a.commit_failures = c->commit_failures;
-  a.shrink_only = c->shrink_only;
-  a.init_sync = c->init_sync;
-  a.metadata = c->metadata;
-  a.handle = c->handle;
-  a.deadline = c->deadline;
+  struct qargs a = local_qargs(c);
   reply_t to = {NULL, c};
   quorum_arrive_locked(s, to, &a);
   int had_waiter = c->had_waiter;

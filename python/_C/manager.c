@@ -291,6 +291,7 @@ static int local_wait(mgr_client_obj *self, sg_mgr_local_t *c) {
   int on_main = _PyOS_IsMainThread();
   struct lwait node = {c, self->waiting};
   self->waiting = &node;
+  self->inflight++;
   int out = 0;
   for (;;) {
     int rc;
@@ -306,6 +307,7 @@ static int local_wait(mgr_client_obj *self, sg_mgr_local_t *c) {
       break;
     }
   }
+  self->inflight--;
   struct lwait **pp = &self->waiting;
   while (*pp != &node)
     pp = &(*pp)->next;
@@ -487,11 +489,11 @@ static PyObject *result_dict(const sg_mgr_quorum_result_t *r) {
                r->n_up_to_date_manager_addresses));
 }
 
-/* local_quorum_start: start the quorum described by `c` in-process; NULL
- * with an exception set on failure. */
-static sg_mgr_local_t *local_quorum_start(mgr_client_obj *self,
-                                          const struct mcall *c,
-                                          double timeout_s) {
+/* local_start: start the call `c` (a quorum, or a vote when its kind is
+ * MC_COMMIT) in-process; NULL with an exception set on failure (a closed
+ * client, a bad timeout, a stopped server or a refused call). */
+static sg_mgr_local_t *local_start(mgr_client_obj *self, const struct mcall *c,
+                                   double timeout_s) {
   if (mclient_guard(self) < 0)
     return NULL;
   int64_t ms = sg_py_timeout_ms(timeout_s);
@@ -500,12 +502,17 @@ static sg_mgr_local_t *local_quorum_start(mgr_client_obj *self,
   sg_mgr_server_t *srv = local_server(self);
   if (!srv)
     return NULL;
+  sg_deadline_t deadline = sg_deadline_in_ms(ms);
   sg_mgr_local_t *lc = NULL;
   sg_err_t err;
   sg_err_clear(&err);
-  int rc = sg_mgr_local_quorum_start(
-      srv, c->group_rank, c->step, c->str, c->shrink_only, c->init_sync,
-      c->commit_failures, c->handle, sg_deadline_in_ms(ms), &lc, &err);
+  int rc = c->kind == MC_COMMIT
+               ? sg_mgr_local_should_commit_start(srv, c->group_rank, c->step,
+                                                  c->vote, deadline, &lc, &err)
+               : sg_mgr_local_quorum_start(srv, c->group_rank, c->step, c->str,
+                                           c->shrink_only, c->init_sync,
+                                           c->commit_failures, c->handle,
+                                           deadline, &lc, &err);
   if (rc) {
     sg_py_raise(sg_py_state_of_type(Py_TYPE(self)), rc, err.msg);
     return NULL;
@@ -517,9 +524,7 @@ static sg_mgr_local_t *local_quorum_start(mgr_client_obj *self,
  * (or NULL with the call's exception). */
 static PyObject *local_quorum_finish(mgr_client_obj *self, sg_mgr_local_t *lc) {
   PyObject *d = NULL;
-  self->inflight++;
   int rc = local_wait(self, lc);
-  self->inflight--;
   if (rc == 0) {
     sg_mgr_quorum_result_t r;
     sg_err_t err;
@@ -563,7 +568,7 @@ static PyObject *mclient_quorum(PyObject *self_obj, PyObject *args,
   c.step = step;
   c.commit_failures = cf;
   if (c.self->server) {
-    sg_mgr_local_t *lc = local_quorum_start(c.self, &c, timeout_s);
+    sg_mgr_local_t *lc = local_start(c.self, &c, timeout_s);
     return lc ? local_quorum_finish(c.self, lc) : NULL;
   }
   if (mcall_do(&c, timeout_s) < 0)
@@ -606,6 +611,7 @@ static PyObject *mclient_quorum_start(PyObject *self_obj, PyObject *args,
   if (self->server) {
     struct mcall lreq;
     memset(&lreq, 0, sizeof(lreq));
+    lreq.kind = MC_QUORUM;
     lreq.group_rank = g;
     lreq.step = step;
     lreq.str = md;
@@ -613,7 +619,7 @@ static PyObject *mclient_quorum_start(PyObject *self_obj, PyObject *args,
     lreq.shrink_only = shrink_only;
     lreq.init_sync = init_sync;
     lreq.commit_failures = cf;
-    self->queued_local = local_quorum_start(self, &lreq, timeout_s);
+    self->queued_local = local_start(self, &lreq, timeout_s);
     if (!self->queued_local)
       return NULL;
     Py_RETURN_NONE;
@@ -705,28 +711,15 @@ static PyObject *mclient_metadata(PyObject *self_obj, PyObject *args,
 /* local_should_commit: the vote of `c`, made in-process. */
 static PyObject *local_should_commit(mgr_client_obj *self,
                                      const struct mcall *c, double timeout_s) {
-  if (mclient_guard(self) < 0)
+  sg_mgr_local_t *lc = local_start(self, c, timeout_s);
+  if (!lc)
     return NULL;
-  int64_t ms = sg_py_timeout_ms(timeout_s);
-  if (ms < 0)
-    return NULL;
-  sg_mgr_server_t *srv = local_server(self);
-  if (!srv)
-    return NULL;
-  sg_mgr_local_t *lc = NULL;
-  sg_err_t err;
-  sg_err_clear(&err);
-  int rc = sg_mgr_local_should_commit_start(
-      srv, c->group_rank, c->step, c->vote, sg_deadline_in_ms(ms), &lc, &err);
-  if (rc)
-    return sg_py_raise(sg_py_state_of_type(Py_TYPE(self)), rc, err.msg);
   PyObject *out = NULL;
-  self->inflight++;
-  rc = local_wait(self, lc);
-  self->inflight--;
-  if (rc == 0) {
+  if (local_wait(self, lc) == 0) {
     int decision = 0;
-    rc = sg_mgr_local_should_commit_result(lc, &decision, &err);
+    sg_err_t err;
+    sg_err_clear(&err);
+    int rc = sg_mgr_local_should_commit_result(lc, &decision, &err);
     out = rc ? sg_py_raise(sg_py_state_of_type(Py_TYPE(self)), rc, err.msg)
              : PyBool_FromLong(decision);
   }

@@ -21,32 +21,61 @@ pg_mod = pytest.importorskip("stepguard.process_group")
 STEPS = 3
 
 
+def _manager(
+    model: torch.nn.Module,
+    lighthouse: str,
+    replica_id: str,
+    min_replica_size: int,
+    **kwargs,
+) -> tuple:
+    """A Manager of a replica group of one rank for ``model``, with its own
+    store; returns both (the store must outlive the Manager)."""
+    store = torch.distributed.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False
+    )
+    manager = manager_mod.Manager(
+        pg=pg_mod.ProcessGroupGloo(timeout=timedelta(seconds=20)),
+        load_state_dict=lambda sd: model.load_state_dict(sd),
+        state_dict=lambda: model.state_dict(),
+        min_replica_size=min_replica_size,
+        timeout=timedelta(seconds=20),
+        quorum_timeout=timedelta(seconds=30),
+        connect_timeout=timedelta(seconds=20),
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        lighthouse_addr=lighthouse,
+        replica_id=replica_id,
+        port=0,
+        hostname="127.0.0.1",
+        **kwargs,
+    )
+    return manager, store
+
+
+def _run_two(target, lighthouse: str, out: dict, errors: list) -> None:
+    """Runs ``target(i, lighthouse, out, errors)`` for replicas 0 and 1 in
+    threads and fails if either is still running after 120 s."""
+    threads = [
+        threading.Thread(target=target, args=(i, lighthouse, out, errors))
+        for i in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "replicas hung"
+
+
 def _replica(idx: int, lighthouse: str, out: dict, errors: list) -> None:
     try:
         torch.manual_seed(100 + idx)  # different weights in each group
         model = torch.nn.Linear(6, 3)
         inner = torch.optim.SGD(model.parameters(), lr=0.1)
-        store = torch.distributed.TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False
-        )
         transport = NativeTransport(timedelta(seconds=30), hostname="127.0.0.1")
-        manager = manager_mod.Manager(
-            pg=pg_mod.ProcessGroupGloo(timeout=timedelta(seconds=20)),
-            load_state_dict=lambda sd: model.load_state_dict(sd),
-            state_dict=lambda: model.state_dict(),
-            min_replica_size=2,
-            timeout=timedelta(seconds=20),
-            quorum_timeout=timedelta(seconds=30),
-            connect_timeout=timedelta(seconds=20),
-            rank=0,
-            world_size=1,
-            store_addr="127.0.0.1",
-            store_port=store.port,
-            lighthouse_addr=lighthouse,
-            replica_id=f"ckpt_{idx}",
-            port=0,
-            hostname="127.0.0.1",
-            checkpoint_transport=transport,
+        manager, _store = _manager(
+            model, lighthouse, f"ckpt_{idx}", 2, checkpoint_transport=transport
         )
         hashes = []
         try:
@@ -75,15 +104,7 @@ def test_heal_through_native_transport() -> None:
     out: dict = {}
     errors: list = []
     try:
-        threads = [
-            threading.Thread(target=_replica, args=(i, lh.address(), out, errors))
-            for i in range(2)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        assert not any(t.is_alive() for t in threads), "replicas hung"
+        _run_two(_replica, lh.address(), out, errors)
     finally:
         lh.shutdown()
     assert not errors, errors
@@ -113,26 +134,7 @@ def _striping_replica(
         torch.manual_seed(200 + idx)
         model = torch.nn.Linear(1024, 1024)  # 4 MiB: several chunks
         inner = torch.optim.SGD(model.parameters(), lr=0.01)
-        store = torch.distributed.TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False
-        )
-        manager = manager_mod.Manager(
-            pg=pg_mod.ProcessGroupGloo(timeout=timedelta(seconds=20)),
-            load_state_dict=lambda sd: model.load_state_dict(sd),
-            state_dict=lambda: model.state_dict(),
-            min_replica_size=2,
-            timeout=timedelta(seconds=20),
-            quorum_timeout=timedelta(seconds=30),
-            connect_timeout=timedelta(seconds=20),
-            rank=0,
-            world_size=1,
-            store_addr="127.0.0.1",
-            store_port=store.port,
-            lighthouse_addr=lighthouse,
-            replica_id=f"stripe_{idx}",
-            port=0,
-            hostname="127.0.0.1",
-        )
+        manager, _store = _manager(model, lighthouse, f"stripe_{idx}", 2)
         transport = manager._checkpoint_transport
         assert isinstance(transport, NativeTransport)  # the default
         healed_from: list = []
@@ -239,28 +241,10 @@ def _cut_replica(idx: int, lighthouse: str, out: dict, errors: list) -> None:
         torch.manual_seed(300 + idx)
         model = torch.nn.Linear(64, 32)
         inner = torch.optim.SGD(model.parameters(), lr=0.1)
-        store = torch.distributed.TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False
-        )
         cls = _CutOnce if idx == 1 else NativeTransport
         transport = cls(timedelta(seconds=30), hostname="127.0.0.1", in_place=True)
-        manager = manager_mod.Manager(
-            pg=pg_mod.ProcessGroupGloo(timeout=timedelta(seconds=20)),
-            load_state_dict=lambda sd: model.load_state_dict(sd),
-            state_dict=lambda: model.state_dict(),
-            min_replica_size=1,
-            timeout=timedelta(seconds=20),
-            quorum_timeout=timedelta(seconds=30),
-            connect_timeout=timedelta(seconds=20),
-            rank=0,
-            world_size=1,
-            store_addr="127.0.0.1",
-            store_port=store.port,
-            lighthouse_addr=lighthouse,
-            replica_id=f"cut_{idx}",
-            port=0,
-            hostname="127.0.0.1",
-            checkpoint_transport=transport,
+        manager, _store = _manager(
+            model, lighthouse, f"cut_{idx}", 1, checkpoint_transport=transport
         )
         steps, commits = [], []
         try:
@@ -297,15 +281,7 @@ def test_in_place_fetch_cut_half_way_reports_step_minus_one_and_heals_later() ->
     out: dict = {}
     errors: list = []
     try:
-        threads = [
-            threading.Thread(target=_cut_replica, args=(i, lh.address(), out, errors))
-            for i in range(2)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        assert not any(t.is_alive() for t in threads), "replicas hung"
+        _run_two(_cut_replica, lh.address(), out, errors)
     finally:
         lh.shutdown()
     assert not errors, errors

@@ -207,9 +207,9 @@ except KeyboardInterrupt:
 """
 
 
-def test_ctrl_c_stops_a_waiting_quorum(procs):
-    p = procs.spawn(QUORUM_CHILD, stdout=subprocess.PIPE,
-                    stderr=subprocess.DEVNULL, text=True)
+def _interrupt_waiting_child(p) -> None:
+    """``p`` printed "waiting" and blocks in a call: Ctrl-C (SIGINT) ends it
+    within 10 s, having printed "interrupted" and exiting with 3."""
     assert p.stdout.readline().strip() == "waiting"
     time.sleep(0.3)
     t0 = time.monotonic()
@@ -217,6 +217,12 @@ def test_ctrl_c_stops_a_waiting_quorum(procs):
     assert p.wait(timeout=10) == 3
     assert time.monotonic() - t0 < 10
     assert "interrupted" in p.stdout.read()
+
+
+def test_ctrl_c_stops_a_waiting_quorum(procs):
+    p = procs.spawn(QUORUM_CHILD, stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL, text=True)
+    _interrupt_waiting_child(p)
 
 
 def test_advertise_host_env_overrides_hostname(monkeypatch):
@@ -349,13 +355,7 @@ def test_in_process_calls_start_no_thread_and_ctrl_c_stops_them(procs):
                     stderr=subprocess.DEVNULL, text=True)
     changed = p.stdout.readline().strip()
     assert changed == "0", f"{changed} threads came or went over 80 calls"
-    assert p.stdout.readline().strip() == "waiting"
-    time.sleep(0.3)
-    t0 = time.monotonic()
-    os.kill(p.pid, signal.SIGINT)
-    assert p.wait(timeout=10) == 3
-    assert time.monotonic() - t0 < 10
-    assert "interrupted" in p.stdout.read()
+    _interrupt_waiting_child(p)
 
 
 # ---- the per-step hot path's helpers --------------------------------------

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import math
 from types import TracebackType
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Type, Union
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Type, TypeVar, Union
 
 import torch
 from torch import nn, optim
@@ -83,7 +83,49 @@ def _like_param(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     return local
 
 
-class LocalSGD:
+_Hooked = TypeVar("_Hooked", bound="_OptimizerHooks")
+
+
+class _OptimizerHooks:
+    """The context manager LocalSGD and DiLoCo share: while entered, every
+    step of ``optimizer`` calls ``_step_pre_hook`` (a replica healing from
+    us must not read half-updated weights) and the subclass's
+    ``_step_post_hook``; leaving removes both hooks."""
+
+    def __init__(self, manager: Manager, optimizer: optim.Optimizer) -> None:
+        self._manager = manager
+        self._hooked_optimizer = optimizer
+        self._local_step = 0
+        self._hooks: List[RemovableHandle] = []
+
+    def __enter__(self: _Hooked) -> _Hooked:
+        self._hooks.append(
+            self._hooked_optimizer.register_step_pre_hook(self._step_pre_hook)
+        )
+        self._hooks.append(
+            self._hooked_optimizer.register_step_post_hook(self._step_post_hook)
+        )
+        return self
+
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc_value: Optional[BaseException],
+        traceback: Optional[TracebackType],
+    ) -> bool:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        return False
+
+    def _step_pre_hook(self, _optim: optim.Optimizer, _args: object, _kwargs: object) -> None:
+        self._manager.disallow_state_dict_read()
+
+    def _step_post_hook(self, _optim: optim.Optimizer, _args: object, _kwargs: object) -> None:
+        raise NotImplementedError
+
+
+class LocalSGD(_OptimizerHooks):
     """Averages the model parameters across replicas every ``sync_every``
     optimizer steps (https://arxiv.org/abs/1805.09767).
 
@@ -112,32 +154,9 @@ class LocalSGD:
     ) -> None:
         if sync_every < 1:
             raise _ArgumentError(f"sync_every must be at least 1, got {sync_every}")
-        self._manager = manager
+        super().__init__(manager, optimizer)
         self._model = model
-        self._optimizer = optimizer
         self._sync_every = sync_every
-        self._local_step = 0
-        self._hooks: List[RemovableHandle] = []
-
-    def __enter__(self) -> "LocalSGD":
-        self._hooks.append(self._optimizer.register_step_pre_hook(self._step_pre_hook))
-        self._hooks.append(self._optimizer.register_step_post_hook(self._step_post_hook))
-        return self
-
-    def __exit__(
-        self,
-        exc_type: Optional[Type[BaseException]],
-        exc_value: Optional[BaseException],
-        traceback: Optional[TracebackType],
-    ) -> bool:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
-        return False
-
-    def _step_pre_hook(self, _optim: optim.Optimizer, _args: object, _kwargs: object) -> None:
-        # A replica healing from us must not read half-updated weights.
-        self._manager.disallow_state_dict_read()
 
     def _step_post_hook(self, _optim: optim.Optimizer, _args: object, _kwargs: object) -> None:
         self._manager.allow_state_dict_read()
@@ -415,7 +434,7 @@ class _StreamingDiLoCoFragment:
     _bucketize_and_allreduce = _allreduce_bucketized
 
 
-class DiLoCo:
+class DiLoCo(_OptimizerHooks):
     """DiLoCo (https://arxiv.org/abs/2311.08105) and Streaming DiLoCo
     (https://arxiv.org/abs/2501.18512) over a Manager.
 
@@ -511,13 +530,10 @@ class DiLoCo:
                 "fragment's sync must finish before the next one starts"
             )
 
-        self._manager = manager
-        self._inner_optimizer = inner_optimizer
+        super().__init__(manager, inner_optimizer)
         self._outer_optimizers = outer_optimizers
         self._sync_every = sync_every // n
         self._fragment_sync_delay = fragment_sync_delay
-        self._local_step = 0
-        self._hooks: List[RemovableHandle] = []
 
         self._fragments: List[_StreamingDiLoCoFragment] = [
             _StreamingDiLoCoFragment(
@@ -551,29 +567,6 @@ class DiLoCo:
     def _restore_parameters(self) -> None:
         for fragment in self._fragments:
             fragment.restore_parameters()
-
-    def __enter__(self) -> "DiLoCo":
-        self._hooks.append(
-            self._inner_optimizer.register_step_pre_hook(self._step_pre_hook)
-        )
-        self._hooks.append(
-            self._inner_optimizer.register_step_post_hook(self._step_post_hook)
-        )
-        return self
-
-    def __exit__(
-        self,
-        exc_type: Optional[Type[BaseException]],
-        exc_value: Optional[BaseException],
-        traceback: Optional[TracebackType],
-    ) -> bool:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
-        return False
-
-    def _step_pre_hook(self, _optim: optim.Optimizer, _args: object, _kwargs: object) -> None:
-        self._manager.disallow_state_dict_read()
 
     def _wait(self) -> None:
         """Waits for every fragment's pending average."""

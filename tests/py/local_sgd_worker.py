@@ -28,7 +28,8 @@ from datetime import timedelta
 from typing import Any
 
 import train_worker
-from train_worker import Log, param_hash, publish, replica_index, wait_file
+from train_worker import (Log, group_store, make_model, manager_kwargs,
+                          param_hash, replica_index, wait_file)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -97,21 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     ft = importlib.import_module(a.impl)
     local_sgd = importlib.import_module(a.impl + ".local_sgd")
 
-    store_file = os.path.join(a.dir, "stores", f"{a.replica_id}.i{a.incarnation}")
-    store = None
-    if a.group_rank == 0:
-        store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True,
-                                           wait_for_workers=False)
-        store_port = store.port
-        publish(store_file, str(store_port))
-    else:
-        store_port = int(wait_file(store_file, 60))
+    store, store_port = group_store(a, a.group_rank)
 
     rindex = replica_index(a.replica_id)
-    torch.manual_seed(0 if a.same_init else 1000 + rindex)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                                torch.nn.Linear(16, 4))
-    inner_opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, inner_opt = make_model(a)
 
     def state_dict() -> dict:
         return {"model": model.state_dict(), "optim": inner_opt.state_dict()}
@@ -130,21 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         pg=pg,
         load_state_dict=load_state_dict,
         state_dict=state_dict,
-        min_replica_size=a.min_replica_size,
         use_async_quorum=a.algo == "localsgd" and not a.sync_quorum,
-        init_sync=not a.no_init_sync,
-        timeout=timedelta(seconds=a.timeout),
-        quorum_timeout=timedelta(seconds=a.quorum_timeout),
-        connect_timeout=timedelta(seconds=30),
-        rank=a.group_rank,
-        world_size=a.group_world_size,
-        store_addr="127.0.0.1",
-        store_port=store_port,
-        lighthouse_addr=a.lighthouse,
-        replica_id=a.replica_id,
-        port=0,
-        hostname="127.0.0.1",
-        heartbeat_interval=timedelta(milliseconds=100),
+        **manager_kwargs(a, a.group_rank, a.group_world_size, "127.0.0.1",
+                         store_port),
     )
 
     # the commit votes the algorithm casts (one per sync)

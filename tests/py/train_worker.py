@@ -73,6 +73,56 @@ def publish(path: str, text: str) -> None:
     os.rename(tmp, path)
 
 
+def group_store(a: argparse.Namespace, group_rank: int):
+    """This replica group's TCPStore without torchrun: group rank 0 hosts it
+    on port 0 and publishes the port in ``DIR/stores/{replica_id}.i{inc}``,
+    the other ranks wait for that file.  Returns the store (None where this
+    rank does not host it; keep it while the Manager runs) and its port."""
+    import torch
+
+    store_file = os.path.join(a.dir, "stores", f"{a.replica_id}.i{a.incarnation}")
+    if group_rank != 0:
+        return None, int(wait_file(store_file, 60))
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True,
+                                       wait_for_workers=False)
+    publish(store_file, str(store.port))
+    return store, store.port
+
+
+def make_model(a: argparse.Namespace):
+    """The model every replica group trains (the same initial weights in
+    every group with --same-init) and its inner optimizer."""
+    import torch
+
+    torch.manual_seed(0 if a.same_init else 1000 + replica_index(a.replica_id))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 4))
+    inner_opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return model, inner_opt
+
+
+def manager_kwargs(a: argparse.Namespace, group_rank: int, group_ws: int,
+                   store_addr: str, store_port: int) -> dict[str, Any]:
+    """The Manager arguments every worker passes alike (all but the process
+    group, the state dict functions and use_async_quorum)."""
+    return dict(
+        min_replica_size=a.min_replica_size,
+        init_sync=not a.no_init_sync,
+        timeout=timedelta(seconds=a.timeout),
+        quorum_timeout=timedelta(seconds=a.quorum_timeout),
+        connect_timeout=timedelta(seconds=30),
+        rank=group_rank,
+        world_size=group_ws,
+        store_addr=store_addr,
+        store_port=store_port,
+        lighthouse_addr=a.lighthouse,
+        replica_id=a.replica_id,
+        port=0,
+        hostname="127.0.0.1",
+        heartbeat_interval=timedelta(milliseconds=100),
+    )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--impl", required=True,
@@ -169,21 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     if torchrun:
         store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     else:
-        store_file = os.path.join(a.dir, "stores", f"{a.replica_id}.i{a.incarnation}")
         store_addr = "127.0.0.1"
-        if group_rank == 0:
-            store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True,
-                                               wait_for_workers=False)
-            store_port = store.port
-            publish(store_file, str(store_port))
-        else:
-            store_port = int(wait_file(store_file, 60))
+        store, store_port = group_store(a, group_rank)
 
     rindex = replica_index(a.replica_id)
-    torch.manual_seed(0 if a.same_init else 1000 + rindex)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                                torch.nn.Linear(16, 4))
-    inner_opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, inner_opt = make_model(a)
     send_state = {"slow": a.slow_send}
 
     def state_dict() -> dict:
@@ -206,21 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         pg=pg,
         load_state_dict=load_state_dict,
         state_dict=state_dict,
-        min_replica_size=a.min_replica_size,
         use_async_quorum=not a.sync_quorum,
-        init_sync=not a.no_init_sync,
-        timeout=timedelta(seconds=a.timeout),
-        quorum_timeout=timedelta(seconds=a.quorum_timeout),
-        connect_timeout=timedelta(seconds=30),
-        rank=group_rank,
-        world_size=group_ws,
-        store_addr=store_addr,
-        store_port=store_port,
-        lighthouse_addr=a.lighthouse,
-        replica_id=a.replica_id,
-        port=0,
-        hostname="127.0.0.1",
-        heartbeat_interval=timedelta(milliseconds=100),
+        **manager_kwargs(a, group_rank, group_ws, store_addr, store_port),
         **kw,
     )
     ddp = ft.DistributedDataParallel(manager, model)

@@ -560,19 +560,6 @@ class DiLoCo(_OptimizerHooks):
         for fragment in self._fragments:
             fragment.register_state_dict_fn()
 
-    def _save_parameters(self) -> None:
-        for fragment in self._fragments:
-            fragment.save_parameters()
-
-    def _restore_parameters(self) -> None:
-        for fragment in self._fragments:
-            fragment.restore_parameters()
-
-    def _wait(self) -> None:
-        """Waits for every fragment's pending average."""
-        for fragment in self._fragments:
-            fragment.wait()
-
     def _current_fragment(self) -> int:
         """The fragment to sync: chosen by the committed step, so that every
         replica syncs the same one and a failed sync is retried."""

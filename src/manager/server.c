@@ -802,36 +802,39 @@ static struct waiter *add_waiter(sg_mgr_server_t *s, reply_t to,
   return w;
 }
 
-/* waiter_cancel: the caller of w's call gave up.  A Quorum call not yet in
- * a round no longer counts as arrived; a vote stays counted (torchft). */
-static void waiter_cancel(sg_mgr_server_t *s, struct waiter *w) {
+/* round_mu: the lock the round of calls of `kind` is under. */
+static pthread_mutex_t *round_mu(sg_mgr_server_t *s, enum waiter_kind kind) {
+  return kind == W_QUORUM ? &s->quorum_mu : &s->commit_mu;
+}
+
+/* waiter_drop: the caller of w's call gave up (its round's lock held).  A
+ * Quorum call not yet in a round no longer counts as arrived; a vote stays
+ * counted (torchft).  Drops an in-process call's server reference. */
+static void waiter_drop(sg_mgr_server_t *s, struct waiter *w) {
   if (w->kind == W_QUORUM) {
-    pthread_mutex_lock(&s->quorum_mu);
     waiter_unlink(&s->quorum_waiters, w);
     quorum_waiter_gone(s, w);
-    waiter_free(w);
-    pthread_mutex_unlock(&s->quorum_mu);
   } else {
-    pthread_mutex_lock(&s->commit_mu);
     waiter_unlink(&s->commit_waiters, w);
-    waiter_free(w);
-    pthread_mutex_unlock(&s->commit_mu);
   }
+  waiter_free(w);
+}
+
+/* waiter_cancel: waiter_drop for a call from the wire. */
+static void waiter_cancel(sg_mgr_server_t *s, struct waiter *w) {
+  pthread_mutex_t *mu = round_mu(s, w->kind);
+  pthread_mutex_lock(mu);
+  waiter_drop(s, w);
+  pthread_mutex_unlock(mu);
 }
 
 /* local_cancel: forget the in-process call `c` whose caller gave up, if it
  * still waits (its waiter is read under the lock its round is under). */
 static void local_cancel(sg_mgr_server_t *s, sg_mgr_local_t *c) {
-  pthread_mutex_t *mu = c->kind == W_QUORUM ? &s->quorum_mu : &s->commit_mu;
+  pthread_mutex_t *mu = round_mu(s, c->kind);
   pthread_mutex_lock(mu);
-  struct waiter *w = c->w;
-  if (w) {
-    waiter_unlink(w->kind == W_QUORUM ? &s->quorum_waiters : &s->commit_waiters,
-                  w);
-    if (w->kind == W_QUORUM)
-      quorum_waiter_gone(s, w);
-    waiter_free(w); /* drops the server's reference */
-  }
+  if (c->w)
+    waiter_drop(s, c->w);
   pthread_mutex_unlock(mu);
 }
 

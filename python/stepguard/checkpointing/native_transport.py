@@ -447,9 +447,10 @@ class NativeTransport(CheckpointTransport[T]):
             mine = self._in_place_candidates(into, spec, len(theirs))
             t3 = time.perf_counter()
             dtypes: Dict[str, Tuple[torch.dtype, int]] = {}
+            lens_q = array.array("Q", lens)  # for plan() and data()
             # one pass in C: header against region table, in-place matches
             leaves, ptr_bytes, mapped, rest, in_place_bytes = fetch.plan(
-                theirs, mine, array.array("Q", lens), torch, dtypes,
+                theirs, mine, lens_q, torch, dtypes,
                 torch.dtype, torch.strided, torch.Tensor, torch.nn.Parameter,
             )  # fmt: skip
             ptrs = memoryview(ptr_bytes).cast("Q")
@@ -490,7 +491,7 @@ class NativeTransport(CheckpointTransport[T]):
             step,
             layout,
             ptrs,
-            array.array("Q", lens),
+            lens_q,
             self._streams,
             max(deadline - time.monotonic(), 0.0),
             mapped=bytes(mapped) if in_place_bytes else None,

@@ -81,12 +81,17 @@ uint16_t sg__comm_f32_to_f16(float f) { return (uint16_t)f32_to_f16(f); }
 
 float sg__comm_bf16_to_f32(uint16_t h) { return u2f((uint32_t)h << 16); }
 
-/* Branch-free (a select, not a return), so the half loops vectorise. */
+/* bf16_round_hi: float32 bits x rounded to bfloat16 (nearest even; NaN
+ * stays NaN, quiet), the result left in the high half.  Branch-free (a
+ * select, not a return), so the half loops vectorise. */
+static inline uint32_t bf16_round_hi(uint32_t x) {
+  uint32_t nan = x | 0x400000u; /* quiet */
+  uint32_t rounded = x + 0x7fffu + ((x >> 16) & 1);
+  return ((x & 0x7fffffffu) > 0x7f800000u ? nan : rounded) & 0xffff0000u;
+}
+
 uint16_t sg__comm_f32_to_bf16(float f) {
-  uint32_t x = f2u(f);
-  uint32_t nan = (x >> 16) | 0x40; /* NaN stays NaN, quiet */
-  uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1)) >> 16;
-  return (uint16_t)((x & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+  return (uint16_t)(bf16_round_hi(f2u(f)) >> 16);
 }
 
 /* ---- reduction loops ------------------------------------------------------
@@ -152,13 +157,7 @@ uint16_t sg__comm_f32_to_bf16(float f) {
  * 32-bit lanes, so the loop needs no widening or narrowing shuffles.  For
  * bfloat16 a value's float32 is the word shifted or masked.  Both halves
  * get the same treatment, so the result does not depend on byte order.
- * bf16_round_hi is sg__comm_f32_to_bf16 with the result left in the high half.
  */
-static inline uint32_t bf16_round_hi(uint32_t x) {
-  uint32_t nan = x | 0x400000u; /* quiet */
-  uint32_t rounded = x + 0x7fffu + ((x >> 16) & 1);
-  return ((x & 0x7fffffffu) > 0x7f800000u ? nan : rounded) & 0xffff0000u;
-}
 
 /* Two half values per 32-bit word: x and y are the floats of one half of
  * a word of each operand, the result goes back into the same half. */

@@ -144,7 +144,7 @@ class _Staged:
 
         Args:
             refuse: the operation's name where a non-contiguous ``t`` is
-                refused rather than staged (see ``_refuse_strided``).
+                refused rather than staged (the module docstring says which).
         """
         if refuse is not None and not t.is_contiguous():
             raise ValueError(

@@ -964,22 +964,28 @@ static size_t encode_decision(int decision, uint8_t *buf) {
   return torchft__should_commit_response__pack(&m, buf);
 }
 
+/* commit_round_end: the round decided `decision`: log it and forget the
+ * round's votes (commit_mu held). */
+static void commit_round_end(sg_mgr_server_t *s, int decision) {
+  sg_log(SG_LOG_DEBUG, LOG, "[Replica %s] should_commit: %s", s->name,
+         decision ? "yes" : "no");
+  for (int64_t g = 0; g < s->world_size; g++)
+    s->ranks[g].voted = s->ranks[g].vote_no = 0;
+  s->n_voted = s->n_no = 0;
+}
+
 /* finish_commit_round: answer every vote of the round; commit_mu held. */
 static void finish_commit_round(sg_mgr_server_t *s) {
   int decision = s->n_no == 0;
   uint8_t buf[16];
   size_t len = encode_decision(decision, buf);
-  sg_log(SG_LOG_DEBUG, LOG, "[Replica %s] should_commit: %s", s->name,
-         decision ? "yes" : "no");
   while (s->commit_waiters) {
     struct waiter *w = s->commit_waiters;
     waiter_unlink(&s->commit_waiters, w);
     respond(w->to, SG_GRPC_OK, NULL, buf, len);
     waiter_free(w);
   }
-  for (int64_t g = 0; g < s->world_size; g++)
-    s->ranks[g].voted = s->ranks[g].vote_no = 0;
-  s->n_voted = s->n_no = 0;
+  commit_round_end(s, decision);
 }
 
 /* commit_vote: group rank g votes; the round ends with the last vote. */
@@ -1399,12 +1405,8 @@ static int commit_here(sg_mgr_server_t *s, sg_mgr_local_t *c) {
   /* a no vote sticks for the round, as in commit_vote */
   size_t no = s->n_no + (!c->vote && !r->vote_no ? 1 : 0);
   int decision = no == 0;
-  for (int64_t i = 0; i < s->world_size; i++)
-    s->ranks[i].voted = s->ranks[i].vote_no = 0;
-  s->n_voted = s->n_no = 0;
+  commit_round_end(s, decision);
   pthread_mutex_unlock(&s->commit_mu);
-  sg_log(SG_LOG_DEBUG, LOG, "[Replica %s] should_commit: %s", s->name,
-         decision ? "yes" : "no");
   uint8_t buf[16];
   size_t len = encode_decision(decision, buf);
   local_complete(c, SG_GRPC_OK, NULL, buf, len);

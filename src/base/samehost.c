@@ -94,33 +94,6 @@ int sg_samehost_match(const sg_samehost_id_t *self,
          self->pid_ns == peer->pid_ns;
 }
 
-int sg_samehost_read(uint32_t pid, void *dst, uint64_t remote_addr,
-                     size_t len) {
-  uint8_t *d = dst;
-  int stalls = 0;
-  while (len > 0) {
-    struct iovec local = {.iov_base = d, .iov_len = len};
-    struct iovec remote = {.iov_base = (void *)(uintptr_t)remote_addr,
-                           .iov_len = len};
-    ssize_t n = process_vm_readv((pid_t)pid, &local, 1, &remote, 1, 0);
-    if (n < 0) {
-      if (errno == EINTR)
-        continue;
-      return -errno;
-    }
-    if (n == 0) {
-      /* No progress and no error: a range the kernel will not map. */
-      if (++stalls > 2)
-        return SG_EIO;
-      continue;
-    }
-    d += n;
-    remote_addr += (uint64_t)n;
-    len -= (size_t)n;
-  }
-  return 0;
-}
-
 /* Bytes of one iovec at most: the kernel truncates larger totals. */
 #define READV_ELEM_MAX ((size_t)1 << 30)
 
@@ -183,6 +156,12 @@ int sg_samehost_readv(uint32_t pid, const sg_samehost_piece_t *pieces,
       }
     }
   }
+}
+
+int sg_samehost_read(uint32_t pid, void *dst, uint64_t remote_addr,
+                     size_t len) {
+  sg_samehost_piece_t one = {.remote = remote_addr, .local = dst, .len = len};
+  return sg_samehost_readv(pid, &one, 1);
 }
 
 int sg_samehost_probe(uint32_t pid, uint64_t remote_addr, const void *expect,

@@ -248,14 +248,10 @@ class _StreamingDiLoCoFragment:
         self._manager = manager
         self._model_fragment = model_fragment
         self._fragment_id = fragment_id
-        self._fragment_sync_offset = fragment_sync_offset
-        self._inner_optimizer = inner_optimizer
+        # (inner_optimizer and fragment_sync_delay are torchft's signature:
+        # DiLoCo counts the steps and picks when each half of a sync runs)
         self._outer_optimizer = outer_optimizer
-        self._sync_every = sync_every
-        self._backup_device = backup_device
-        self._pin_memory = pin_memory
         self.should_quantize = should_quantize
-        self._fragment_sync_delay = fragment_sync_delay
         self._fragment_update_alpha = fragment_update_alpha
 
         if bucket_cap_mb is not None:

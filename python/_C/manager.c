@@ -593,14 +593,21 @@ static void mcall_free(struct mcall *c) {
 static PyObject *mclient_quorum_start(PyObject *self_obj, PyObject *args,
                                       PyObject *kw) {
   mgr_client_obj *self = (mgr_client_obj *)self_obj;
-  const char *md, *handle = "";
-  int shrink_only, init_sync;
+  struct mcall req; /* the arguments; the worker's call gets a copy */
+  memset(&req, 0, sizeof(req));
+  req.self = self;
+  req.kind = MC_QUORUM;
+  req.handle = "";
   double timeout_s;
   long long g, step, cf;
   if (!PyArg_ParseTupleAndKeywords(args, kw, "LLsppLd|s:_quorum_start",
-                                   quorum_kwlist, &g, &step, &md, &shrink_only,
-                                   &init_sync, &cf, &timeout_s, &handle))
+                                   quorum_kwlist, &g, &step, &req.str,
+                                   &req.shrink_only, &req.init_sync, &cf,
+                                   &timeout_s, &req.handle))
     return NULL;
+  req.group_rank = g;
+  req.step = step;
+  req.commit_failures = cf;
   if (mclient_guard(self) < 0)
     return NULL;
   if (self->queued || self->queued_local) {
@@ -609,17 +616,7 @@ static PyObject *mclient_quorum_start(PyObject *self_obj, PyObject *args,
     return NULL;
   }
   if (self->server) {
-    struct mcall lreq;
-    memset(&lreq, 0, sizeof(lreq));
-    lreq.kind = MC_QUORUM;
-    lreq.group_rank = g;
-    lreq.step = step;
-    lreq.str = md;
-    lreq.handle = handle;
-    lreq.shrink_only = shrink_only;
-    lreq.init_sync = init_sync;
-    lreq.commit_failures = cf;
-    self->queued_local = local_start(self, &lreq, timeout_s);
+    self->queued_local = local_start(self, &req, timeout_s);
     if (!self->queued_local)
       return NULL;
     Py_RETURN_NONE;
@@ -630,21 +627,15 @@ static PyObject *mclient_quorum_start(PyObject *self_obj, PyObject *args,
   struct mcall *c = sg_calloc(1, sizeof(*c));
   if (!c)
     return PyErr_NoMemory();
-  c->own_str = sg_strdup(md);
-  c->own_handle = sg_strdup(handle);
+  *c = req;
+  c->own_str = sg_strdup(req.str);
+  c->own_handle = sg_strdup(req.handle);
   if (!c->own_str || !c->own_handle) {
     mcall_free(c);
     return PyErr_NoMemory();
   }
-  c->self = self;
-  c->kind = MC_QUORUM;
-  c->group_rank = g;
-  c->step = step;
   c->str = c->own_str;
   c->handle = c->own_handle;
-  c->shrink_only = shrink_only;
-  c->init_sync = init_sync;
-  c->commit_failures = cf;
   c->deadline = sg_deadline_in_ms(ms);
   sg_err_clear(&c->err);
   if (sg_py_task_start(&c->task, mcall_run, c) < 0) {

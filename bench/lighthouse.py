@@ -29,6 +29,18 @@ Figures, per server:
   which is bounded by our client's own cost;
 * server RSS (VmRSS) after the N=1,000 rounds, and server CPU.
 
+``--steady 2,3`` measures what a training step costs the lighthouse
+instead: N replicas (one connection each, as a Manager has) ask for a
+quorum again as soon as they have their answer, so the replicas move in
+lockstep and the lighthouse answers each quorum at once (the fast quorum);
+``--steady-gap-us`` stands for a step's work between two quorums, so the
+lighthouse idles and wakes up for every request as it does in training.
+Per Quorum request it reports the server process's CPU time (all threads,
+from ``/proc/PID/task/*/schedstat``) and its context switches, the median
+of ``--steady-runs`` runs that alternate between the servers.  ``alt`` in
+``--servers`` is a second stepguard-lighthouse binary (``--alt``), e.g. a
+build from before a change, measured in the same run.
+
 Every replica heartbeats every 100 ms through the quorum rounds, as
 torchft's ManagerServer does, over 16 connections of their own; the Quorum
 calls use 16 connections at N=100 and 64 at N=1,000 (about 16 waiting calls
@@ -194,9 +206,56 @@ def server_argv(which: str, n: int, a: argparse.Namespace) -> list[str]:
     flags = ["--min_replicas", str(n), "--bind", "127.0.0.1:0"] + SERVER_FLAGS
     if which == "ours":
         return [str(a.ours)] + flags
+    if which == "alt":
+        return [str(a.alt)] + flags
     if a.torchft_launcher == "lean":
         return [sys.executable, str(Path(__file__).resolve())] + flags
     return [str(a.torchft)] + flags
+
+
+def run_steady(a: argparse.Namespace, loadgen: Path, env: dict[str, str],
+               env_t: dict[str, str], servers: list[str],
+               logdir: Path) -> dict[str, Any]:
+    """The steady-state figures: per N, per server, every run's JSON."""
+    out: dict[str, Any] = {}
+    for n in [int(x) for x in a.steady.split(",")]:
+        runs: dict[str, list[dict[str, Any]]] = {s: [] for s in servers}
+        for _ in range(a.steady_runs):
+            for which in servers:
+                argv = server_argv(which, n, a)
+                srv = Server(which, argv,
+                             env_t if which == "torchft" else env, logdir)
+                try:
+                    args = ["--replicas", str(n), "--bg-channels", str(n),
+                            "--hb-interval-ms", "100",
+                            "--steady-seconds", str(a.steady_seconds),
+                            "--steady-gap-us", str(a.steady_gap_us)]
+                    runs[which].append(run_loadgen(loadgen, srv, args,
+                                                   timeout=120))
+                finally:
+                    srv.stop()
+        out[str(n)] = runs
+    return out
+
+
+def print_steady(res: dict[str, Any], servers: list[str]) -> None:
+    """Medians per N and server; ratios against the first server."""
+    keys = (("server_cpu_us_per_request", "server CPU/request", "us"),
+            ("server_ctxsw_per_request", "server ctx switches/request", ""),
+            ("requests_per_s", "Quorum requests", "/s"))
+    head = "".join(f"{s:>12}" for s in servers)
+    ratios = "".join(f"{s + '/' + servers[0]:>16}" for s in servers[1:])
+    print(f"{'figure':<34}{'unit':>6}{head}{ratios}")
+    for n, runs in res.items():
+        for key, label, unit in keys:
+            med = {s: statistics.median(r[key] for r in runs[s])
+                   for s in servers if runs[s]}
+            row = "".join(f"{fmt(med.get(s)):>12}" for s in servers)
+            rat = "".join(
+                f"{med[s] / med[servers[0]]:>16.3f}"
+                if med.get(s) is not None and med.get(servers[0]) else
+                f"{'-':>16}" for s in servers[1:])
+            print(f"{'N=' + n + ' ' + label:<34}{unit:>6}{row}{rat}")
 
 
 def summarize(runs: dict[str, dict[int, dict[str, Any]]], sizes: list[int],
@@ -298,7 +357,19 @@ def main() -> int:
                    help="replicas:rounds,... (default 100:20,1000:10)")
     p.add_argument("--hb-seconds", type=float, default=2.0,
                    help="length of each heartbeat throughput run")
-    p.add_argument("--servers", default="ours,torchft")
+    p.add_argument("--servers", default="ours,torchft",
+                   help="ours, torchft and/or alt (--alt)")
+    p.add_argument("--alt", type=Path,
+                   help="another stepguard-lighthouse binary ('alt')")
+    p.add_argument("--steady", default="",
+                   help="replica counts (e.g. 2,3): the steady-state "
+                        "figures only (lockstep quorums)")
+    p.add_argument("--steady-seconds", type=float, default=3.0,
+                   help="measured seconds per steady run")
+    p.add_argument("--steady-gap-us", type=int, default=2000,
+                   help="a step's work between two quorums, per replica")
+    p.add_argument("--steady-runs", type=int, default=5,
+                   help="runs per server and N (the median is reported)")
     p.add_argument("--out", type=Path,
                    default=ROOT / "bench/results/lighthouse.json")
     a = p.parse_args()
@@ -311,12 +382,33 @@ def main() -> int:
     servers = a.servers.split(",")
     if not a.ours.exists():
         sys.exit(f"{a.ours} not found: build first (make build)")
+    if "alt" in servers and not (a.alt and a.alt.exists()):
+        sys.exit("--servers alt needs --alt PATH (a stepguard-lighthouse)")
     loadgen = build_loadgen(a.build_dir)
     env = dict(os.environ)
     env_t = dict(env, **{LEAN_ENV: "1"}) if a.torchft_launcher == "lean" \
         else env
 
     ncpu = len(os.sched_getaffinity(0))
+    if a.steady:
+        logdir = Path(tempfile.mkdtemp(prefix="sg-bench-lh-"))
+        try:
+            res = run_steady(a, loadgen, env, env_t, servers, logdir)
+        finally:
+            shutil.rmtree(logdir, ignore_errors=True)
+        print(f"bench/lighthouse --steady: {ncpu} CPU cores shared by the "
+              f"servers and the replicas; gap {a.steady_gap_us} us, "
+              f"{a.steady_runs} x {a.steady_seconds} s per server and N")
+        print_steady(res, servers)
+        out = a.out.with_name(a.out.stem + "_steady.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({
+            "benchmark": "lighthouse_steady",
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": {"cpus": ncpu, "platform": platform.platform()},
+            "gap_us": a.steady_gap_us, "runs": res}, indent=2) + "\n")
+        print(f"wrote {out}")
+        return 0
     note = (f"{ncpu} CPU cores shared by the servers and the load generator "
             f"(1,000 client threads at N=1,000): quote medians")
     print(f"bench/lighthouse: {note}", flush=True)

@@ -27,6 +27,7 @@
  * of its _sum is that quorum's decision time, on the server's clock.
  * Every other time is CLOCK_MONOTONIC, taken in this process.
  */
+#include <dirent.h>
 #include <fcntl.h>
 #include <inttypes.h>
 #include <nghttp2/nghttp2.h>
@@ -70,6 +71,9 @@ typedef struct opts_s {
   int server_pid;     /* 0: no /proc sampling */
   int server_metrics; /* read the decision histogram from GET /metrics */
   int quorum_timeout_s;
+  double steady_seconds;  /* steady mode (only it runs); 0: the phases */
+  double steady_warmup_s; /* steady mode: rounds before the measurement */
+  int steady_gap_us;      /* steady mode: a step's work between quorums */
 } opts_t;
 
 typedef struct replica_s {
@@ -93,6 +97,9 @@ typedef struct bench_s {
   pthread_barrier_t start, end;
   int round;       /* written by main between barriers */
   atomic_int stop; /* quorum threads exit at the next start barrier */
+  /* steady mode */
+  atomic_int steady_stop;
+  atomic_ullong steady_calls, steady_failed, steady_bad;
   /* background heartbeats */
   atomic_int hb_stop;
   pthread_mutex_t mu;
@@ -399,6 +406,159 @@ static void *quorum_main(void *arg) {
     pthread_barrier_wait(&b->end);
   }
   return NULL;
+}
+
+/* ---- steady mode: lockstep quorums, as training steps ask --------------- */
+
+/*
+ * task_sample: the server's time on CPU (ns, the first field of
+ * /proc/PID/task/TID/schedstat) and its context switches (voluntary +
+ * involuntary, from .../status), summed over every thread it has now.
+ * Returns 0, or -1 when the process is gone.
+ */
+typedef struct task_sample_s {
+  uint64_t cpu_ns;
+  uint64_t ctxsw;
+  int threads;
+} task_sample_t;
+
+static int task_sample(int pid, task_sample_t *out) {
+  char path[96], line[256];
+  memset(out, 0, sizeof *out);
+  snprintf(path, sizeof path, "/proc/%d/task", pid);
+  DIR *d = opendir(path);
+  if (!d)
+    return -1;
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL) {
+    if (e->d_name[0] < '0' || e->d_name[0] > '9')
+      continue;
+    snprintf(path, sizeof path, "/proc/%d/task/%.16s/schedstat", pid,
+             e->d_name);
+    FILE *f = fopen(path, "r");
+    if (!f)
+      continue; /* the thread exited meanwhile */
+    unsigned long long ns = 0;
+    if (fscanf(f, "%llu", &ns) == 1)
+      out->cpu_ns += ns;
+    fclose(f);
+    snprintf(path, sizeof path, "/proc/%d/task/%.16s/status", pid, e->d_name);
+    f = fopen(path, "r");
+    if (!f)
+      continue;
+    while (fgets(line, sizeof line, f)) {
+      if (!strncmp(line, "voluntary_ctxt_switches:", 24))
+        out->ctxsw += strtoull(line + 24, NULL, 10);
+      else if (!strncmp(line, "nonvoluntary_ctxt_switches:", 27))
+        out->ctxsw += strtoull(line + 27, NULL, 10);
+    }
+    fclose(f);
+    out->threads++;
+  }
+  closedir(d);
+  return 0;
+}
+
+/*
+ * steady_main: one replica asks for a quorum again as soon as it has its
+ * answer, step after step, as a training loop does.  With min_replicas N
+ * every quorum needs all N, so the replicas move in lockstep without a
+ * barrier: every member of the previous quorum asks again and the
+ * lighthouse answers at once (the fast quorum).  --steady-gap-us stands
+ * for the step's own work between two quorums (the lighthouse idles).
+ */
+static void *steady_main(void *arg) {
+  q_arg_t *a = arg;
+  bench_t *b = a->b;
+  replica_t *r = &b->r[a->idx];
+  for (int64_t step = 0; !b->steady_stop; step++) {
+    size_t len;
+    uint8_t *req = pack_quorum(r, step, &len), *resp = NULL;
+    size_t rl = 0;
+    sg_err_t err;
+    sg_deadline_t dl = sg_deadline_in_ms((int64_t)b->o.quorum_timeout_s * 1000);
+    int rc = sg_rpc_channel_call(r->ch, QUORUM_PATH, req, len, dl, &resp, &rl,
+                                 NULL, &err);
+    free(req);
+    if (rc) {
+      b->steady_failed++;
+      if (!b->steady_stop)
+        fprintf(stderr, "lighthouse_load: %s: Quorum: %s (%s)\n", r->id,
+                sg_strerror(rc), err.msg);
+      sg_free(resp);
+      break; /* a peer left: the others cannot make quorums either */
+    }
+    int64_t qid;
+    if (check_response(resp, rl, r->id, b->o.replicas, &qid))
+      b->steady_bad++;
+    sg_free(resp);
+    b->steady_calls++;
+    if (b->o.steady_gap_us) /* the step's forward and backward */
+      sleep_until(now_ns() + (int64_t)b->o.steady_gap_us * 1000);
+  }
+  return NULL;
+}
+
+/*
+ * run_steady: N replicas in lockstep for --steady-seconds after
+ * --steady-warmup-s, heartbeats paced as in phase 1; prints one JSON
+ * object with the server's CPU and context switches per Quorum request.
+ * Returns 0, 1 on setup failure, 3 when calls failed or answers were wrong.
+ */
+static int run_steady(bench_t *b, pthread_attr_t *attr) {
+  const opts_t *o = &b->o;
+  int N = o->replicas, nhb = o->bg_channels;
+  pthread_t hb_t[MAX_CHANNELS], qt[MAX_CHANNELS];
+  hb_arg_t hb_a[MAX_CHANNELS];
+  q_arg_t qa[MAX_CHANNELS];
+  for (int c = 0; c < nhb; c++) {
+    hb_a[c] = (hb_arg_t){b, c};
+    pthread_create(&hb_t[c], attr, hb_main, &hb_a[c]);
+  }
+  for (int i = 0; i < N; i++) {
+    qa[i] = (q_arg_t){b, i};
+    pthread_create(&qt[i], attr, steady_main, &qa[i]);
+  }
+  sleep_until(now_ns() + (int64_t)(o->steady_warmup_s * 1e9));
+  task_sample_t s0 = {0}, s1 = {0};
+  int sampled = o->server_pid && task_sample(o->server_pid, &s0) == 0;
+  unsigned long long c0 = b->steady_calls;
+  double cli0 = self_cpu_s();
+  int64_t t0 = now_ns();
+  sleep_until(t0 + (int64_t)(o->steady_seconds * 1e9));
+  sampled = sampled && task_sample(o->server_pid, &s1) == 0;
+  unsigned long long c1 = b->steady_calls;
+  int64_t t1 = now_ns();
+  double cli1 = self_cpu_s();
+  b->steady_stop = 1;
+  b->hb_stop = 1;
+  for (int i = 0; i < N; i++)
+    pthread_join(qt[i], NULL);
+  for (int c = 0; c < nhb; c++)
+    pthread_join(hb_t[c], NULL);
+  unsigned long long calls = c1 - c0;
+  double secs = (double)(t1 - t0) / 1e9;
+  double cpu_us = sampled && calls
+                      ? (double)(s1.cpu_ns - s0.cpu_ns) / 1e3 / (double)calls
+                      : -1.0;
+  double ctxsw =
+      sampled && calls ? (double)(s1.ctxsw - s0.ctxsw) / (double)calls : -1.0;
+  printf("{\n  \"mode\": \"steady\",\n  \"replicas\": %d,\n", N);
+  printf("  \"gap_us\": %d,\n", o->steady_gap_us);
+  printf("  \"seconds\": %.3f,\n  \"requests\": %llu,\n", secs, calls);
+  printf("  \"requests_per_s\": %.1f,\n", calls / secs);
+  printf("  \"server_cpu_us_per_request\": %.2f,\n", cpu_us);
+  printf("  \"server_ctxsw_per_request\": %.3f,\n", ctxsw);
+  printf("  \"server_threads\": %d,\n", s1.threads);
+  printf("  \"client_cpu_us_per_request\": %.2f,\n",
+         calls ? (cli1 - cli0) * 1e6 / (double)calls : -1.0);
+  printf("  \"heartbeats\": {\"sent\": %" PRIu64 ", \"errors\": %" PRIu64
+         "},\n",
+         b->hb_sent, b->hb_err);
+  printf("  \"failed_calls\": %llu,\n  \"bad_responses\": %llu\n}\n",
+         (unsigned long long)b->steady_failed,
+         (unsigned long long)b->steady_bad);
+  return b->steady_failed || b->steady_bad || b->hb_err || !sampled ? 3 : 0;
 }
 
 /* ---- phase 3: heartbeat hammer ------------------------------------------- */
@@ -759,14 +919,16 @@ out:
  */
 
 static void usage(void) {
-  fprintf(stderr,
-          "usage: lighthouse_load --target http://HOST:PORT --replicas N\n"
-          "  [--rounds R] [--channels C] [--hb-interval-ms MS]\n"
-          "  [--round-gap-ms MS] [--warmup-ms MS] [--hb-callers K]\n"
-          "  [--hb-channels C] [--hb-seconds S] [--raw-conns H]\n"
-          "  [--raw-depth D] [--raw-reps N] [--bg-channels C]\n"
-          "  [--server-pid PID] [--server-metrics 0|1]\n"
-          "  [--quorum-timeout-s S]\n");
+  fprintf(
+      stderr,
+      "usage: lighthouse_load --target http://HOST:PORT --replicas N\n"
+      "  [--rounds R] [--channels C] [--hb-interval-ms MS]\n"
+      "  [--round-gap-ms MS] [--warmup-ms MS] [--hb-callers K]\n"
+      "  [--hb-channels C] [--hb-seconds S] [--raw-conns H]\n"
+      "  [--raw-depth D] [--raw-reps N] [--bg-channels C]\n"
+      "  [--server-pid PID] [--server-metrics 0|1]\n"
+      "  [--quorum-timeout-s S]\n"
+      "  [--steady-seconds S [--steady-warmup-s S] [--steady-gap-us US]]\n");
 }
 
 static int parse(int argc, char **argv, opts_t *o) {
@@ -782,7 +944,8 @@ static int parse(int argc, char **argv, opts_t *o) {
                 .raw_conns = 2,
                 .raw_depth = 64,
                 .raw_reps = 1,
-                .quorum_timeout_s = 60};
+                .quorum_timeout_s = 60,
+                .steady_warmup_s = 0.5};
   for (int i = 1; i < argc; i++) {
     const char *k = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!v)
@@ -822,6 +985,12 @@ static int parse(int argc, char **argv, opts_t *o) {
       o->server_metrics = atoi(v);
     else if (!strcmp(k, "--quorum-timeout-s"))
       o->quorum_timeout_s = atoi(v);
+    else if (!strcmp(k, "--steady-seconds"))
+      o->steady_seconds = atof(v);
+    else if (!strcmp(k, "--steady-gap-us"))
+      o->steady_gap_us = atoi(v);
+    else if (!strcmp(k, "--steady-warmup-s"))
+      o->steady_warmup_s = atof(v);
     else
       return -1;
   }
@@ -831,8 +1000,14 @@ static int parse(int argc, char **argv, opts_t *o) {
       o->hb_channels > MAX_CHANNELS || o->hb_callers < 1 ||
       o->hb_interval_ms < 1 || o->raw_conns < 0 ||
       o->raw_conns > MAX_CHANNELS || o->raw_depth < 1 ||
-      o->raw_depth > RAW_MAX_DEPTH || o->raw_reps < 1 || o->raw_reps > MAX_REPS)
+      o->raw_depth > RAW_MAX_DEPTH || o->raw_reps < 1 ||
+      o->raw_reps > MAX_REPS || o->steady_seconds < 0 || o->steady_warmup_s < 0)
     return -1;
+  if (o->steady_seconds > 0) { /* one connection per replica, as a manager */
+    if (o->replicas > MAX_CHANNELS)
+      return -1;
+    o->channels = o->replicas;
+  }
   if (o->channels > o->replicas)
     o->channels = o->replicas;
   if (o->bg_channels > o->replicas)
@@ -895,6 +1070,16 @@ int main(int argc, char **argv) {
   pthread_attr_t attr;
   pthread_attr_init(&attr);
   pthread_attr_setstacksize(&attr, THREAD_STACK);
+
+  if (o->steady_seconds > 0) {
+    rc = run_steady(&b, &attr);
+    for (int c = 0; c < o->channels; c++)
+      sg_rpc_channel_free(b.ch[c]);
+    for (int c = 0; c < o->bg_channels; c++)
+      sg_rpc_channel_free(b.bch[c]);
+    free(b.r);
+    return rc;
+  }
 
   long rss_start = o->server_pid ? proc_rss_kb(o->server_pid) : -1;
 

@@ -575,8 +575,10 @@ static void maybe_start_round(sg_mgr_server_t *s) {
   pthread_mutex_lock(&s->mu);
   s->job = j;
   s->job_ready = 1;
-  pthread_cond_signal(&s->job_cv);
   pthread_mutex_unlock(&s->mu);
+  /* after the unlock: the woken quorum thread (often on this core) takes
+   * mu at once, and would otherwise block on it and be woken twice */
+  pthread_cond_signal(&s->job_cv);
 }
 
 /* member_of: the participant of `q` named `id`; `hint` is where it is when
@@ -1137,15 +1139,16 @@ static void local_unref(sg_mgr_local_t *c) {
   sg_free(c);
 }
 
-/* local_set_done: complete `c` with mu held (no-op if it is complete). */
-static void local_set_done(sg_mgr_local_t *c, int rc, const char *msg) {
+/* local_set_done: complete `c` with mu held (no-op if it is complete);
+ * the caller then wakes its waiters (c->cv).  Returns 1 if it completed. */
+static int local_set_done(sg_mgr_local_t *c, int rc, const char *msg) {
   if (c->done)
-    return;
+    return 0;
   c->done = 1;
   c->srv = NULL;
   c->rc = rc;
   snprintf(c->msg, sizeof(c->msg), "%s", msg ? msg : "");
-  pthread_cond_broadcast(&c->cv);
+  return 1;
 }
 
 /*
@@ -1173,17 +1176,23 @@ static void local_complete(sg_mgr_local_t *c, int status, const char *msg,
   if (status != SG_GRPC_OK)
     snprintf(m, sizeof(m), "status: %s, message: \"%s\"",
              sg__grpc_status_name(status), msg ? msg : "");
+  int woke = 0;
   pthread_mutex_lock(&c->mu);
   if (!c->done && late) {
-    local_set_done(c, SG_ETIMEDOUT, "deadline exceeded");
+    woke = local_set_done(c, SG_ETIMEDOUT, "deadline exceeded");
   } else if (!c->done) {
-    local_set_done(c, status == SG_GRPC_OK ? 0 : sg__grpc_status_to_err(status),
-                   status == SG_GRPC_OK ? "" : m);
+    woke = local_set_done(
+        c, status == SG_GRPC_OK ? 0 : sg__grpc_status_to_err(status),
+        status == SG_GRPC_OK ? "" : m);
     c->resp = copy;
     c->resp_len = len;
     copy = NULL;
   }
   pthread_mutex_unlock(&c->mu);
+  /* after the unlock, so the woken caller does not block on c->mu; c stays
+   * alive here: whoever answers holds the server's reference to it */
+  if (woke)
+    pthread_cond_broadcast(&c->cv);
   sg_free(copy);
 }
 
@@ -1437,7 +1446,10 @@ static void local_end(sg_mgr_local_t *c, int rc, const char *msg) {
   pthread_mutex_lock(&c->mu);
   sg_mgr_server_t *s = c->srv;
   if (!c->done) {
+    /* under c->mu: another thread may be waiting in sg_mgr_local_wait and
+     * free c as soon as it sees it done */
     local_set_done(c, rc, msg);
+    pthread_cond_broadcast(&c->cv);
     if (s) {
       c->refs++; /* the cancellation's */
       pthread_mutex_lock(&s->mu);

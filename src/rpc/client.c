@@ -370,10 +370,11 @@ static int unref_locked(call_t *c) {
   return 1;
 }
 
-/* Completes `c` unless it already is; requires mu.  `resp` (owned) is
- * attached on success and freed otherwise.  Returns 1 if it completed. */
-static int finish_locked(call_t *c, int rc, int grpc_status, uint8_t *resp,
-                         size_t resp_len, const char *msg) {
+/* Marks `c` complete unless it already is, without waking its caller;
+ * requires mu.  `resp` (owned) is attached on success and freed otherwise.
+ * Returns 1 if it completed. */
+static int complete_locked(call_t *c, int rc, int grpc_status, uint8_t *resp,
+                           size_t resp_len, const char *msg) {
   if (c->done) {
     sg_free(resp);
     return 0;
@@ -384,18 +385,32 @@ static int finish_locked(call_t *c, int rc, int grpc_status, uint8_t *resp,
   c->resp = resp;
   c->resp_len = resp_len;
   snprintf(c->msg, sizeof(c->msg), "%s", msg ? msg : "");
+  return 1;
+}
+
+/* Completes `c` unless it already is and wakes its caller; requires mu.
+ * Returns 1 if it completed. */
+static int finish_locked(call_t *c, int rc, int grpc_status, uint8_t *resp,
+                         size_t resp_len, const char *msg) {
+  if (!complete_locked(c, rc, grpc_status, resp, resp_len, msg))
+    return 0;
   /* under mu, so the caller cannot have freed the call yet; only its own
    * caller is woken, not every waiter of the channel */
   pthread_cond_signal(&c->cv);
   return 1;
 }
 
-/* I/O thread: complete `c` and wake its caller. */
+/* I/O thread: complete `c` and wake its caller.  The caller is woken after
+ * mu is released, so that it does not wake only to block on mu (and be
+ * woken a second time); the I/O thread's reference keeps `c` alive until
+ * io_release. */
 static void io_finish(sg_rpc_channel_t *ch, call_t *c, int rc, int grpc_status,
                       uint8_t *resp, size_t resp_len, const char *msg) {
   pthread_mutex_lock(&ch->mu);
-  finish_locked(c, rc, grpc_status, resp, resp_len, msg);
+  int woke = complete_locked(c, rc, grpc_status, resp, resp_len, msg);
   pthread_mutex_unlock(&ch->mu);
+  if (woke)
+    pthread_cond_signal(&c->cv);
 }
 
 /* I/O thread: unlink `c` from its I/O list and drop the I/O reference. */

@@ -99,7 +99,7 @@ struct sg_mgr_local_s {
   sg_deadline_t deadline;
   sg_mgr_local_t *next;  /* in the server's inbox (s->mu) */
   sg_mgr_local_t *cnext; /* in the cancel list (s->mu) */
-  pid_t pid;             /* the process that started it */
+  unsigned forks;        /* sg_sock_fork_count() where it started */
   struct waiter *w;      /* its waiter while it has one (its round's lock) */
   int had_waiter;        /* a waiter took the server's reference (set by the
                             thread that ran it, under its round's lock) */
@@ -202,7 +202,8 @@ struct sg_mgr_server_s {
   Torchft__LighthouseQuorumResponse *result;
   sg_mgr_local_t *inbox, *inbox_tail; /* started in-process calls, in order */
   sg_mgr_local_t *cancels;            /* in-process calls that ended early */
-  pid_t pid;                          /* the process that started the server */
+  unsigned forks; /* sg_sock_fork_count() where the server started (its
+                     sockets are registered, so a fork() counts) */
 
   atomic_int left; /* the group left the job (never cleared) */
   uint8_t *hb_req; /* encoded LighthouseHeartbeatRequest */
@@ -1289,7 +1290,7 @@ static int local_new(sg_mgr_server_t *s, enum waiter_kind kind, int64_t g,
                      int64_t step, sg_deadline_t deadline, sg_mgr_local_t **out,
                      sg_err_t *err) {
   *out = NULL;
-  if (getpid() != s->pid)
+  if (sg_sock_fork_count() != s->forks)
     return sg_err_set(err, SG_ESTATE,
                       "the manager server runs in the parent process");
   sg_mgr_local_t *c = sg_calloc(1, sizeof(*c));
@@ -1314,7 +1315,7 @@ static int local_new(sg_mgr_server_t *s, enum waiter_kind kind, int64_t g,
   c->step = step;
   c->deadline = deadline;
   c->refs = 1;
-  c->pid = s->pid;
+  c->forks = s->forks;
   *out = c;
   return 0;
 }
@@ -1441,7 +1442,7 @@ int sg_mgr_local_should_commit_start(sg_mgr_server_t *s, int64_t group_rank,
  * forget it.  Takes c->mu, then s->mu (the loop never holds s->mu while it
  * takes c->mu, and it clears c->srv under c->mu before s goes away). */
 static void local_end(sg_mgr_local_t *c, int rc, const char *msg) {
-  if (getpid() != c->pid)
+  if (sg_sock_fork_count() != c->forks)
     return; /* a forked child: its lock may have been held at fork() */
   pthread_mutex_lock(&c->mu);
   sg_mgr_server_t *s = c->srv;
@@ -1464,7 +1465,7 @@ static void local_end(sg_mgr_local_t *c, int rc, const char *msg) {
 }
 
 int sg_mgr_local_wait(sg_mgr_local_t *c, sg_deadline_t until) {
-  if (getpid() != c->pid)
+  if (sg_sock_fork_count() != c->forks)
     return 0; /* never completes here: the result says so */
   int timed_out = 0;
   pthread_mutex_lock(&c->mu);
@@ -1492,7 +1493,7 @@ int sg_mgr_local_wait(sg_mgr_local_t *c, sg_deadline_t until) {
 }
 
 int sg_mgr_local_done(sg_mgr_local_t *c) {
-  if (getpid() != c->pid)
+  if (sg_sock_fork_count() != c->forks)
     return 1;
   pthread_mutex_lock(&c->mu);
   int done = c->done;
@@ -1510,7 +1511,7 @@ static int local_result(sg_mgr_local_t *c, enum waiter_kind kind,
                         uint8_t **resp, size_t *len, sg_err_t *err) {
   *resp = NULL;
   *len = 0;
-  if (getpid() != c->pid)
+  if (sg_sock_fork_count() != c->forks)
     return sg_err_set(err, SG_ESTATE,
                       "the call was started before fork() and cannot finish "
                       "in the child");
@@ -1557,7 +1558,7 @@ int sg_mgr_local_should_commit_result(sg_mgr_local_t *c, int *out,
 }
 
 void sg_mgr_local_free(sg_mgr_local_t *c) {
-  if (!c || getpid() != c->pid)
+  if (!c || sg_sock_fork_count() != c->forks)
     return; /* in a forked child the memory is left alone, as its locks */
   local_end(c, SG_EABORTED, "call aborted");
   local_unref(c);
@@ -1932,7 +1933,7 @@ int sg_mgr_server_start(const sg_mgr_server_opts_t *o, sg_mgr_server_t **out,
   pthread_condattr_destroy(&ca);
   sg_map_init(&s->conns);
   atomic_init(&s->left, 0);
-  s->pid = getpid();
+  s->forks = sg_sock_fork_count();
   int fail = 0;
   s->replica_id = dup_opt(o->replica_id, "", &fail);
   s->lighthouse_addr = dup_opt(o->lighthouse_addr, "", &fail);

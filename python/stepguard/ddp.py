@@ -4,12 +4,43 @@ torch's DDP with its gradient allreduce routed through the Manager: the
 allreduce averages over the replicas taking part in the step, and a failure
 marks the step failed instead of breaking ``backward()``.  The initial
 parameter broadcast is left to the Manager (it heals replicas at step 0).
+
+Buckets.  The bucket allreduces of one step meet across replicas, so every
+replica must cut its gradients into the same buckets, in the same order, at
+every step.  torch's DDP rebuilds its buckets once, after its first
+backward, in the order the gradients arrived: a replica that joins later
+would use its first-step buckets while the others use rebuilt ones.
+torchft keeps DDP from rebuilding with ``find_unused_parameters=True``,
+which also makes DDP search the autograd graph after every forward and
+pass the outputs through an extra autograd function (0.2-0.4 ms per step
+of a small MLP on CPU).  Here the buckets are fixed at construction
+instead: exactly the layout torchft's DDP has (so torchft replicas can
+share the job), made by rebuilding once, right away, from a backward of
+zeros that marks the parameters ready in that layout's order.  No graph
+search per step.
+
+A model that leaves a parameter without a gradient cannot finish the
+step's reduction without that search.  Before the commit vote (and before
+the next forward) such a step is found: the buckets it did not reduce are
+allreduced from the gradients there are (zeros where a parameter got
+none, as the search would have made them), so that the other replicas
+are not left waiting and get the average they would have got; this
+replica reports the step failed, does not commit it and heals at the next
+quorum; and this DDP switches for good to
+``find_unused_parameters=True``, with the same buckets.
+``find_unused_parameters=True`` or ``STEPGUARD_DDP_FIND_UNUSED=1`` starts
+there, as do the arguments whose buckets the fixed layout does not
+reproduce (``static_graph``, ``bucket_cap_mb_list``, mixed precision,
+delayed allreduce, sparse gradients, parameters of several dtypes or
+devices).
 """
 
 # No `from __future__ import annotations` here: torch checks the comm
 # hook's `bucket` annotation at run time against dist.GradBucket.
 
-from typing import TYPE_CHECKING, Any, cast
+import os
+import weakref
+from typing import TYPE_CHECKING, Any, List, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -24,42 +55,175 @@ if TYPE_CHECKING:
 
 __all__ = ["DistributedDataParallel", "PureDistributedDataParallel"]
 
+# DDP arguments whose buckets the fixed layout does not reproduce: with any
+# of them DDP is built as torchft builds it.
+_TORCHFT_BUCKETS = frozenset(
+    {
+        "static_graph",
+        "bucket_cap_mb_list",
+        "delay_all_reduce_named_params",
+        "param_to_hook_all_reduce",
+        "mixed_precision",
+        "skip_all_reduce_unused_params",
+    }
+)
+
+
+class _HookState:
+    """What the comm hook is registered with: the manager, and the index
+    after the last bucket handed to it this step."""
+
+    __slots__ = ("manager", "next_bucket")
+
+    def __init__(self, manager: "Manager") -> None:
+        self.manager = manager
+        self.next_bucket = 0
+
 
 class DistributedDataParallel(parallel.DistributedDataParallel):
-    """torch DDP whose buckets are allreduced by ``manager.allreduce``.
+    """torch DDP whose buckets are allreduced by the Manager.
 
     No parameter shape checks are done across replicas.
 
     Args:
         manager: the stepguard Manager.
         module: the model.
-        **kwargs: passed to torch's DistributedDataParallel.
+        **kwargs: passed to torch's DistributedDataParallel;
+            ``find_unused_parameters=True`` searches the autograd graph
+            after every forward, as torchft's DDP always does (default:
+            only once a step has left a parameter without a gradient).
     """
 
     def __init__(self, manager: "Manager", module: nn.Module, **kwargs: Any) -> None:
+        find_unused = kwargs.pop("find_unused_parameters", None)
+        if find_unused is None:
+            find_unused = os.environ.get("STEPGUARD_DDP_FIND_UNUSED", "0") not in ("", "0")
+        checks = getattr(manager, "_commit_checks", None)
+        fixed = not find_unused and checks is not None and not (kwargs.keys() & _TORCHFT_BUCKETS)
         super().__init__(
             module,
             # A world of one takes DDP's construction broadcast; the
             # replicas are synchronized by the Manager instead.
             process_group=ProcessGroupDummy(0, 1),
-            # Keeps the reducer from rebuilding its buckets after the first
-            # step, which would give a healed replica different buckets.
-            find_unused_parameters=True,
+            find_unused_parameters=not fixed,
             **kwargs,
         )
-        self.register_comm_hook(manager, self._comm_hook)
+        self._hook_state = _HookState(manager)
+        if fixed:
+            fixed = self._fix_buckets()
+        self.register_comm_hook(self._hook_state, self._comm_hook)
+        if fixed:
+            assert checks is not None
+            checks.append(weakref.WeakMethod(self._settle))
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if not self.find_unused_parameters:
+            self._settle()
+        return super().forward(*inputs, **kwargs)
+
+    def _fix_buckets(self) -> bool:
+        """Gives the reducer torchft's buckets for good: True, or False
+        where that cannot be done here (the reducer then searches for
+        unused parameters, as torchft's does)."""
+        params, sparse = self._build_params_for_reducer()
+        kinds = {(p.dtype, p.device) for p in params}
+        if any(sparse) or len(kinds) != 1 or self._use_python_reducer:
+            return self._find_unused(register_hook=False)
+        config = self._bucket_config
+        try:
+            # torchft's layout: DDP's first buckets when it searches for
+            # unused parameters (and so never rebuilds them)
+            limits, _ = config.compute_bucket_size_limits(
+                static_graph=False, find_unused_parameters=True
+            )
+            assignment, _ = dist._compute_bucket_assignment_by_size(params, limits, sparse)
+            buckets = list(reversed(assignment))
+            sizes = [sum(params[i].numel() * params[i].element_size() for i in b) for b in buckets]
+            # A rebuild fills buckets in the order the parameters became
+            # ready: with each bucket's own size as its cap, marking them
+            # ready in the layout's order rebuilds exactly the layout.
+            self._bucket_config = type(config)(
+                bucket_bytes_cap=config.bucket_bytes_cap,
+                per_bucket_bytes_caps=tuple(sizes),
+                first_bucket_bytes_cap=config.first_bucket_bytes_cap,
+            )
+            try:
+                old = self.reducer
+                self._ddp_init_helper(
+                    params, sparse, self._build_debug_param_to_name_mapping(params), False
+                )
+                old._remove_autograd_hooks()
+            finally:
+                self._bucket_config = config
+            order = [i for b in buckets for i in b]
+            if _mark_ready(self.reducer, params, order) != order:
+                return self._find_unused(register_hook=False)
+            rebuilt = self.reducer._rebuild_buckets()
+        except (AttributeError, TypeError, RuntimeError):  # another torch's DDP
+            return self._find_unused(register_hook=False)
+        if not rebuilt or _bucket_sizes(self.reducer) != sizes:
+            return self._find_unused(register_hook=False)
+        self._has_rebuilt_buckets = True
+        return True
+
+    def _find_unused(self, register_hook: bool) -> bool:
+        """Rebuilds the reducer as torchft's DDP has it: it searches for
+        unused parameters after every forward and keeps its buckets."""
+        old = self.reducer
+        self.find_unused_parameters = True
+        params, sparse = self._build_params_for_reducer()
+        self._ddp_init_helper(
+            params, sparse, self._build_debug_param_to_name_mapping(params), self.static_graph
+        )
+        old._remove_autograd_hooks()
+        if register_hook:
+            self.logger._set_comm_hook_name(self._comm_hook.__qualname__)
+            dist._register_comm_hook(self.reducer, self._hook_state, self._comm_hook)
+        return False
+
+    def _settle(self) -> None:
+        """Called before the commit vote and before each forward: if the
+        last backward left a bucket unreduced (a parameter got no
+        gradient), allreduces the buckets this replica owes, fails the
+        step here and switches to searching for unused parameters."""
+        state = self._hook_state
+        if self.find_unused_parameters:
+            return
+        try:
+            self.reducer._check_reducer_finalized()
+        except RuntimeError:
+            pass
+        else:
+            state.next_bucket = 0
+            return
+        missing = self.reducer._get_zeros_like_grad_buckets()[state.next_bucket :]
+        for bucket in missing:
+            _fill(bucket)
+            self._comm_hook(state, bucket).wait()
+        state.next_bucket = 0
+        self._find_unused(register_hook=True)
+        state.manager.report_error(
+            RuntimeError(
+                "DistributedDataParallel: a parameter received no gradient in this step, "
+                f"so {len(missing)} bucket(s) were not reduced; this replica does not commit "
+                "the step (it heals at the next quorum) and DDP now searches for unused "
+                "parameters after every forward (find_unused_parameters=True)"
+            )
+        )
 
     @staticmethod
     def _comm_hook(
-        state: "Manager", bucket: dist.GradBucket
+        state: _HookState, bucket: dist.GradBucket
     ) -> torch.futures.Future[torch.Tensor]:
+        state.next_bucket = bucket.index() + 1
+        manager = state.manager
         buffer = bucket.buffer()
         if not torch.accelerator.is_available():
             # Nothing to order on a stream: one future that DDP waits for
             # at the end of backward, so this bucket's allreduce overlaps
             # the gradients of the next buckets.
-            return state._bucket_allreduce(buffer)
-        work = state.allreduce(buffer)
+            return manager._bucket_allreduce(buffer)
+        work = manager.allreduce(buffer)
         if not work.wait():
             # The step already failed (the manager knows): hand DDP the
             # bucket unchanged rather than failing backward().
@@ -72,12 +236,60 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         return cast(torch.futures.Future[torch.Tensor], fut._fut)
 
 
+def _mark_ready(reducer: Any, params: List[torch.Tensor], order: List[int]) -> List[int]:
+    """Runs one backward of zeros through ``reducer`` (before any comm
+    hook: its world-of-one group reduces them in place) in which the
+    parameters become ready in ``order``; restores their gradients and
+    returns the order they actually became ready in."""
+    fired: List[int] = []
+    handles = [
+        p.register_post_accumulate_grad_hook(lambda _p, i=i: fired.append(i))
+        for i, p in enumerate(params)
+    ]
+    grads: List[Optional[torch.Tensor]] = [p.grad for p in params]
+    try:
+        reducer.prepare_for_backward([])
+        with torch.enable_grad():
+            # The engine runs independent branches latest-built first:
+            # build them in reverse.
+            terms = [(params[i].reshape(-1)[:1] * 0).sum() for i in reversed(order)]
+            torch.autograd.backward(torch.stack(terms).sum())
+    finally:
+        for h in handles:
+            h.remove()
+        for p, g in zip(params, grads):
+            p.grad = g
+    return fired
+
+
+def _fill(bucket: dist.GradBucket) -> None:
+    """Writes this replica's gradients into a zeroed copy of ``bucket``,
+    zeros where a parameter has none: what the search for unused
+    parameters would have handed the allreduce, so that the other
+    replicas' average is exact."""
+    buffer = bucket.buffer()
+    params = bucket.parameters()
+    if sum(p.numel() for p in params) != buffer.numel():
+        return  # laid out with gaps: leave it zero
+    offset = 0
+    for p in params:
+        n = p.numel()
+        if p.grad is not None:
+            buffer[offset : offset + n].copy_(p.grad.reshape(-1))
+        offset += n
+
+
+def _bucket_sizes(reducer: Any) -> List[int]:
+    return [
+        b.buffer().numel() * b.buffer().element_size()
+        for b in reducer._get_zeros_like_grad_buckets()
+    ]
+
+
 def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(tensor)
     return fut
-
-
 class PureDistributedDataParallel(nn.Module):
     """A model wrapper that allreduces each gradient as soon as it is
     accumulated (one allreduce per parameter; slow for large models).

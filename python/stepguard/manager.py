@@ -337,6 +337,9 @@ class Manager:
         self._errored: Optional[ExceptionWithTraceback] = None
         self._healing = False
         self._batches_committed = 0
+        # called first thing in should_commit (weak references: DDP's check
+        # that its last backward reduced every bucket)
+        self._commit_checks: List["weakref.WeakMethod[Callable[[], None]]"] = []
         self._participating_replica_rank: Optional[int] = None
         self._participating_replica_world_size: int = 0
         self._is_state_dict_read_allowed = True
@@ -904,6 +907,16 @@ class Manager:
     # -- commit ---------------------------------------------------------------
 
     @_traced("stepguard::manager::should_commit")
+    def _run_commit_checks(self) -> None:
+        live = []
+        for ref in self._commit_checks:
+            check = ref()
+            if check is not None:
+                check()
+                live.append(ref)
+        if len(live) != len(self._commit_checks):
+            self._commit_checks = live
+
     def should_commit(self, timeout: Optional[timedelta] = None) -> bool:
         """Votes on this step with every rank of the replica group.
 
@@ -921,6 +934,8 @@ class Manager:
         Raises:
             RuntimeError: more than ``max_retries`` consecutive failures.
         """
+        if self._commit_checks:
+            self._run_commit_checks()
         if self._recovery_event is not None:
             self._recovery_event.synchronize()
             self._recovery_event = None

@@ -107,6 +107,7 @@ class Zygote:
     imported (see that file); one per test module."""
 
     def __init__(self, impl: str = IMPL, script: str = ZYGOTE) -> None:
+        self.impl = impl
         self.popen = subprocess.Popen([sys.executable, script, impl], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, env=worker_env())
         self._cv = threading.Condition()
@@ -197,8 +198,10 @@ class ZChild:
 class Group:
     """One replica group: its rank processes (or one torchrun) of one incarnation."""
 
-    def __init__(self, rid: str, ranks: int, args: tuple[str, ...], torchrun: bool) -> None:
+    def __init__(self, rid: str, ranks: int, args: tuple[str, ...], torchrun: bool,
+                 impl: str) -> None:
         self.rid = rid
+        self.impl = impl
         self.ranks = ranks
         self.args = args
         self.torchrun = torchrun
@@ -253,8 +256,10 @@ class Job:
     # ---- processes --------------------------------------------------
 
     def start_group(self, rid: str, ranks: int = 1, *args: str,
-                    torchrun: bool = False) -> Group:
-        g = Group(rid, ranks, tuple(args), torchrun)
+                    torchrun: bool = False, impl: str | None = None) -> Group:
+        """Starts a replica group; ``impl`` (default: the job's) is the
+        package its trainers use, so one job can mix torchft and stepguard."""
+        g = Group(rid, ranks, tuple(args), torchrun, impl or self.impl)
         self.groups[rid] = g
         self._launch(g)
         return g
@@ -262,7 +267,7 @@ class Job:
     def _launch(self, g: Group, extra: Iterable[str] = ()) -> None:
         g.incarnation += 1
         g.popens = []
-        common = ["--impl", self.impl, "--lighthouse", self.addr,
+        common = ["--impl", g.impl, "--lighthouse", self.addr,
                   "--replica-id", g.rid, "--dir", str(self.dir),
                   "--incarnation", str(g.incarnation), *g.args, *extra]
         log = open(self.dir / "logs" / f"{g.rid}.i{g.incarnation}.log", "ab")
@@ -273,7 +278,7 @@ class Job:
                        WORKER, *common]
                 g.popens.append(subprocess.Popen(cmd, stdout=log, stderr=log,
                                                  env=worker_env()))
-            elif self.zygote is not None:
+            elif self.zygote is not None and g.impl == self.zygote.impl:
                 for r in range(g.ranks):
                     g.popens.append(self.zygote.spawn(
                         [*common, "--group-rank", str(r), "--group-world-size", str(g.ranks)],

@@ -95,8 +95,16 @@ def make_model(a: argparse.Namespace):
     import torch
 
     torch.manual_seed(0 if a.same_init else 1000 + replica_index(a.replica_id))
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                                torch.nn.Linear(16, 4))
+    width = 96 if a.buckets else 16
+    model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(),
+                                torch.nn.Linear(width, width), torch.nn.Tanh(),
+                                torch.nn.Linear(width, 4)) if a.buckets else \
+        torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(),
+                            torch.nn.Linear(width, 4))
+    if a.unused_param:
+        # a parameter that never gets a gradient
+        model.register_module("unused", torch.nn.Linear(3, 3))
+        model.unused.forward = lambda x: x  # type: ignore[method-assign]
     inner_opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     return model, inner_opt
 
@@ -148,6 +156,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--same-init", action="store_true",
                     help="same initial weights in every replica group")
+    ap.add_argument("--buckets", action="store_true",
+                    help="a wider model whose gradients DDP cuts into several "
+                    "buckets (bucket_cap_mb=0.02)")
+    ap.add_argument("--unused-param", action="store_true",
+                    help="the model has a parameter that never gets a gradient")
     # fault injection
     ap.add_argument("--mid-at", type=int, default=-1,
                     help="at this step, after the quorum and the forward pass, "
@@ -250,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         **manager_kwargs(a, group_rank, group_ws, store_addr, store_port),
         **kw,
     )
-    ddp = ft.DistributedDataParallel(manager, model)
+    ddp = ft.DistributedDataParallel(manager, model,
+                                     **({"bucket_cap_mb": 0.02} if a.buckets else {}))
     opt = ft.Optimizer(manager, inner_opt)
 
     ckpt_path = os.path.join(a.dir, "ckpt", f"{a.replica_id}.g{group_rank}.pt")

@@ -1,0 +1,257 @@
+"""DDP's gradient buckets, in one process: fixed at construction to exactly
+torchft's layout (so that replicas started at different times, and torchft
+replicas, cut the same buckets), kept through every step, without the
+per-step search for unused parameters; a model that leaves a parameter
+without a gradient costs one step and then runs as torchft's DDP does.
+
+The manager is a stand-in that records what DDP hands it (a world of one:
+the allreduce gives the bucket back).  The real allreduces across replicas
+are in tests/py/test_train_buckets.py.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import stepguard.ddp as sgddp
+from stepguard.ddp import DistributedDataParallel
+
+torchft_ddp = pytest.importorskip("torchft.ddp", reason="torchft (the reference) is not installed")
+
+
+class StubManager:
+    """What DistributedDataParallel uses of a Manager, recording calls."""
+
+    def __init__(self) -> None:
+        self._commit_checks: list[weakref.WeakMethod] = []
+        self.errors: list[Exception] = []
+        self.buffers: list[torch.Tensor] = []  # a copy of each allreduced bucket
+
+    def _bucket_allreduce(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        self.buffers.append(tensor.clone())
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(tensor)
+        return fut
+
+    def allreduce(self, tensor: torch.Tensor):  # torchft's DDP, never stepped here
+        raise AssertionError("not stepped")
+
+    def report_error(self, e: Exception) -> None:
+        self.errors.append(e)
+
+    def should_commit(self) -> bool:
+        for ref in self._commit_checks:
+            check = ref()
+            if check is not None:
+                check()
+        return not self.errors
+
+
+def mlp(width: int = 512, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(256, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                         nn.Linear(width, 10))
+
+
+class Tied(nn.Module):
+    """Shares one weight between two layers, and has a frozen layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.a = nn.Linear(64, 64)
+        self.frozen = nn.Linear(64, 64)
+        self.frozen.requires_grad_(False)
+        self.b = nn.Linear(64, 64)
+        self.b.weight = self.a.weight
+        self.head = nn.Linear(64, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.b(self.frozen(self.a(x[:, :64]))))
+
+
+class WithUnused(nn.Module):
+    """An MLP plus a layer its forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = mlp(128)
+        self.spare = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def layout(ddp: nn.Module, model: nn.Module) -> list[list[str]]:
+    """The reducer's buckets in the order it reduces them, by parameter name."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[names[id(p)] for p in b.parameters()]
+            for b in ddp.reducer._get_zeros_like_grad_buckets()]
+
+
+def step(ddp: nn.Module, mgr: StubManager, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, 256, generator=gen)
+    for p in ddp.parameters():
+        p.grad = None
+    ddp(x).square().mean().backward()
+    mgr.should_commit()
+
+
+CASES = {
+    "mlp": (mlp, {}),
+    "mlp, 0.3 MB buckets": (mlp, {"bucket_cap_mb": 0.3}),
+    "mlp, 0.05 MB buckets, grads as bucket views": (
+        lambda: mlp(256), {"bucket_cap_mb": 0.05, "gradient_as_bucket_view": True}),
+    "tied and frozen": (Tied, {"bucket_cap_mb": 0.02}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_buckets_are_torchfts_and_stay(case):
+    make, kw = CASES[case]
+    ref_model, model = make(), make()
+    ref = torchft_ddp.DistributedDataParallel(StubManager(), ref_model, **kw)
+    want = layout(ref, ref_model)
+    mgr = StubManager()
+    ddp = DistributedDataParallel(mgr, model, **kw)
+    assert ddp.find_unused_parameters is False, "the fixed buckets were not used"
+    assert layout(ddp, model) == want
+    for i in range(4):
+        step(ddp, mgr, i)
+    # no rebuild after the first backward: a replica started later (a fresh
+    # DistributedDataParallel) has what this one has after its steps
+    assert layout(ddp, model) == want
+    assert not mgr.errors
+    sizes = [len(b) for b in want]
+    assert len(mgr.buffers) == 4 * len(sizes)
+    assert [b.numel() for b in mgr.buffers[-len(sizes):]] == [
+        sum(dict(model.named_parameters())[n].numel() for n in names) for names in want]
+
+
+def test_gradients_match_the_search_for_unused_parameters():
+    """Same buckets, same bytes: the fixed layout's gradients and allreduced
+    buffers are bitwise torchft's (find_unused_parameters=True)."""
+    fast_mgr, slow_mgr = StubManager(), StubManager()
+    fast_model, slow_model = mlp(), mlp()
+    fast = DistributedDataParallel(fast_mgr, fast_model, bucket_cap_mb=0.3)
+    slow = DistributedDataParallel(slow_mgr, slow_model, bucket_cap_mb=0.3,
+                                   find_unused_parameters=True)
+    assert fast.find_unused_parameters is False and slow.find_unused_parameters is True
+    for i in range(3):
+        step(fast, fast_mgr, i)
+        step(slow, slow_mgr, i)
+        for (n, a), b in zip(fast_model.named_parameters(), slow_model.parameters()):
+            assert a.grad is not None and torch.equal(a.grad, b.grad), n
+    assert len(fast_mgr.buffers) == len(slow_mgr.buffers) == 9
+    for a, b in zip(fast_mgr.buffers, slow_mgr.buffers):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("how", ["argument", "environment", "static_graph", "two dtypes"])
+def test_torchfts_construction_where_asked_or_needed(how, monkeypatch):
+    model = mlp(64)
+    kw: dict = {}
+    if how == "argument":
+        kw["find_unused_parameters"] = True
+    elif how == "environment":
+        monkeypatch.setenv("STEPGUARD_DDP_FIND_UNUSED", "1")
+    elif how == "static_graph":
+        kw["static_graph"] = True
+    else:
+        model[4].double()
+    mgr = StubManager()
+    ddp = DistributedDataParallel(mgr, model, **kw)
+    assert ddp.find_unused_parameters is True
+    assert not mgr._commit_checks
+    ref_model = mlp(64)
+    if how == "two dtypes":
+        ref_model[4].double()
+    ref = torchft_ddp.DistributedDataParallel(StubManager(), ref_model,
+                                              **({"static_graph": True} if how == "static_graph"
+                                                 else {}))
+    assert layout(ddp, model) == layout(ref, ref_model)
+
+
+def test_unused_parameter_costs_this_replica_one_step():
+    mgr = StubManager()
+    model = WithUnused()
+    ddp = DistributedDataParallel(mgr, model, bucket_cap_mb=0.02)
+    assert ddp.find_unused_parameters is False
+    before = layout(ddp, model)
+    assert any("spare.weight" in b for b in before)
+    n_buckets = len(before)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 128, generator=gen)
+    x = torch.nn.functional.pad(x, (0, 128))
+    ddp(x).square().mean().backward()
+    grads = {n: (p.grad.clone() if p.grad is not None else None)
+             for n, p in model.named_parameters()}
+    assert grads["spare.weight"] is None
+    issued = len(mgr.buffers)
+    assert issued < n_buckets, "a bucket holding the unused layer was reduced"
+    assert mgr.should_commit() is False
+    (err,) = mgr.errors
+    assert "received no gradient" in str(err) and "find_unused_parameters=True" in str(err)
+    # every bucket was handed on once (the rest after the backward), holding
+    # this replica's gradients and zeros for the unused layer
+    assert len(mgr.buffers) == n_buckets
+    for names, buf in zip(before[issued:], mgr.buffers[issued:]):
+        want = torch.cat([grads[n].reshape(-1) if grads[n] is not None
+                          else torch.zeros(dict(model.named_parameters())[n].numel())
+                          for n in names])
+        assert torch.equal(buf, want), names
+    # now as torchft's DDP: same buckets, and the next steps go through
+    assert ddp.find_unused_parameters is True
+    assert layout(ddp, model) == before
+    mgr.errors.clear()
+    for i in range(3):
+        for p in model.parameters():
+            p.grad = None
+        ddp(x).square().mean().backward()
+        assert mgr.should_commit() is True
+        assert model.spare.weight.grad is None
+        assert model.body[0].weight.grad is not None
+    assert len(mgr.buffers) == 4 * n_buckets
+
+
+def test_unused_parameter_found_at_the_next_forward_without_a_vote():
+    """A loop that never calls should_commit still gets the clear error
+    path instead of DDP's 'Expected to have finished reduction'."""
+    mgr = StubManager()
+    model = WithUnused()
+    ddp = DistributedDataParallel(mgr, model)
+    x = torch.randn(4, 256)
+    ddp(x).sum().backward()
+    ddp(x).sum().backward()
+    assert len(mgr.errors) == 1 and ddp.find_unused_parameters is True
+
+
+def test_no_check_kept_for_a_dropped_model():
+    mgr = StubManager()
+    ddp = DistributedDataParallel(mgr, mlp(32))
+    assert len(mgr._commit_checks) == 1
+    ref = weakref.ref(ddp)
+    del ddp
+    import gc
+
+    gc.collect()
+    assert ref() is None, "the manager keeps the model alive"
+    assert mgr._commit_checks[0]() is None
+    assert mgr.should_commit() is True
+
+
+def test_mark_ready_follows_the_requested_order():
+    params = [nn.Parameter(torch.randn(3, 2)) for _ in range(5)]
+    order = [3, 0, 4, 1, 2]
+
+    class NoReducer:
+        def prepare_for_backward(self, outputs) -> None:
+            pass
+
+    assert sgddp._mark_ready(NoReducer(), params, order) == order
+    assert all(p.grad is None for p in params)

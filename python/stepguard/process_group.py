@@ -1118,7 +1118,6 @@ class ProcessGroupDummy(ProcessGroup):
         self._world = world
         self.wait_count = 0
         self.get_future_count = 0
-        self._work: List[Work] = []
         self.configure_count = 0
 
     def configure(
@@ -1139,9 +1138,9 @@ class ProcessGroupDummy(ProcessGroup):
         return _DummyWork(None)
 
     def _done(self, result: object) -> Work:
-        work = _DummyWork(result)
-        self._work.append(work)
-        return work
+        # Not kept: DDP's reducer calls this group every step when it
+        # searches for unused parameters.
+        return _DummyWork(result)
 
     def allgather(self, output_tensors, input_tensor, opts) -> Work:  # type: ignore[no-untyped-def, override]
         for outs in output_tensors:

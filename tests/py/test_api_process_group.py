@@ -212,6 +212,18 @@ def test_dummy_group() -> None:
         ProcessGroupDummy(1, 2)
 
 
+def test_dummy_group_keeps_no_work() -> None:
+    """DDP's reducer calls its world-of-one group every step when it
+    searches for unused parameters: nothing may pile up."""
+    import weakref
+
+    pg = ProcessGroupDummy(0, 1)
+    w = pg.allreduce([torch.ones(2)], ReduceOp.SUM)
+    ref = weakref.ref(w)
+    del w
+    assert ref() is None
+
+
 def test_error_swallowing_wrapper() -> None:
     inner = FakeProcessGroupWrapper(ProcessGroupDummy(0, 1))
     pg = ErrorSwallowingProcessGroupWrapper(inner)

@@ -32,7 +32,8 @@ quorum; and this DDP switches for good to
 there, as do the arguments whose buckets the fixed layout does not
 reproduce (``static_graph``, ``bucket_cap_mb_list``, mixed precision,
 delayed allreduce, sparse gradients, parameters of several dtypes or
-devices).
+devices), and parameters that already carry gradient hooks (they would
+see the backward of zeros).
 """
 
 # No `from __future__ import annotations` here: torch checks the comm
@@ -127,7 +128,10 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         unused parameters, as torchft's does)."""
         params, sparse = self._build_params_for_reducer()
         kinds = {(p.dtype, p.device) for p in params}
-        if any(sparse) or len(kinds) != 1 or self._use_python_reducer:
+        # a gradient hook already on a parameter would see the backward of
+        # zeros (an optimizer in backward would step)
+        hooked = any(p._post_accumulate_grad_hooks or p._backward_hooks for p in params)
+        if any(sparse) or len(kinds) != 1 or hooked or self._use_python_reducer:
             return self._find_unused(register_hook=False)
         config = self._bucket_config
         try:

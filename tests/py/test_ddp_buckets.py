@@ -152,7 +152,8 @@ def test_gradients_match_the_search_for_unused_parameters():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("how", ["argument", "environment", "static_graph", "two dtypes"])
+@pytest.mark.parametrize("how", ["argument", "environment", "static_graph", "two dtypes",
+                                 "gradient hook"])
 def test_torchfts_construction_where_asked_or_needed(how, monkeypatch):
     model = mlp(64)
     kw: dict = {}
@@ -162,11 +163,16 @@ def test_torchfts_construction_where_asked_or_needed(how, monkeypatch):
         monkeypatch.setenv("STEPGUARD_DDP_FIND_UNUSED", "1")
     elif how == "static_graph":
         kw["static_graph"] = True
-    else:
+    elif how == "two dtypes":
         model[4].double()
+    seen: list[torch.Tensor] = []
+    if how == "gradient hook":
+        # e.g. an optimizer applied in backward: must not see a construction step
+        model[2].weight.register_post_accumulate_grad_hook(lambda p: seen.append(p))
     mgr = StubManager()
     ddp = DistributedDataParallel(mgr, model, **kw)
     assert ddp.find_unused_parameters is True
+    assert not seen
     assert not mgr._commit_checks
     ref_model = mlp(64)
     if how == "two dtypes":

@@ -41,7 +41,8 @@
 #define MAX_DATA_LEN 65536 /* QuorumMember.data, each reconfigure handle */
 #define MAX_HANDLES 65536  /* reconfigure handles per member (group ranks) */
 #define KILL_TIMEOUT_MS 10000
-#define STATUS_LOG_MS 100 /* at most one "Quorum status" line per 100 ms */
+#define STATUS_LOG_MS 100  /* at most one "Quorum status" line per 100 ms */
+#define QUORUM_LOG_MS 1000 /* a quorum of unchanged id: one line per second */
 
 /* A Quorum call waiting for its quorum. */
 struct pending {
@@ -115,6 +116,9 @@ struct sg_lh_server_s {
   int64_t dec_last_ns;      /* the last quorum's decision time; -1: none yet */
   int64_t status_logged_ns; /* when the last "Quorum status" line went out */
   int status_unlogged; /* the reason changed since, and is not logged yet */
+  int64_t quorum_logged_id;  /* the id on the last "Quorum!" line; -1: none */
+  int64_t quorum_logged_ns;  /* when that line went out */
+  uint64_t quorums_unlogged; /* quorums of that id since, logged at DEBUG */
 };
 
 /* ---- helpers ------------------------------------------------------------- */
@@ -275,7 +279,24 @@ static void observe_decision(sg_lh_server_t *s, int64_t ns) {
 /* ---- the decision ----------------------------------------------------------
  */
 
-static void log_quorum(const sg__lh_quorum_t *q) {
+/*
+ * log_quorum: the "Quorum!" line.  A quorum with a new id (its members
+ * changed) is always logged at INFO.  One with the id of the last line is
+ * the same members asking again, a training step each: a line per step
+ * would cost the loop a formatted write per quorum (half its CPU for the
+ * rest of the quorum), so such quorums go to INFO at most once per
+ * QUORUM_LOG_MS, the others to DEBUG, and the next INFO line says how
+ * many were held back.
+ */
+static void log_quorum(sg_lh_server_t *s, const sg__lh_quorum_t *q,
+                       int64_t now) {
+  int info = q->quorum_id != s->quorum_logged_id ||
+             now - s->quorum_logged_ns >= ms_to_ns(QUORUM_LOG_MS);
+  sg_log_level_t level = info ? SG_LOG_INFO : SG_LOG_DEBUG;
+  if (!info)
+    s->quorums_unlogged++;
+  if (!sg_log_enabled(level))
+    return;
   char line[900];
   size_t off = 0;
   for (size_t i = 0; i < q->n && off + 4 < sizeof(line); i++) {
@@ -288,8 +309,18 @@ static void log_quorum(const sg__lh_quorum_t *q) {
   }
   if (off >= sizeof(line))
     memcpy(line + sizeof(line) - 4, "...", 4);
-  sg_log(SG_LOG_INFO, LOG, "Quorum! id %lld with %zu participants: [%s]",
-         (long long)q->quorum_id, q->n, q->n ? line : "");
+  char more[96] = "";
+  if (info && s->quorums_unlogged && q->quorum_id == s->quorum_logged_id)
+    snprintf(more, sizeof(more),
+             " (and %llu quorums of this id since the last line)",
+             (unsigned long long)s->quorums_unlogged);
+  sg_log(level, LOG, "Quorum! id %lld with %zu participants: [%s]%s",
+         (long long)q->quorum_id, q->n, q->n ? line : "", more);
+  if (info) {
+    s->quorum_logged_id = q->quorum_id;
+    s->quorum_logged_ns = now;
+    s->quorums_unlogged = 0;
+  }
 }
 
 /*
@@ -457,7 +488,7 @@ static void process(sg_lh_server_t *s, int64_t event_ns, int join) {
         sg_log(SG_LOG_INFO, LOG,
                "Detected quorum change, quorum id is now %lld",
                (long long)q->quorum_id);
-      log_quorum(q);
+      log_quorum(s, q, now);
       sg__lh_free_retired(s->st);
       s->reason[0] = '\0'; /* log the next status afresh */
     }
@@ -1034,6 +1065,7 @@ int sg_lh_server_start(const sg_lh_opts_t *o, sg_lh_server_t **out,
   pthread_mutex_init(&s->mu, NULL);
   s->dec_last_ns = -1;
   s->status_logged_ns = INT64_MIN / 2; /* the first status is logged */
+  s->quorum_logged_id = -1;
   sg_map_init(&s->pending_ids);
   sg_map_init(&s->live);
   sg_map_init(&s->conns);

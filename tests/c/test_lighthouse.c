@@ -183,7 +183,7 @@ static char *http_get(int port, const char *path) {
 struct poller {
   int port;
   atomic_int stop;
-  int ok, bad;
+  atomic_int ok, bad;
 };
 
 static void *status_poller(void *arg) {
@@ -199,6 +199,78 @@ static void *status_poller(void *arg) {
   return NULL;
 }
 
+/* Counts the lighthouse's "Quorum!" lines by level. */
+struct quorum_lines {
+  pthread_mutex_t mu;
+  int info, debug, info_counted; /* counted: says how many were held back */
+};
+
+static void quorum_line_sink(void *ud, sg_log_level_t level,
+                             const char *subsystem, const char *line) {
+  struct quorum_lines *ql = ud;
+  (void)subsystem;
+  if (!strstr(line, "Quorum! id"))
+    return;
+  pthread_mutex_lock(&ql->mu);
+  if (level == SG_LOG_INFO) {
+    ql->info++;
+    ql->info_counted += strstr(line, "quorums of this id since") != NULL;
+  } else if (level == SG_LOG_DEBUG) {
+    ql->debug++;
+  }
+  pthread_mutex_unlock(&ql->mu);
+}
+
+/*
+ * The same members asking again (a training step each) are logged at INFO
+ * at most once per second, the others at DEBUG, and the next INFO line
+ * counts those held back; a quorum of a new id is always at INFO.
+ */
+static void test_quorum_lines_of_unchanged_id_held_back(void **state) {
+  (void)state;
+  sg_log_level_t old = SG_LOG_ERROR;
+  for (int lv = SG_LOG_TRACE; lv > SG_LOG_ERROR; lv--)
+    if (sg_log_enabled((sg_log_level_t)lv)) {
+      old = (sg_log_level_t)lv;
+      break;
+    }
+  struct quorum_lines ql = {.mu = PTHREAD_MUTEX_INITIALIZER};
+  sg_log_set_level(SG_LOG_DEBUG);
+  sg_log_set_sink(quorum_line_sink, &ql);
+  sg_lh_opts_t o;
+  default_opts(&o);
+  sg_lh_server_t *s = start(&o);
+  sg_lh_client_t *c = connect_to(s, NULL);
+  int64_t t0 = sg_now_ns();
+  for (int i = 0; i < 20; i++) {
+    struct req r = {.c = c, .id = "solo", .step = i, .timeout_ms = 10000};
+    quorum_thread(&r);
+    assert_int_equal(r.rc, 0);
+    sg_lh_quorum_free(&r.q);
+  }
+  double secs = (double)(sg_now_ns() - t0) / 1e9;
+  pthread_mutex_lock(&ql.mu);
+  int info = ql.info, debug = ql.debug;
+  pthread_mutex_unlock(&ql.mu);
+  assert_int_equal(info + debug, 20); /* every quorum has its line */
+  assert_true(info >= 1);             /* the first, a new id */
+  assert_true(info <= 1 + (int)secs); /* then at most one a second */
+  usleep(1100 * 1000);
+  struct req r = {.c = c, .id = "solo", .step = 20, .timeout_ms = 10000};
+  quorum_thread(&r);
+  assert_int_equal(r.rc, 0);
+  sg_lh_quorum_free(&r.q);
+  pthread_mutex_lock(&ql.mu);
+  assert_int_equal(ql.info, info + 1);
+  assert_true(debug > 0);            /* 20 quorums take far less than 1 s */
+  assert_true(ql.info_counted >= 1); /* the held-back ones are counted */
+  pthread_mutex_unlock(&ql.mu);
+  sg_lh_client_free(c);
+  sg_lh_server_stop(s);
+  sg_log_set_sink(NULL, NULL);
+  sg_log_set_level(old);
+}
+
 static void test_http_side_reads_while_quorums_change(void **state) {
   (void)state;
   sg_lh_opts_t o;
@@ -208,12 +280,17 @@ static void test_http_side_reads_while_quorums_change(void **state) {
   pthread_t tp;
   pthread_create(&tp, NULL, status_poller, &p);
   sg_lh_client_t *c = connect_to(s, NULL);
-  for (int i = 0; i < 30; i++) {
-    struct req r = {.c = c, .id = "solo", .step = i, .timeout_ms = 10000};
+  /* at least 30 quorums, and on until the poller has read a few pages
+   * (quorums take microseconds: 30 of them may pass before its first) */
+  int n = 0;
+  sg_deadline_t dl = sg_deadline_in_ms(10000);
+  while (n < 30 || (atomic_load(&p.ok) < 4 && !sg_deadline_passed(dl))) {
+    struct req r = {.c = c, .id = "solo", .step = n, .timeout_ms = 10000};
     quorum_thread(&r);
     assert_int_equal(r.rc, 0);
     assert_int_equal(r.q.n, 1);
     sg_lh_quorum_free(&r.q);
+    n++;
   }
   atomic_store(&p.stop, 1);
   pthread_join(tp, NULL);
@@ -225,8 +302,10 @@ static void test_http_side_reads_while_quorums_change(void **state) {
   free(status);
   char *metrics = http_get(sg_lh_server_port(s), "/metrics");
   assert_non_null(metrics);
-  assert_non_null(
-      strstr(metrics, "stepguard_lighthouse_quorums_issued_total 30"));
+  char want[64];
+  snprintf(want, sizeof(want), "stepguard_lighthouse_quorums_issued_total %d",
+           n);
+  assert_non_null(strstr(metrics, want));
   free(metrics);
   sg_lh_client_free(c);
   sg_lh_server_stop(s);
@@ -541,6 +620,7 @@ int main(void) {
       cmocka_unit_test(test_invalid_options),
       cmocka_unit_test(test_two_replicas_form_quorums_and_ids_grow),
       cmocka_unit_test(test_http_side_reads_while_quorums_change),
+      cmocka_unit_test(test_quorum_lines_of_unchanged_id_held_back),
       cmocka_unit_test(test_closed_connection_stops_blocking_quorum),
       cmocka_unit_test(test_auth_token),
       cmocka_unit_test(test_quorum_ids_grow_across_restart),

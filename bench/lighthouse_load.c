@@ -86,6 +86,7 @@ typedef struct replica_s {
   int rc;            /* this round's call result */
   int ok;            /* response has N participants including us */
   int64_t quorum_id; /* from the response */
+  atomic_llong step; /* steady mode: the step it is asking for */
   size_t resp_len;
 } replica_t;
 
@@ -98,7 +99,7 @@ typedef struct bench_s {
   int round;       /* written by main between barriers */
   atomic_int stop; /* quorum threads exit at the next start barrier */
   /* steady mode */
-  atomic_int steady_stop;
+  atomic_llong steady_last; /* steady mode: the last step every replica asks */
   atomic_ullong steady_calls, steady_failed, steady_bad;
   /* background heartbeats */
   atomic_int hb_stop;
@@ -466,12 +467,15 @@ static int task_sample(int pid, task_sample_t *out) {
  * barrier: every member of the previous quorum asks again and the
  * lighthouse answers at once (the fast quorum).  --steady-gap-us stands
  * for the step's own work between two quorums (the lighthouse idles).
+ * Every replica stops after the same step (steady_last), so none is left
+ * waiting for a quorum its peers no longer ask for.
  */
 static void *steady_main(void *arg) {
   q_arg_t *a = arg;
   bench_t *b = a->b;
   replica_t *r = &b->r[a->idx];
-  for (int64_t step = 0; !b->steady_stop; step++) {
+  for (int64_t step = 0; step <= b->steady_last; step++) {
+    r->step = step;
     size_t len;
     uint8_t *req = pack_quorum(r, step, &len), *resp = NULL;
     size_t rl = 0;
@@ -482,9 +486,8 @@ static void *steady_main(void *arg) {
     free(req);
     if (rc) {
       b->steady_failed++;
-      if (!b->steady_stop)
-        fprintf(stderr, "lighthouse_load: %s: Quorum: %s (%s)\n", r->id,
-                sg_strerror(rc), err.msg);
+      fprintf(stderr, "lighthouse_load: %s: Quorum: %s (%s)\n", r->id,
+              sg_strerror(rc), err.msg);
       sg_free(resp);
       break; /* a peer left: the others cannot make quorums either */
     }
@@ -508,6 +511,7 @@ static void *steady_main(void *arg) {
 static int run_steady(bench_t *b, pthread_attr_t *attr) {
   const opts_t *o = &b->o;
   int N = o->replicas, nhb = o->bg_channels;
+  b->steady_last = INT64_MAX;
   pthread_t hb_t[MAX_CHANNELS], qt[MAX_CHANNELS];
   hb_arg_t hb_a[MAX_CHANNELS];
   q_arg_t qa[MAX_CHANNELS];
@@ -530,7 +534,13 @@ static int run_steady(bench_t *b, pthread_attr_t *attr) {
   unsigned long long c1 = b->steady_calls;
   int64_t t1 = now_ns();
   double cli1 = self_cpu_s();
-  b->steady_stop = 1;
+  /* every replica is at most one step ahead of the slowest: all of them can
+   * still complete the step after the furthest one's */
+  long long last = 0;
+  for (int i = 0; i < N; i++)
+    if (b->r[i].step > last)
+      last = b->r[i].step;
+  b->steady_last = last + 1;
   b->hb_stop = 1;
   for (int i = 0; i < N; i++)
     pthread_join(qt[i], NULL);

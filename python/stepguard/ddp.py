@@ -13,11 +13,15 @@ would use its first-step buckets while the others use rebuilt ones.
 torchft keeps DDP from rebuilding with ``find_unused_parameters=True``,
 which also makes DDP search the autograd graph after every forward and
 pass the outputs through an extra autograd function (0.2-0.4 ms per step
-of a small MLP on CPU).  Here the buckets are fixed at construction
-instead: exactly the layout torchft's DDP has (so torchft replicas can
-share the job), made by rebuilding once, right away, from a backward of
-zeros that marks the parameters ready in that layout's order.  No graph
-search per step.
+of a small MLP on CPU), and leaves it with its first-step buckets, which
+are filled from the first parameter: the bucket reduced after backward
+ends is then the largest one it can be.  Here the buckets are fixed at
+construction instead, by rebuilding once, right away, from a backward of
+zeros that marks the parameters ready bucket after bucket.  No graph
+search per step.  The buckets are the ones DDP's own rebuild makes when
+gradients become ready from the last parameter to the first;
+``STEPGUARD_DDP_BUCKETS=torchft`` gives torchft's buckets instead, for a
+job whose replicas include torchft's DDP.
 
 A model that leaves a parameter without a gradient cannot finish the
 step's reduction without that search.  Before the commit vote (and before
@@ -29,11 +33,12 @@ replica reports the step failed, does not commit it and heals at the next
 quorum; and this DDP switches for good to
 ``find_unused_parameters=True``, with the same buckets.
 ``find_unused_parameters=True`` or ``STEPGUARD_DDP_FIND_UNUSED=1`` starts
-there, as do the arguments whose buckets the fixed layout does not
-reproduce (``static_graph``, ``bucket_cap_mb_list``, mixed precision,
-delayed allreduce, sparse gradients, parameters of several dtypes or
-devices), and parameters that already carry gradient hooks (they would
-see the backward of zeros).
+there, with torchft's construction and buckets, as do the arguments whose
+buckets cannot be fixed this way (``static_graph``,
+``bucket_cap_mb_list``, mixed precision, delayed allreduce, sparse
+gradients, parameters of several dtypes or devices), and parameters that
+already carry gradient hooks (they would see the backward of zeros).  All
+replicas of a job must make the same choice.
 """
 
 # No `from __future__ import annotations` here: torch checks the comm
@@ -99,6 +104,7 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         find_unused = kwargs.pop("find_unused_parameters", None)
         if find_unused is None:
             find_unused = os.environ.get("STEPGUARD_DDP_FIND_UNUSED", "0") not in ("", "0")
+        torchft_buckets = os.environ.get("STEPGUARD_DDP_BUCKETS", "") == "torchft"
         checks = getattr(manager, "_commit_checks", None)
         fixed = not find_unused and checks is not None and not (kwargs.keys() & _TORCHFT_BUCKETS)
         super().__init__(
@@ -110,8 +116,11 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
             **kwargs,
         )
         self._hook_state = _HookState(manager)
+        # the fixed buckets (indices into the reducer's parameters, in the
+        # order they are reduced), kept if the reducer is rebuilt
+        self._buckets: Optional[List[List[int]]] = None
         if fixed:
-            fixed = self._fix_buckets()
+            fixed = self._fix_buckets(torchft_buckets)
         self.register_comm_hook(self._hook_state, self._comm_hook)
         if fixed:
             assert checks is not None
@@ -122,64 +131,94 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
             self._settle()
         return super().forward(*inputs, **kwargs)
 
-    def _fix_buckets(self) -> bool:
-        """Gives the reducer torchft's buckets for good: True, or False
-        where that cannot be done here (the reducer then searches for
-        unused parameters, as torchft's does)."""
+    def _fix_buckets(self, torchft: bool) -> bool:
+        """Gives the reducer its buckets for good (torchft's with
+        ``torchft``): True, or False where that cannot be done here (the
+        reducer then searches for unused parameters, as torchft's does)."""
         params, sparse = self._build_params_for_reducer()
         kinds = {(p.dtype, p.device) for p in params}
         # a gradient hook already on a parameter would see the backward of
         # zeros (an optimizer in backward would step)
         hooked = any(p._post_accumulate_grad_hooks or p._backward_hooks for p in params)
         if any(sparse) or len(kinds) != 1 or hooked or self._use_python_reducer:
-            return self._find_unused(register_hook=False)
-        config = self._bucket_config
+            return self._find_unused(None, register_hook=False)
         try:
-            # torchft's layout: DDP's first buckets when it searches for
-            # unused parameters (and so never rebuilds them)
-            limits, _ = config.compute_bucket_size_limits(
-                static_graph=False, find_unused_parameters=True
-            )
-            assignment, _ = dist._compute_bucket_assignment_by_size(params, limits, sparse)
-            buckets = list(reversed(assignment))
-            sizes = [sum(params[i].numel() * params[i].element_size() for i in b) for b in buckets]
-            # A rebuild fills buckets in the order the parameters became
-            # ready: with each bucket's own size as its cap, marking them
-            # ready in the layout's order rebuilds exactly the layout.
-            self._bucket_config = type(config)(
-                bucket_bytes_cap=config.bucket_bytes_cap,
-                per_bucket_bytes_caps=tuple(sizes),
-                first_bucket_bytes_cap=config.first_bucket_bytes_cap,
-            )
-            try:
-                old = self.reducer
-                self._ddp_init_helper(
-                    params, sparse, self._build_debug_param_to_name_mapping(params), False
-                )
-                old._remove_autograd_hooks()
-            finally:
-                self._bucket_config = config
+            buckets = self._layout(params, sparse, torchft)
+            # A rebuild fills buckets in the order the parameters become
+            # ready, each up to its cap: with each bucket's own size as its
+            # cap, marking the parameters ready bucket after bucket rebuilds
+            # exactly the layout.
+            self._init_reducer(params, sparse, _sizes(params, buckets))
             order = [i for b in buckets for i in b]
             if _mark_ready(self.reducer, params, order) != order:
-                return self._find_unused(register_hook=False)
+                return self._find_unused(None, register_hook=False)
             rebuilt = self.reducer._rebuild_buckets()
         except (AttributeError, TypeError, RuntimeError):  # another torch's DDP
-            return self._find_unused(register_hook=False)
-        if not rebuilt or _bucket_sizes(self.reducer) != sizes:
-            return self._find_unused(register_hook=False)
+            return self._find_unused(None, register_hook=False)
+        if not rebuilt or _layout_of(self.reducer, params) != buckets:
+            return self._find_unused(None, register_hook=False)
         self._has_rebuilt_buckets = True
+        self._buckets = buckets
         return True
 
-    def _find_unused(self, register_hook: bool) -> bool:
-        """Rebuilds the reducer as torchft's DDP has it: it searches for
-        unused parameters after every forward and keeps its buckets."""
+    def _layout(
+        self, params: List[torch.Tensor], sparse: List[bool], torchft: bool
+    ) -> List[List[int]]:
+        """Buckets (indices into ``params``, ascending) in the order they
+        are reduced, cut with this DDP's bucket size limits."""
+        limits, _ = self._bucket_config.compute_bucket_size_limits(
+            static_graph=False, find_unused_parameters=True
+        )
+        if torchft:
+            # DDP's first buckets when it searches for unused parameters
+            # (it never rebuilds them): filled from the first parameter,
+            # the last bucket reduced first
+            assignment, _ = dist._compute_bucket_assignment_by_size(params, limits, sparse)
+            return [list(b) for b in reversed(assignment)]
+        # what DDP's own rebuild makes when gradients become ready from the
+        # last parameter to the first: the first, small bucket starts its
+        # allreduce early in backward and the last one is not larger than
+        # it has to be
+        rev = list(range(len(params) - 1, -1, -1))
+        buckets, _ = dist._compute_bucket_assignment_by_size(
+            [params[i] for i in rev], limits, [sparse[i] for i in rev], rev
+        )
+        return [sorted(b) for b in buckets]
+
+    def _init_reducer(
+        self, params: List[torch.Tensor], sparse: List[bool], caps: Optional[List[int]]
+    ) -> None:
+        """(Re)builds the reducer with DDP's own helper; ``caps`` are the
+        buckets' size limits in the order DDP fills them."""
+        config = self._bucket_config
+        if caps is not None:
+            self._bucket_config = type(config)(
+                bucket_bytes_cap=config.bucket_bytes_cap,
+                per_bucket_bytes_caps=tuple(caps),
+                first_bucket_bytes_cap=config.first_bucket_bytes_cap,
+            )
         old = self.reducer
+        try:
+            self._ddp_init_helper(
+                params, sparse, self._build_debug_param_to_name_mapping(params), self.static_graph
+            )
+        finally:
+            self._bucket_config = config
+        old._remove_autograd_hooks()
+
+    def _find_unused(self, buckets: Optional[List[List[int]]], register_hook: bool) -> bool:
+        """Rebuilds the reducer to search for unused parameters after every
+        forward, as torchft's DDP does, keeping ``buckets`` (default:
+        torchft's)."""
         self.find_unused_parameters = True
         params, sparse = self._build_params_for_reducer()
-        self._ddp_init_helper(
-            params, sparse, self._build_debug_param_to_name_mapping(params), self.static_graph
-        )
-        old._remove_autograd_hooks()
+        # such a reducer keeps the buckets it starts with, which DDP fills
+        # from the first parameter and reduces last bucket first
+        caps = None if buckets is None else list(reversed(_sizes(params, buckets)))
+        self._init_reducer(params, sparse, caps)
+        if buckets is not None and _layout_of(self.reducer, params) != buckets:
+            raise RuntimeError("DistributedDataParallel: the buckets changed; report this as a bug")
+        self._buckets = None
         if register_hook:
             self.logger._set_comm_hook_name(self._comm_hook.__qualname__)
             dist._register_comm_hook(self.reducer, self._hook_state, self._comm_hook)
@@ -205,7 +244,7 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
             _fill(bucket)
             self._comm_hook(state, bucket).wait()
         state.next_bucket = 0
-        self._find_unused(register_hook=True)
+        self._find_unused(self._buckets, register_hook=True)
         state.manager.report_error(
             RuntimeError(
                 "DistributedDataParallel: a parameter received no gradient in this step, "
@@ -283,11 +322,15 @@ def _fill(bucket: dist.GradBucket) -> None:
         offset += n
 
 
-def _bucket_sizes(reducer: Any) -> List[int]:
-    return [
-        b.buffer().numel() * b.buffer().element_size()
-        for b in reducer._get_zeros_like_grad_buckets()
-    ]
+def _sizes(params: List[torch.Tensor], buckets: List[List[int]]) -> List[int]:
+    return [sum(params[i].numel() * params[i].element_size() for i in b) for b in buckets]
+
+
+def _layout_of(reducer: Any, params: List[torch.Tensor]) -> List[List[int]]:
+    """The reducer's buckets, in the order it reduces them, as indices
+    into ``params``."""
+    index = {id(p): i for i, p in enumerate(params)}
+    return [[index[id(p)] for p in b.parameters()] for b in reducer._get_zeros_like_grad_buckets()]
 
 
 def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:

@@ -1,8 +1,9 @@
-"""DDP's gradient buckets, in one process: fixed at construction to exactly
-torchft's layout (so that replicas started at different times, and torchft
-replicas, cut the same buckets), kept through every step, without the
-per-step search for unused parameters; a model that leaves a parameter
-without a gradient costs one step and then runs as torchft's DDP does.
+"""DDP's gradient buckets, in one process: fixed at construction (by
+default the buckets DDP's own rebuild makes, with STEPGUARD_DDP_BUCKETS=
+torchft exactly torchft's), kept through every step so that replicas
+started at different times cut the same buckets, without the per-step
+search for unused parameters; a model that leaves a parameter without a
+gradient costs one step and then runs with that search, same buckets.
 
 The manager is a stand-in that records what DDP hands it (a world of one:
 the allreduce gives the bucket back).  The real allreduces across replicas
@@ -19,6 +20,7 @@ from torch import nn
 
 import stepguard.ddp as sgddp
 from stepguard.ddp import DistributedDataParallel
+from stepguard.process_group import ProcessGroupDummy
 
 torchft_ddp = pytest.importorskip("torchft.ddp", reason="torchft (the reference) is not installed")
 
@@ -111,11 +113,43 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_buckets_are_torchfts_and_stay(case):
+def rebuilt_by_torch(make, kw) -> list[list[str]]:
+    """The buckets plain torch DDP ends with after its first backward."""
+    model = make()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=ProcessGroupDummy(0, 1),
+                                                    **kw)
+    for i in range(2):
+        ddp(torch.randn(8, 256)).square().mean().backward()
+    assert ddp.reducer._rebuild_buckets() is False  # rebuilt at the second forward
+    return layout(ddp, model)
+
+
+@pytest.mark.parametrize("case", ["mlp", "mlp, 0.3 MB buckets"])
+def test_default_buckets_are_those_of_torchs_rebuild(case):
     make, kw = CASES[case]
+    model = make()
+    ddp = DistributedDataParallel(StubManager(), model, **kw)
+    assert ddp.find_unused_parameters is False
+    # the same buckets in the same order; inside a bucket the order is the
+    # parameters' own (torch's follows the arrival of the gradients)
+    assert [sorted(b) for b in layout(ddp, model)] == \
+        [sorted(b) for b in rebuilt_by_torch(make, kw)]
+    # the last bucket reduced is not the one holding most of the MLP
+    sizes = [b.buffer().numel() for b in ddp.reducer._get_zeros_like_grad_buckets()]
+    assert sizes[-1] < max(sizes)
+
+
+@pytest.mark.parametrize("torchft_buckets", [False, True])
+@pytest.mark.parametrize("case", list(CASES))
+def test_buckets_stay(case, torchft_buckets, monkeypatch):
+    make, kw = CASES[case]
+    if torchft_buckets:
+        monkeypatch.setenv("STEPGUARD_DDP_BUCKETS", "torchft")
     ref_model, model = make(), make()
-    ref = torchft_ddp.DistributedDataParallel(StubManager(), ref_model, **kw)
+    if torchft_buckets:
+        ref = torchft_ddp.DistributedDataParallel(StubManager(), ref_model, **kw)
+    else:  # a fresh one: what a replica started later has
+        ref = DistributedDataParallel(StubManager(), ref_model, **kw)
     want = layout(ref, ref_model)
     mgr = StubManager()
     ddp = DistributedDataParallel(mgr, model, **kw)
@@ -126,6 +160,7 @@ def test_buckets_are_torchfts_and_stay(case):
     # no rebuild after the first backward: a replica started later (a fresh
     # DistributedDataParallel) has what this one has after its steps
     assert layout(ddp, model) == want
+    assert len(want) >= 2
     assert not mgr.errors
     sizes = [len(b) for b in want]
     assert len(mgr.buffers) == 4 * len(sizes)
@@ -133,9 +168,13 @@ def test_buckets_are_torchfts_and_stay(case):
         sum(dict(model.named_parameters())[n].numel() for n in names) for names in want]
 
 
-def test_gradients_match_the_search_for_unused_parameters():
-    """Same buckets, same bytes: the fixed layout's gradients and allreduced
-    buffers are bitwise torchft's (find_unused_parameters=True)."""
+@pytest.mark.parametrize("torchft_buckets", [False, True])
+def test_gradients_match_the_search_for_unused_parameters(torchft_buckets, monkeypatch):
+    """The fixed buckets' gradients are bitwise torchft's construction's
+    (find_unused_parameters=True), and so are the allreduced buffers with
+    torchft's buckets."""
+    if torchft_buckets:
+        monkeypatch.setenv("STEPGUARD_DDP_BUCKETS", "torchft")
     fast_mgr, slow_mgr = StubManager(), StubManager()
     fast_model, slow_model = mlp(), mlp()
     fast = DistributedDataParallel(fast_mgr, fast_model, bucket_cap_mb=0.3)
@@ -147,9 +186,14 @@ def test_gradients_match_the_search_for_unused_parameters():
         step(slow, slow_mgr, i)
         for (n, a), b in zip(fast_model.named_parameters(), slow_model.parameters()):
             assert a.grad is not None and torch.equal(a.grad, b.grad), n
-    assert len(fast_mgr.buffers) == len(slow_mgr.buffers) == 9
-    for a, b in zip(fast_mgr.buffers, slow_mgr.buffers):
-        assert torch.equal(a, b)
+    assert len(slow_mgr.buffers) == 9
+    if torchft_buckets:
+        assert len(fast_mgr.buffers) == 9
+        for a, b in zip(fast_mgr.buffers, slow_mgr.buffers):
+            assert torch.equal(a, b)
+    else:
+        assert torch.equal(torch.cat(fast_mgr.buffers).sort().values,
+                           torch.cat(slow_mgr.buffers).sort().values)
 
 
 @pytest.mark.parametrize("how", ["argument", "environment", "static_graph", "two dtypes",
@@ -183,7 +227,10 @@ def test_torchfts_construction_where_asked_or_needed(how, monkeypatch):
     assert layout(ddp, model) == layout(ref, ref_model)
 
 
-def test_unused_parameter_costs_this_replica_one_step():
+@pytest.mark.parametrize("torchft_buckets", [False, True])
+def test_unused_parameter_costs_this_replica_one_step(torchft_buckets, monkeypatch):
+    if torchft_buckets:
+        monkeypatch.setenv("STEPGUARD_DDP_BUCKETS", "torchft")
     mgr = StubManager()
     model = WithUnused()
     ddp = DistributedDataParallel(mgr, model, bucket_cap_mb=0.02)

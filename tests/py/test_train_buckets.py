@@ -1,7 +1,7 @@
 """DDP with several gradient buckets across real replica processes: a
 replica that starts while the others are many steps in cuts the same
-buckets (no rebuild after the first step); torchft's DDP and ours in one
-job average each other's gradients; a model with a parameter that never
+buckets (no rebuild after the first step); torchft's DDP and ours (with
+STEPGUARD_DDP_BUCKETS=torchft) in one job average each other's gradients; a model with a parameter that never
 gets a gradient costs each replica one step, then trains.
 (tests/py/train_harness.py, tests/py/train_worker.py --buckets)
 """
@@ -47,9 +47,9 @@ def test_torchft_and_stepguard_replicas_share_buckets(job_factory):
     # gradients (a torchft replica cannot fetch our default checkpoint
     # transport, sgckpt://)
     same = ("--steps", str(steps), *BUCKETS, "--same-init", "--no-init-sync")
-    job.start_group("train_0", 1, *same)
+    job.start_group("train_0", 1, *same, "--torchft-buckets")
     job.start_group("train_1", 1, *same, impl="torchft")
-    job.start_group("train_2", 1, *same)
+    job.start_group("train_2", 1, *same, "--torchft-buckets")
     for rid in ("train_0", "train_1", "train_2"):
         assert job.wait_exit(rid, 120) == [0], job.summary()
     for e in job.steps():

@@ -45,9 +45,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("plain", "torchft", "stepguard")
-# plain DDP with find_unused_parameters=True, as the fault-tolerant kinds
-# build it: how much of their cost is that flag (--kinds to add it)
-REFERENCE_KINDS = ("plain-unused",)
+# plain DDP with find_unused_parameters=True, as torchft's DDP builds it
+# (how much of its cost is that flag), and stepguard with torchft's bucket
+# layout (STEPGUARD_DDP_BUCKETS=torchft): --kinds to add them
+REFERENCE_KINDS = ("plain-unused", "stepguard-torchft-buckets")
 LISTEN_RE = re.compile(r"Lighthouse listening on:? http://\S+:(\d+)")
 # what the stepguard kind needs from the package
 API = ("Manager", "DistributedDataParallel", "Optimizer", "ProcessGroupGloo")
@@ -159,7 +160,7 @@ class Kind:
                 self.model, find_unused_parameters=kind == "plain-unused")
             self.opt = inner
             return
-        ft = importlib.import_module(kind)
+        ft = importlib.import_module("stepguard" if kind.startswith("stepguard") else kind)
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         model = self.model
         manager = ft.Manager(
@@ -173,7 +174,12 @@ class Kind:
             hostname="127.0.0.1", timeout=timedelta(seconds=60),
             quorum_timeout=timedelta(seconds=60), connect_timeout=timedelta(seconds=60))
         self.manager = manager
-        self.ddp = ft.DistributedDataParallel(manager, self.model)
+        if kind == "stepguard-torchft-buckets":
+            os.environ["STEPGUARD_DDP_BUCKETS"] = "torchft"
+        try:
+            self.ddp = ft.DistributedDataParallel(manager, self.model)
+        finally:
+            os.environ.pop("STEPGUARD_DDP_BUCKETS", None)
         self.opt = ft.Optimizer(manager, inner)
         # time spent waiting for the quorum (inside backward, at the first
         # bucket): how much of the lighthouse round trip the forward pass
@@ -356,7 +362,7 @@ def run_once(kinds: list[str], n: int, a: argparse.Namespace, blocks: int,
         env = dict(os.environ, OMP_NUM_THREADS="1")
         try:
             for k in kinds:
-                if k in ("torchft", "stepguard"):
+                if k.startswith(("torchft", "stepguard")):
                     lhs[k] = start_lighthouse(k, n)
             addrs = ",".join(f"{k}={addr}" for k, (_, addr) in lhs.items())
             pids = ",".join(f"{k}={p.pid}" for k, (p, _) in lhs.items())
@@ -448,7 +454,9 @@ def summarize(kinds: list[str], results: list[list[dict]]) -> dict:
     ratios: dict[str, dict] = {}
     pairs = [(num, den) for num, den in (("stepguard", "plain"), ("torchft", "plain"),
                                          ("stepguard", "torchft"), ("plain-unused", "plain"),
-                                         ("stepguard", "plain-unused"))
+                                         ("stepguard", "plain-unused"),
+                                         ("stepguard-torchft-buckets", "plain"),
+                                         ("stepguard", "stepguard-torchft-buckets"))
              if num in kinds and den in kinds]
     for num, den in pairs:
         wall = [statistics.median(x["times"]) / statistics.median(y["times"])

@@ -190,20 +190,21 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
     ) -> None:
         """(Re)builds the reducer with DDP's own helper; ``caps`` are the
         buckets' size limits in the order DDP fills them."""
-        config = self._bucket_config
-        if caps is not None:
+        old = self.reducer
+        names = self._build_debug_param_to_name_mapping(params)
+        if caps is None:
+            self._ddp_init_helper(params, sparse, names, self.static_graph)
+        else:
+            config = self._bucket_config
             self._bucket_config = type(config)(
                 bucket_bytes_cap=config.bucket_bytes_cap,
                 per_bucket_bytes_caps=tuple(caps),
                 first_bucket_bytes_cap=config.first_bucket_bytes_cap,
             )
-        old = self.reducer
-        try:
-            self._ddp_init_helper(
-                params, sparse, self._build_debug_param_to_name_mapping(params), self.static_graph
-            )
-        finally:
-            self._bucket_config = config
+            try:
+                self._ddp_init_helper(params, sparse, names, self.static_graph)
+            finally:
+                self._bucket_config = config
         old._remove_autograd_hooks()
 
     def _find_unused(self, buckets: Optional[List[List[int]]], register_hook: bool) -> bool:

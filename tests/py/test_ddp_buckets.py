@@ -197,7 +197,7 @@ def test_gradients_match_the_search_for_unused_parameters(torchft_buckets, monke
 
 
 @pytest.mark.parametrize("how", ["argument", "environment", "static_graph", "two dtypes",
-                                 "gradient hook"])
+                                 "gradient hook", "another torch"])
 def test_torchfts_construction_where_asked_or_needed(how, monkeypatch):
     model = mlp(64)
     kw: dict = {}
@@ -209,6 +209,11 @@ def test_torchfts_construction_where_asked_or_needed(how, monkeypatch):
         kw["static_graph"] = True
     elif how == "two dtypes":
         model[4].double()
+    elif how == "another torch":
+        def missing(*args, **kw):
+            raise AttributeError("no such DDP internal")
+
+        monkeypatch.setattr(DistributedDataParallel, "_layout", missing)
     seen: list[torch.Tensor] = []
     if how == "gradient hook":
         # e.g. an optimizer applied in backward: must not see a construction step

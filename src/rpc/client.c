@@ -12,7 +12,9 @@
  *   nghttp2 callbacks collect :status, grpc-status, grpc-message, the body
  *   I/O thread        wake_cb (submissions, cancels, abort, disconnect),
  *                     drive (the one place that decides what happens next)
- *   public API        new, call, abort, disconnect, connected, free
+ *   deadlines         the timer that ends asynchronous calls on time
+ *   public API        new, call, call_start, abort, disconnect, connected,
+ *                     free
  *
  * Threading.  One I/O thread per channel runs a private uv loop; only it
  * touches sockets, timers and the nghttp2 session.  Caller threads share
@@ -27,6 +29,12 @@
  * is marked `cancelled`; the I/O thread then resets its stream (CANCEL) or
  * drops it from the queue, and releases its reference.  So a caller never
  * waits for the I/O thread beyond its own deadline.
+ *
+ * An asynchronous call (sg__rpc_channel_call_start, manager/rpc_async.h)
+ * has no waiting caller: only the I/O thread holds it, completes it and
+ * runs its callback (after releasing `mu`); abort leaves it to the I/O
+ * thread, which fails it when it handles the abort, and its deadline is
+ * the I/O thread's deadline timer.
  *
  * Fork.  A forked child has no I/O thread.  Every entry point compares
  * sg_sock_fork_count() with the value at creation and, in a child, touches
@@ -49,6 +57,7 @@
 #include <unistd.h>
 #include <uv.h>
 
+#include "manager/rpc_async.h"
 #include "rpc/grpc.h"
 
 #define LOG "rpc_client"
@@ -129,6 +138,9 @@ typedef struct call_s {
   size_t body_len; /* bytes in body */
   char *path;
   sg_deadline_t deadline;
+  sg__rpc_done_cb cb; /* asynchronous: run on completion; NULL: a caller
+                         waits on cv */
+  void *cb_ud;
 
   /* Protected by ch->mu. */
   link_t all;    /* in ch->calls from submission until freed */
@@ -212,6 +224,7 @@ struct sg_rpc_channel_s {
   uv_async_t wake;
   uv_timer_t timer;    /* backoff delay or attempt timeout */
   uv_timer_t ka_timer; /* keepalive: next PING, or its ACK deadline */
+  uv_timer_t dl_timer; /* the next asynchronous call's deadline */
   conn_state_t state;
   conn_t *conn;
   link_t pending;           /* calls waiting for a connection */
@@ -400,16 +413,29 @@ static int finish_locked(call_t *c, int rc, int grpc_status, uint8_t *resp,
   return 1;
 }
 
-/* I/O thread: complete `c` and wake its caller.  The caller is woken after
- * mu is released, so that it does not wake only to block on mu (and be
- * woken a second time); the I/O thread's reference keeps `c` alive until
+/* I/O thread: complete `c` and wake its caller, or run its callback.
+ * Both happen after mu is released, so that a woken caller does not wake
+ * only to block on mu (and be woken a second time), and a callback may
+ * start another call; the I/O thread's reference keeps `c` alive until
  * io_release. */
 static void io_finish(sg_rpc_channel_t *ch, call_t *c, int rc, int grpc_status,
                       uint8_t *resp, size_t resp_len, const char *msg) {
+  uint8_t *r = NULL;
+  size_t rl = 0;
   pthread_mutex_lock(&ch->mu);
   int woke = complete_locked(c, rc, grpc_status, resp, resp_len, msg);
+  if (woke && c->cb) { /* the callback owns the response */
+    r = c->resp;
+    rl = c->resp_len;
+    c->resp = NULL;
+    c->resp_len = 0;
+  }
   pthread_mutex_unlock(&ch->mu);
-  if (woke)
+  if (!woke)
+    return;
+  if (c->cb) /* rc, grpc_status and msg are final once done */
+    c->cb(c->cb_ud, c->rc, c->grpc_status, r, rl, c->msg);
+  else
     pthread_cond_signal(&c->cv);
 }
 
@@ -1230,6 +1256,94 @@ static void drive(sg_rpc_channel_t *ch) {
   }
 }
 
+/* ---- deadlines of asynchronous calls --------------------------------------
+ */
+
+/* deadline_msg: the outcome of call `c` whose deadline passed, as the
+ * blocking call reports it (a connect failure when it never got a
+ * connection). */
+static int deadline_msg(sg_rpc_channel_t *ch, const call_t *c, char *m,
+                        size_t cap) {
+  pthread_mutex_lock(&ch->mu);
+  int code = SG_ETIMEDOUT;
+  if (!c->on_wire && !ch->conn_up && ch->last_err.code) {
+    code = ch->last_err.code;
+    snprintf(m, cap, "%.60s: deadline passed before connecting (%.150s)",
+             c->path, ch->last_err.msg);
+  } else {
+    snprintf(m, cap, "%.200s: deadline exceeded", c->path);
+  }
+  pthread_mutex_unlock(&ch->mu);
+  return code;
+}
+
+static void dl_cb(uv_timer_t *t);
+
+/* dl_arm: (re)arm the deadline timer for the earliest asynchronous call
+ * still running (queued, or on the wire and not reset), or stop it. */
+static void dl_arm(sg_rpc_channel_t *ch) {
+  sg_deadline_t next = INT64_MAX;
+  for (link_t *l = ch->pending.next; l != &ch->pending; l = l->next) {
+    call_t *c = CONTAINER(l, call_t, io);
+    if (c->cb && c->deadline < next)
+      next = c->deadline;
+  }
+  if (ch->conn)
+    for (link_t *l = ch->conn->streams.next; l != &ch->conn->streams;
+         l = l->next) {
+      call_t *c = CONTAINER(l, call_t, io);
+      if (c->cb && !c->rst_sent && c->deadline < next)
+        next = c->deadline;
+    }
+  if (ch->state == ST_CLOSED || next == INT64_MAX) {
+    uv_timer_stop(&ch->dl_timer);
+    return;
+  }
+  int64_t left = next - sg_now_ns();
+  uint64_t ms = left <= 0 ? 0 : (uint64_t)((left + 999999) / 1000000);
+  uv_timer_start(&ch->dl_timer, dl_cb, ms, 0);
+}
+
+/* dl_cb: end every asynchronous call whose deadline passed: a queued one
+ * leaves the queue, one on the wire is reset with CANCEL (its stream's
+ * close then releases it), and each completes with its deadline error. */
+static void dl_cb(uv_timer_t *t) {
+  sg_rpc_channel_t *ch = t->data;
+  sg_deadline_t now = sg_now_ns();
+  char m[sizeof(((call_t *)0)->msg)];
+  link_t expired;
+  link_init(&expired);
+  for (link_t *l = ch->pending.next, *nx; l != &ch->pending; l = nx) {
+    nx = l->next;
+    call_t *c = CONTAINER(l, call_t, io);
+    if (c->cb && c->deadline <= now) {
+      link_del(&c->io);
+      link_push(&expired, &c->io);
+    }
+  }
+  while (!link_empty(&expired)) {
+    call_t *c = CONTAINER(expired.next, call_t, io);
+    int code = deadline_msg(ch, c, m, sizeof(m));
+    io_finish(ch, c, code, -1, NULL, 0, m);
+    io_release(ch, c);
+  }
+  if (ch->conn && ch->conn->h2) {
+    for (link_t *l = ch->conn->streams.next; l != &ch->conn->streams;
+         l = l->next) {
+      call_t *c = CONTAINER(l, call_t, io);
+      if (!c->cb || c->rst_sent || c->deadline > now)
+        continue;
+      c->rst_sent = 1;
+      nghttp2_submit_rst_stream(ch->conn->h2, NGHTTP2_FLAG_NONE, c->stream_id,
+                                NGHTTP2_CANCEL);
+      int code = deadline_msg(ch, c, m, sizeof(m));
+      io_finish(ch, c, code, -1, NULL, 0, m);
+    }
+  }
+  drive(ch);
+  dl_arm(ch);
+}
+
 /* Closing: drop everything and close the loop's handles so uv_run returns. */
 static void io_shutdown(sg_rpc_channel_t *ch) {
   conn_drop(ch, SG_EABORTED, "channel closed");
@@ -1237,9 +1351,11 @@ static void io_shutdown(sg_rpc_channel_t *ch) {
   free_addrs(ch);
   uv_timer_stop(&ch->timer);
   uv_timer_stop(&ch->ka_timer);
+  uv_timer_stop(&ch->dl_timer);
   set_state(ch, ST_CLOSED);
   uv_close((uv_handle_t *)&ch->timer, NULL);
   uv_close((uv_handle_t *)&ch->ka_timer, NULL);
+  uv_close((uv_handle_t *)&ch->dl_timer, NULL);
   uv_close((uv_handle_t *)&ch->wake, NULL);
 }
 
@@ -1312,6 +1428,7 @@ static void wake_cb(uv_async_t *a) {
   }
   if (!aborted)
     drive(ch);
+  dl_arm(ch);
 }
 
 static void *io_main(void *arg) {
@@ -1417,6 +1534,8 @@ int sg_rpc_channel_new(const sg_rpc_channel_opts_t *o, sg_rpc_channel_t **out,
   uv_async_init(&ch->loop, &ch->wake, wake_cb);
   uv_timer_init(&ch->loop, &ch->timer);
   uv_timer_init(&ch->loop, &ch->ka_timer);
+  uv_timer_init(&ch->loop, &ch->dl_timer);
+  ch->dl_timer.data = ch;
   ch->wake.data = ch;
   ch->timer.data = ch;
   ch->ka_timer.data = ch;
@@ -1460,6 +1579,7 @@ out:
         uv_close((uv_handle_t *)&ch->wake, NULL);
         uv_close((uv_handle_t *)&ch->timer, NULL);
         uv_close((uv_handle_t *)&ch->ka_timer, NULL);
+        uv_close((uv_handle_t *)&ch->dl_timer, NULL);
         uv_run(&ch->loop, UV_RUN_DEFAULT);
         uv_loop_close(&ch->loop);
       }
@@ -1490,18 +1610,18 @@ static int take_result_locked(call_t *c, uint8_t **resp, size_t *resp_len,
   return sg_err_set(err, c->rc, "%s", c->msg);
 }
 
-int sg_rpc_channel_call(sg_rpc_channel_t *ch, const char *path,
-                        const uint8_t *req, size_t req_len,
-                        sg_deadline_t deadline, uint8_t **resp,
-                        size_t *resp_len, int *grpc_status, sg_err_t *err) {
-  sg_err_clear(err);
-  if (resp)
-    *resp = NULL;
-  if (resp_len)
-    *resp_len = 0;
-  if (grpc_status)
-    *grpc_status = -1;
-  if (!ch || !path || !resp || !resp_len || (!req && req_len))
+/*
+ * call_submit: check the arguments, build a call of `path` with a copy of
+ * `req` and queue it for the I/O thread with `refs` references (2: a
+ * caller waits; 1: asynchronous, the I/O thread's only).  On 0, *out is
+ * the queued call.
+ */
+static int call_submit(sg_rpc_channel_t *ch, const char *path,
+                       const uint8_t *req, size_t req_len,
+                       sg_deadline_t deadline, sg__rpc_done_cb cb, void *ud,
+                       call_t **out, sg_err_t *err) {
+  *out = NULL;
+  if (!ch || !path || (!req && req_len))
     return sg_err_set(err, SG_EINVAL, "sg_rpc_channel_call: NULL argument");
   if (is_forked(ch))
     return sg_err_set(err, SG_ESTATE,
@@ -1523,6 +1643,8 @@ int sg_rpc_channel_call(sg_rpc_channel_t *ch, const char *path,
   c->grpc_status = -1;
   c->status_hdr = -1;
   c->deadline = deadline;
+  c->cb = cb;
+  c->cb_ud = ud;
   c->path = sg_strdup(path);
   c->body_len = SG_GRPC_PREFIX_LEN + req_len;
   c->body = sg_malloc(c->body_len);
@@ -1548,11 +1670,45 @@ int sg_rpc_channel_call(sg_rpc_channel_t *ch, const char *path,
     return sg_err_set(err, code, "channel %s",
                       code == SG_ECLOSED ? "closed" : "aborted");
   }
-  c->refs = 2;
+  c->refs = cb ? 1 : 2;
   link_push(&ch->calls, &c->all);
   link_push(&ch->submitq, &c->sq);
   pthread_mutex_unlock(&ch->mu);
   uv_async_send(&ch->wake);
+  *out = c;
+  return 0;
+}
+
+int sg__rpc_channel_call_start(sg_rpc_channel_t *ch, const char *path,
+                               const uint8_t *req, size_t req_len,
+                               sg_deadline_t deadline, sg__rpc_done_cb cb,
+                               void *ud, sg_err_t *err) {
+  sg_err_clear(err);
+  call_t *c = NULL;
+  if (!cb)
+    return sg_err_set(err, SG_EINVAL,
+                      "sg__rpc_channel_call_start: no "
+                      "callback");
+  return call_submit(ch, path, req, req_len, deadline, cb, ud, &c, err);
+}
+
+int sg_rpc_channel_call(sg_rpc_channel_t *ch, const char *path,
+                        const uint8_t *req, size_t req_len,
+                        sg_deadline_t deadline, uint8_t **resp,
+                        size_t *resp_len, int *grpc_status, sg_err_t *err) {
+  sg_err_clear(err);
+  if (resp)
+    *resp = NULL;
+  if (resp_len)
+    *resp_len = 0;
+  if (grpc_status)
+    *grpc_status = -1;
+  if (!resp || !resp_len)
+    return sg_err_set(err, SG_EINVAL, "sg_rpc_channel_call: NULL argument");
+  call_t *c = NULL;
+  int src = call_submit(ch, path, req, req_len, deadline, NULL, NULL, &c, err);
+  if (src)
+    return src;
 
   int kick = 0;
   struct timespec ts = deadline_ts(deadline);
@@ -1587,11 +1743,14 @@ int sg_rpc_channel_call(sg_rpc_channel_t *ch, const char *path,
   return rc;
 }
 
-/* Completes every live call with SG_EABORTED; requires mu. */
+/* Completes every live call with SG_EABORTED (asynchronous ones are left
+ * to the I/O thread, woken after this); requires mu. */
 static void abort_locked(sg_rpc_channel_t *ch) {
   ch->aborted = 1;
   for (link_t *l = ch->calls.next; l != &ch->calls; l = l->next) {
     call_t *c = CONTAINER(l, call_t, all);
+    if (c->cb)
+      continue; /* the I/O thread fails it when it handles the abort */
     if (finish_locked(c, SG_EABORTED, -1, NULL, 0, "channel aborted"))
       c->cancelled = 1;
   }

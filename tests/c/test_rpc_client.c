@@ -1,5 +1,6 @@
 /*
- * test_rpc_client.c: the blocking gRPC channel (stepguard/rpc_client.h).
+ * test_rpc_client.c: the blocking gRPC channel (stepguard/rpc_client.h)
+ * and its asynchronous call (manager/rpc_async.h).
  *
  * Two kinds of server:
  *   - torchft's real Rust lighthouse (tonic), spawned as a process; tests
@@ -32,6 +33,7 @@
 #include <cmocka.h>
 #include <nghttp2/nghttp2.h>
 
+#include "manager/rpc_async.h"
 #include "rpc/grpc.h"
 #include "stepguard/rpc_client.h"
 
@@ -1047,6 +1049,226 @@ static void test_forked_child_fails_fast(void **state) {
   peer_stop(p);
 }
 
+/* ---- asynchronous calls ---------------------------------------------------
+ */
+
+/* What an asynchronous call's callback saw (and how often it ran). */
+typedef struct done_s {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int runs, rc, gs;
+  uint8_t resp[64];
+  size_t resp_len;
+  char msg[256];
+  pthread_t thread; /* the thread it ran on */
+  int64_t at_ns;
+  sg_rpc_channel_t *chain; /* start one more call from the callback */
+  struct done_s *next;     /* ... recorded here */
+} done_t;
+
+static void done_init(done_t *d) {
+  memset(d, 0, sizeof(*d));
+  pthread_mutex_init(&d->mu, NULL);
+  pthread_cond_init(&d->cv, NULL);
+  d->rc = 1;
+}
+
+static void done_destroy(done_t *d) {
+  pthread_mutex_destroy(&d->mu);
+  pthread_cond_destroy(&d->cv);
+}
+
+static void done_cb(void *ud, int rc, int gs, uint8_t *resp, size_t len,
+                    const char *msg) {
+  done_t *d = ud;
+  if (d->chain) {
+    sg_err_t err;
+    int src = sg__rpc_channel_call_start(d->chain, "/a/b", (const uint8_t *)"2",
+                                         1, sg_deadline_in_ms(5000), done_cb,
+                                         d->next, &err);
+    if (src)
+      d->next->rc = src; /* seen as a failure: no callback will run */
+  }
+  pthread_mutex_lock(&d->mu);
+  d->runs++;
+  d->rc = rc;
+  d->gs = gs;
+  d->resp_len = len;
+  if (resp && len <= sizeof(d->resp))
+    memcpy(d->resp, resp, len);
+  snprintf(d->msg, sizeof(d->msg), "%s", msg ? msg : "(null)");
+  d->thread = pthread_self();
+  d->at_ns = sg_now_ns();
+  pthread_cond_broadcast(&d->cv);
+  pthread_mutex_unlock(&d->mu);
+  sg_free(resp);
+}
+
+/* done_wait: wait (at most 10 s) until the callback ran; its run count. */
+static int done_wait(done_t *d) {
+  int64_t until = sg_now_ns() + 10000000000LL;
+  pthread_mutex_lock(&d->mu);
+  while (!d->runs && sg_now_ns() < until) {
+    pthread_mutex_unlock(&d->mu);
+    usleep(1000);
+    pthread_mutex_lock(&d->mu);
+  }
+  int runs = d->runs;
+  pthread_mutex_unlock(&d->mu);
+  return runs;
+}
+
+static int start_ms(sg_rpc_channel_t *ch, const char *req, int64_t ms,
+                    done_t *d, sg_err_t *err) {
+  return sg__rpc_channel_call_start(ch, "/a/b", (const uint8_t *)req,
+                                    strlen(req), sg_deadline_in_ms(ms), done_cb,
+                                    d, err);
+}
+
+static void test_async_call_runs_callback_once_on_io_thread(void **state) {
+  (void)state;
+  peer_t *p = peer_start(P_H2, R_ECHO);
+  sg_rpc_channel_t *ch = open_to(p->port, NULL, 0);
+  done_t d, d2;
+  done_init(&d);
+  done_init(&d2);
+  d.chain = ch; /* the callback starts a second call */
+  d.next = &d2;
+  sg_err_t err;
+  assert_int_equal(start_ms(ch, "hello", 5000, &d, &err), 0);
+  assert_int_equal(done_wait(&d), 1);
+  assert_int_equal(done_wait(&d2), 1);
+  assert_int_equal(d.rc, 0);
+  assert_int_equal(d.gs, 0);
+  assert_int_equal(d.resp_len, 5);
+  assert_memory_equal(d.resp, "hello", 5);
+  assert_false(pthread_equal(d.thread, pthread_self()));
+  assert_int_equal(d2.rc, 0);
+  assert_int_equal(d2.resp_len, 1);
+  assert_memory_equal(d2.resp, "2", 1);
+  /* a blocking call still works beside them, and nothing runs twice */
+  assert_int_equal(call_ms(ch, "/a/b", "x", 1, 5000, NULL, NULL, NULL, &err),
+                   0);
+  sg_rpc_channel_free(ch);
+  assert_int_equal(d.runs, 1);
+  assert_int_equal(d2.runs, 1);
+  done_destroy(&d);
+  done_destroy(&d2);
+  peer_stop(p);
+}
+
+static void test_async_call_error_status_and_bad_arguments(void **state) {
+  (void)state;
+  peer_t *p = peer_start(P_H2, R_STATUS);
+  sg_rpc_channel_t *ch = open_to(p->port, NULL, 0);
+  done_t d;
+  done_init(&d);
+  sg_err_t err;
+  assert_int_equal(start_ms(ch, "x", 5000, &d, &err), 0);
+  assert_int_equal(done_wait(&d), 1);
+  assert_int_equal(d.rc, SG_ENOTFOUND);
+  assert_int_equal(d.gs, SG_GRPC_NOT_FOUND);
+  assert_int_equal(d.resp_len, 0);
+  assert_string_equal(d.msg, "status: NOT_FOUND, message: \"no such thing\"");
+  /* refused at once: the callback never runs */
+  done_t bad;
+  done_init(&bad);
+  assert_int_equal(sg__rpc_channel_call_start(ch, "no-slash", NULL, 0,
+                                              sg_deadline_in_ms(5000), done_cb,
+                                              &bad, &err),
+                   SG_EINVAL);
+  assert_int_equal(sg__rpc_channel_call_start(ch, "/a/b", NULL, 0,
+                                              sg_deadline_in_ms(5000), NULL,
+                                              &bad, &err),
+                   SG_EINVAL);
+  sg_rpc_channel_free(ch);
+  assert_int_equal(bad.runs, 0);
+  assert_int_equal(d.runs, 1);
+  done_destroy(&d);
+  done_destroy(&bad);
+  peer_stop(p);
+}
+
+static void test_async_call_deadline_resets_stream(void **state) {
+  (void)state;
+  peer_t *p = peer_start(P_H2, R_SILENT);
+  sg_rpc_channel_t *ch = open_to(p->port, NULL, 0);
+  done_t d;
+  done_init(&d);
+  sg_err_t err;
+  int64_t t0 = sg_now_ns();
+  assert_int_equal(start_ms(ch, "x", 300, &d, &err), 0);
+  assert_int_equal(done_wait(&d), 1);
+  int64_t el = (d.at_ns - t0) / 1000000;
+  assert_int_equal(d.rc, SG_ETIMEDOUT);
+  assert_int_equal(d.gs, -1);
+  assert_non_null(strstr(d.msg, "deadline exceeded"));
+  assert_true(el >= 290 && el < 2000);
+  for (int i = 0; i < 100 && atomic_load(&p->rsts) == 0; i++)
+    usleep(10000);
+  assert_int_equal(atomic_load(&p->rsts), 1); /* CANCEL reached the server */
+  assert_true(sg_rpc_channel_connected(ch));
+  sg_rpc_channel_free(ch);
+  assert_int_equal(d.runs, 1);
+  done_destroy(&d);
+  peer_stop(p);
+}
+
+static void test_async_call_deadline_before_connecting(void **state) {
+  (void)state;
+  peer_t *p = peer_start(P_H2, R_ECHO);
+  sg_rpc_channel_t *ch = open_to(p->port, NULL, 0);
+  peer_stop(p); /* the next connect is refused */
+  sg_rpc_channel_disconnect(ch);
+  done_t d;
+  done_init(&d);
+  sg_err_t err;
+  int64_t t0 = sg_now_ns();
+  assert_int_equal(start_ms(ch, "x", 300, &d, &err), 0);
+  assert_int_equal(done_wait(&d), 1);
+  int64_t el = (d.at_ns - t0) / 1000000;
+  assert_true(el >= 290 && el < 2000);
+  assert_int_not_equal(d.rc, 0);
+  assert_int_equal(d.gs, -1);
+  assert_non_null(strstr(d.msg, "before connecting"));
+  sg_rpc_channel_free(ch);
+  assert_int_equal(d.runs, 1);
+  done_destroy(&d);
+}
+
+static void test_async_call_abort_and_free_complete_it(void **state) {
+  (void)state;
+  peer_t *p = peer_start(P_H2, R_SILENT);
+  sg_rpc_channel_t *ch = open_to(p->port, NULL, 0);
+  done_t d, later, at_free;
+  done_init(&d);
+  done_init(&later);
+  done_init(&at_free);
+  sg_err_t err;
+  assert_int_equal(start_ms(ch, "x", 30000, &d, &err), 0);
+  int64_t t0 = sg_now_ns();
+  sg_rpc_channel_abort(ch);
+  assert_int_equal(done_wait(&d), 1);
+  assert_int_equal(d.rc, SG_EABORTED);
+  assert_true(ms_since(t0) < 2000);
+  /* refused after the abort, without a callback */
+  assert_int_equal(start_ms(ch, "x", 30000, &later, &err), SG_EABORTED);
+  sg_rpc_channel_free(ch);
+  assert_int_equal(later.runs, 0);
+  assert_int_equal(d.runs, 1);
+
+  /* freeing a channel with a call in flight runs its callback first */
+  ch = open_to(p->port, NULL, 0);
+  assert_int_equal(start_ms(ch, "x", 30000, &at_free, &err), 0);
+  sg_rpc_channel_free(ch);
+  assert_int_equal(at_free.runs, 1);
+  assert_int_equal(at_free.rc, SG_EABORTED);
+  done_destroy(&d);
+  done_destroy(&later);
+  done_destroy(&at_free);
+  peer_stop(p);
+}
+
 static void test_allocation_failures_never_crash(void **state) {
   (void)state;
   peer_t *p = peer_start(P_H2, R_ECHO);
@@ -1361,6 +1583,16 @@ int main(void) {
       cmocka_unit_test_teardown(test_concurrent_calls_on_one_connection,
                                 teardown),
       cmocka_unit_test_teardown(test_forked_child_fails_fast, teardown),
+      cmocka_unit_test_teardown(test_async_call_runs_callback_once_on_io_thread,
+                                teardown),
+      cmocka_unit_test_teardown(test_async_call_error_status_and_bad_arguments,
+                                teardown),
+      cmocka_unit_test_teardown(test_async_call_deadline_resets_stream,
+                                teardown),
+      cmocka_unit_test_teardown(test_async_call_deadline_before_connecting,
+                                teardown),
+      cmocka_unit_test_teardown(test_async_call_abort_and_free_complete_it,
+                                teardown),
       cmocka_unit_test_teardown(test_allocation_failures_never_crash, teardown),
       cmocka_unit_test_teardown(test_keepalive_drops_unresponsive_peer,
                                 teardown),

@@ -2,7 +2,8 @@
  * answer.c: the Quorum answer on the wire (see answer.h).
  *
  *   varints      size and write
- *   members      sg__lh_member_wire(), and a fallback from the fields
+ *   members      sg__lh_member_wire(), sg__lh_member_span(), and a
+ *                fallback from the fields
  *   answer       sg__lh_answer_encode(): sizes first, then one pass of
  *                writes into the blob that will be sent
  *
@@ -52,6 +53,26 @@ int sg__lh_member_wire(const Torchft__QuorumMember *m, uint8_t **out,
     return SG_ENOMEM;
   *len = torchft__quorum_member__pack(m, b);
   *out = b;
+  return 0;
+}
+
+int sg__lh_member_span(const uint8_t *body, size_t len, const uint8_t **p,
+                       size_t *n) {
+  if (len < 2 || body[0] != TAG_LEN(1))
+    return 0;
+  uint64_t v = 0;
+  size_t i = 1;
+  for (int shift = 0; i < len && shift < 64; shift += 7) {
+    uint8_t b = body[i++];
+    v |= (uint64_t)(b & 0x7f) << shift;
+    if (!(b & 0x80)) {
+      if (v != len - i) /* another field follows, or the record is cut */
+        return 0;
+      *p = body + i;
+      *n = (size_t)v;
+      return 1;
+    }
+  }
   return 0;
 }
 

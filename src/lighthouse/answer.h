@@ -32,6 +32,17 @@ int sg__lh_member_wire(const Torchft__QuorumMember *m, uint8_t **out,
                        size_t *len);
 
 /*
+ * sg__lh_member_span: the requester's QuorumMember bytes inside the
+ * LighthouseQuorumRequest `body` when they can stand for its encoding:
+ * the body is that one field and nothing else (as every client sends it),
+ * so the bytes are the member exactly as parsed, unknown fields included.
+ * Returns 1 and sets *p, *n (pointing into `body`), else 0 (the caller
+ * encodes the parsed member instead).  Pure; any thread.
+ */
+int sg__lh_member_span(const uint8_t *body, size_t len, const uint8_t **p,
+                       size_t *n);
+
+/*
  * sg__lh_answer_encode: the LighthouseQuorumResponse for `q`, as a blob
  * with one reference for the caller.  A member with wire bytes is copied
  * from them; one without is encoded from its fields.  Returns NULL on

@@ -61,7 +61,13 @@ struct live {
 /* One open HTTP/2 connection and the replica ids heard on it. */
 struct conn {
   sg_map_t ids; /* replica id -> (void *)1 */
+  uint64_t id;  /* the connection's */
+  char *last;   /* owned: the replica id last noted on it, or NULL */
 };
+
+/* Connections by id modulo: a replica's next request finds its connection
+ * and itself known there without a formatted key and three lookups. */
+#define CONN_CACHE 64
 
 static const double lat_le_s[] = {0.0005, 0.001, 0.005, 0.01, 0.05, 0.1,
                                   0.5,    1,     5,     10,   30,   60};
@@ -97,11 +103,11 @@ struct sg_lh_server_s {
   sg__lh_state_t *st;
   struct pending *pending; /* list head */
   size_t n_pending;
-  sg_map_t pending_ids; /* replica id -> count of pending calls (uintptr) */
-  sg_map_t live;        /* replica id -> struct live * */
-  sg_map_t conns;       /* "%llu" conn id -> struct conn * */
-  size_t graces;        /* live entries with a grace deadline */
-  char reason[512];     /* last logged reason */
+  sg_map_t live;                       /* replica id -> struct live * */
+  sg_map_t conns;                      /* "%llu" conn id -> struct conn * */
+  struct conn *conn_cache[CONN_CACHE]; /* by id % CONN_CACHE, or NULL */
+  size_t graces;                       /* live entries with a grace deadline */
+  char reason[512];                    /* last logged reason */
   int64_t next_prune_ns;
   int64_t persisted_id;
 
@@ -231,15 +237,6 @@ static void persist_id(sg_lh_server_t *s, int64_t id) {
 /* ---- pending calls ---------------------------------------------------------
  */
 
-static void pending_count_add(sg_lh_server_t *s, const char *id, int delta) {
-  uintptr_t n = (uintptr_t)sg_map_get(&s->pending_ids, id);
-  n = (uintptr_t)((intptr_t)n + delta);
-  if (n == 0)
-    sg_map_del(&s->pending_ids, id);
-  else
-    sg_map_put(&s->pending_ids, id, (void *)n, NULL); /* exists or shrinks */
-}
-
 static void pending_unlink(sg_lh_server_t *s, struct pending *p) {
   if (p->prev)
     p->prev->next = p->next;
@@ -248,7 +245,16 @@ static void pending_unlink(sg_lh_server_t *s, struct pending *p) {
   if (p->next)
     p->next->prev = p->prev;
   s->n_pending--;
-  pending_count_add(s, p->replica_id, -1);
+}
+
+/* pending_has: whether a call of replica `id` still waits.  A walk of the
+ * list: only a cancel asks, and a map of counts kept up to date for it
+ * cost every request and every answer two hashes of the id. */
+static int pending_has(const sg_lh_server_t *s, const char *id) {
+  for (const struct pending *p = s->pending; p; p = p->next)
+    if (strcmp(p->replica_id, id) == 0)
+      return 1;
+  return 0;
 }
 
 static void pending_free(struct pending *p) {
@@ -499,16 +505,25 @@ static void process(sg_lh_server_t *s, int64_t event_ns, int join) {
 /* ---- liveness --------------------------------------------------------------
  */
 
-/* note_speaker: replica `id` spoke on connection `conn_id`. */
+/*
+ * note_speaker: replica `id` spoke on connection `conn_id`.  When the pair
+ * is the connection's last noted one (a replica's every request after its
+ * first), nothing changes: its live entry counts this open connection, so
+ * it has no grace deadline either.
+ */
 static void note_speaker(sg_lh_server_t *s, const char *id, uint64_t conn_id) {
+  struct conn *c = s->conn_cache[conn_id % CONN_CACHE];
+  if (c && c->id == conn_id && c->last && strcmp(c->last, id) == 0)
+    return;
   char key[24];
   conn_key(conn_id, key);
-  struct conn *c = sg_map_get(&s->conns, key);
+  c = sg_map_get(&s->conns, key);
   if (!c) {
     c = sg_calloc(1, sizeof(*c));
     if (!c)
       return; /* liveness is best effort: heartbeats still decide */
     sg_map_init(&c->ids);
+    c->id = conn_id;
     if (sg_map_put(&s->conns, key, c, NULL) != 0) {
       sg_free(c);
       return;
@@ -531,6 +546,12 @@ static void note_speaker(sg_lh_server_t *s, const char *id, uint64_t conn_id) {
       return;
     l->nconns++;
   }
+  char *last = sg_strdup(id);
+  if (!last)
+    return; /* the next request takes this path again */
+  sg_free(c->last);
+  c->last = last;
+  s->conn_cache[conn_id % CONN_CACHE] = c;
 }
 
 static void on_conn_close(void *ud, uint64_t conn_id) {
@@ -557,7 +578,10 @@ static void on_conn_close(void *ud, uint64_t conn_id) {
         l->grace_deadline = deadline > 0 ? deadline : 1;
       }
     }
+    if (s->conn_cache[conn_id % CONN_CACHE] == c)
+      s->conn_cache[conn_id % CONN_CACHE] = NULL;
     sg_map_free(&c->ids);
+    sg_free(c->last);
     sg_free(c);
     if (!s->closing)
       process(s, event_ns, 0);
@@ -687,31 +711,30 @@ static void handle_quorum(sg_lh_server_t *s, sg_rpc_call_t *call,
            "requester has too many unknown fields");
     goto out;
   }
-  int rc = sg__lh_member_wire(r, &m.wire, &m.wire_len);
+  /* the member's encoding: the request's own bytes when they are exactly
+   * the member (no copy, no re-encoding), else encoded from the parse */
+  uint8_t *wire = NULL;
+  const uint8_t *span;
+  int rc = 0;
+  if (sg__lh_member_span(body, len, &span, &m.wire_len))
+    m.wire = (uint8_t *)(uintptr_t)span; /* sg__lh_join copies it */
+  else if ((rc = sg__lh_member_wire(r, &wire, &m.wire_len)) == 0)
+    m.wire = wire;
   p = rc ? NULL : sg_calloc(1, sizeof(*p));
   if (p)
     p->replica_id = sg_strdup(r->replica_id);
   if (!rc)
     rc = p && p->replica_id ? 0 : SG_ENOMEM;
   if (!rc)
-    rc = sg_map_put(
-        &s->pending_ids, r->replica_id,
-        (void *)((uintptr_t)sg_map_get(&s->pending_ids, r->replica_id) + 1),
-        NULL);
-  if (!rc) {
     rc = sg__lh_join(s->st, &m, sg_now_ns());
-    if (rc)
-      pending_count_add(s, r->replica_id, -1);
-  }
+  sg_free(wire); /* the state keeps its own copy */
   if (rc) {
     reject(s, call, SG_GRPC_RESOURCE_EXHAUSTED, "quorum request refused: %s",
            sg_strerror(rc));
     if (p)
       pending_free(p);
-    sg_free(m.wire);
     goto out;
   }
-  sg_free(m.wire); /* the state keeps its own copy */
   p->call = call;
   p->start_ns = sg_now_ns();
   p->next = s->pending;
@@ -759,7 +782,7 @@ static void on_call_cancel(void *ud, sg_rpc_call_t *call) {
     return;
   pthread_mutex_lock(&s->mu);
   pending_unlink(s, p);
-  if (!sg_map_get(&s->pending_ids, p->replica_id))
+  if (!s->closing && !pending_has(s, p->replica_id))
     sg__lh_leave(s->st, p->replica_id);
   pending_free(p);
   if (!s->closing)
@@ -981,11 +1004,11 @@ static void free_maps(sg_lh_server_t *s) {
   while (sg_map_next(&s->conns, &pos, &k, &v)) {
     struct conn *c = v;
     sg_map_free(&c->ids);
+    sg_free(c->last);
     sg_free(c);
   }
   sg_map_free(&s->live);
   sg_map_free(&s->conns);
-  sg_map_free(&s->pending_ids);
 }
 
 static void server_free(sg_lh_server_t *s) {
@@ -1066,7 +1089,6 @@ int sg_lh_server_start(const sg_lh_opts_t *o, sg_lh_server_t **out,
   s->dec_last_ns = -1;
   s->status_logged_ns = INT64_MIN / 2; /* the first status is logged */
   s->quorum_logged_id = -1;
-  sg_map_init(&s->pending_ids);
   sg_map_init(&s->live);
   sg_map_init(&s->conns);
   s->o = *o;

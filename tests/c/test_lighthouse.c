@@ -468,6 +468,48 @@ static Torchft__QuorumMember *unpack_with_unknown(const char *id) {
   return r;
 }
 
+/*
+ * A request that is exactly its requester gives the member's bytes as they
+ * came (a large member: a two-byte length); anything else, or a cut or
+ * overlong record, falls back to encoding the parse.
+ */
+static void test_member_span_of_request(void **state) {
+  (void)state;
+  char data[300];
+  memset(data, 'd', sizeof(data) - 1);
+  data[sizeof(data) - 1] = '\0';
+  Torchft__QuorumMember m = TORCHFT__QUORUM_MEMBER__INIT;
+  m.replica_id = (char *)"rep-a";
+  m.address = (char *)"http://a:1";
+  m.data = data;
+  m.step = 7;
+  Torchft__LighthouseQuorumRequest q = TORCHFT__LIGHTHOUSE_QUORUM_REQUEST__INIT;
+  q.requester = &m;
+  uint8_t body[512], member[512];
+  size_t len = torchft__lighthouse_quorum_request__pack(&q, body);
+  size_t mlen = torchft__quorum_member__pack(&m, member);
+  const uint8_t *p = NULL;
+  size_t n = 0;
+  assert_int_equal(sg__lh_member_span(body, len, &p, &n), 1);
+  assert_int_equal(n, mlen);
+  assert_memory_equal(p, member, mlen);
+  assert_ptr_equal(p, body + len - mlen);
+  assert_int_equal(sg__lh_member_span(body, len - 1, &p, &n), 0); /* cut */
+  body[len] = 0x10; /* a field after the requester (field 2, varint) */
+  body[len + 1] = 0x01;
+  assert_int_equal(sg__lh_member_span(body, len + 2, &p, &n), 0);
+  assert_int_equal(sg__lh_member_span(body, 1, &p, &n), 0);
+  assert_int_equal(sg__lh_member_span(body, 0, &p, &n), 0);
+  static const uint8_t not_field1[] = {0x12, 0x00};
+  assert_int_equal(sg__lh_member_span(not_field1, 2, &p, &n), 0);
+  static const uint8_t endless[] = {0x0a, 0xff, 0xff, 0xff, 0xff, 0xff,
+                                    0xff, 0xff, 0xff, 0xff, 0xff, 0xff};
+  assert_int_equal(sg__lh_member_span(endless, sizeof(endless), &p, &n), 0);
+  static const uint8_t empty[] = {0x0a, 0x00};
+  assert_int_equal(sg__lh_member_span(empty, 2, &p, &n), 1);
+  assert_int_equal(n, 0);
+}
+
 static void test_answer_encoding_matches_protobuf_c(void **state) {
   (void)state;
   Torchft__QuorumMember *r = unpack_with_unknown("rep-a");
@@ -626,6 +668,7 @@ int main(void) {
       cmocka_unit_test(test_quorum_ids_grow_across_restart),
       cmocka_unit_test(test_stop_with_calls_in_flight),
       cmocka_unit_test(test_answer_encoding_matches_protobuf_c),
+      cmocka_unit_test(test_member_span_of_request),
       cmocka_unit_test(test_unknown_member_fields_reach_peers),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

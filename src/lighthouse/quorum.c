@@ -607,43 +607,47 @@ int sg__lh_decide(const sg__lh_state_t *st, int64_t now_ns,
       prev_healthy++;
   }
 
-  /* step 5 */
-  char meta[160];
-  snprintf(meta, sizeof(meta),
-           "[%zu/%zu participants healthy][%zu heartbeating][shrink_only=%s]",
-           healthy, st->part_map.n, healthy_replicas,
-           shrink_only ? "true" : "false");
+  /* step 5: the counts every reason ends with, formatted with it in one
+   * pass (this runs for every request that may complete a quorum) */
+#define META_FMT                                                               \
+  " [%zu/%zu participants healthy][%zu heartbeating][shrink_only=%s]"
+#define META_ARGS                                                              \
+  healthy, st->part_map.n, healthy_replicas, shrink_only ? "true" : "false"
 
   /* step 6: fast quorum, when every previous member is a healthy
    * participant; it skips the checks below */
   int met = st->has_prev && prev_healthy == st->prev.n;
   if (met)
-    snprintf(out->reason, sizeof(out->reason), "Fast quorum found! %s", meta);
+    snprintf(out->reason, sizeof(out->reason), "Fast quorum found!" META_FMT,
+             META_ARGS);
   if (!met) {
     if ((uint64_t)healthy < min_replicas) { /* step 7 */
       snprintf(out->reason, sizeof(out->reason),
                "New quorum not ready, only have %zu participants, need "
-               "min_replicas %" PRIu64 " %s",
-               healthy, min_replicas, meta);
+               "min_replicas %" PRIu64 META_FMT,
+               healthy, min_replicas, META_ARGS);
       return 0;
     }
     if (healthy <= healthy_replicas / 2) { /* step 8 */
       snprintf(out->reason, sizeof(out->reason),
                "New quorum not ready, only have %zu participants, need at "
-               "least half of %zu healthy workers %s",
-               healthy, healthy_replicas, meta);
+               "least half of %zu healthy workers" META_FMT,
+               healthy, healthy_replicas, META_ARGS);
       return 0;
     }
     /* step 9 */
     if (healthy != healthy_replicas && age_ns(now_ns, first_joined) < join_ns) {
       snprintf(out->reason, sizeof(out->reason),
                "Valid quorum with %zu participants, waiting for %zu healthy "
-               "but not participating stragglers due to join timeout %s",
-               healthy, healthy_replicas - healthy, meta);
+               "but not participating stragglers due to join timeout" META_FMT,
+               healthy, healthy_replicas - healthy, META_ARGS);
       return 0;
     }
-    snprintf(out->reason, sizeof(out->reason), "Valid quorum found %s", meta);
+    snprintf(out->reason, sizeof(out->reason), "Valid quorum found" META_FMT,
+             META_ARGS);
   }
+#undef META_FMT
+#undef META_ARGS
 
   /* steps 3 and 6 (shrink_only filter), then the order.  One block holds
    * the member pointers, their participant indexes and the scratch. */
@@ -716,8 +720,12 @@ int sg__lh_tick(sg__lh_state_t *st, int64_t now_ns, int64_t wall_ns,
   if (reason && reason_len > 0)
     reason[0] = '\0';
   int rc = sg__lh_decide(st, now_ns, o, &d);
-  if (reason && reason_len > 0)
-    snprintf(reason, reason_len, "%s", d.reason);
+  if (reason && reason_len > 0) {
+    size_t rl = strnlen(d.reason, sizeof(d.reason));
+    rl = rl < reason_len ? rl : reason_len - 1;
+    memcpy(reason, d.reason, rl);
+    reason[rl] = '\0';
+  }
   if (rc || !d.met)
     goto out;
 

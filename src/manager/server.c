@@ -10,7 +10,13 @@
  *                      commit_mu (below)
  *             quorum   makes the blocking lighthouse Quorum call of a round
  *                      (with torchft's retry rule) and posts the outcome to
- *                      the loop through an async handle
+ *                      the loop through an async handle.  While the
+ *                      lighthouse connection is up, a round's first attempt
+ *                      is sent without it instead (an asynchronous call
+ *                      from the thread that starts the round, answered on
+ *                      the channel's I/O thread, which delivers as the
+ *                      quorum thread would); only a failed attempt wakes
+ *                      the quorum thread, to retry by the same rule
  *             heartbeat sends Heartbeat every interval
  *             Both workers share one lighthouse channel (one connection, so
  *             the lighthouse sees one liveness signal).  `mu` guards only the
@@ -51,6 +57,7 @@
 #include <uv.h>
 
 #include "manager/results.h"
+#include "manager/rpc_async.h"
 #include "manager/wire.h"
 #include "rpc/grpc.h"
 #include "rpc/pb.h"
@@ -132,12 +139,17 @@ struct conn {
   size_t n, cap;
 };
 
-/* The lighthouse round handed to the quorum thread. */
+/* The lighthouse round handed to the quorum thread (or to the
+ * asynchronous first attempt). */
 struct job {
   int64_t step, commit_failures, timeout_ms;
   int shrink_only;
   char **handles; /* owned: one reconfigure handle per group rank, or NULL */
   size_t n_handles;
+  int first_rc;        /* nonzero: attempt 0 was made asynchronously and
+                          failed with this code (the quorum thread retries) */
+  int first_local;     /* ... on a local timeout (no grpc-status) */
+  char first_msg[256]; /* ... and its message */
 };
 
 static void job_clear(struct job *j) {
@@ -197,6 +209,8 @@ struct sg_mgr_server_s {
   int stopping;
   int job_ready;
   struct job job;
+  struct job ajob; /* the round whose first attempt runs asynchronously */
+  int ajob_live;
   int result_ready, result_rc;
   char result_msg[256];
   Torchft__LighthouseQuorumResponse *result;
@@ -505,9 +519,12 @@ static void on_conn_close(void *ud, uint64_t conn_id) {
 
 /* ---- quorum rounds ------------------------------------------------------ */
 
+static int lh_start_async(sg_mgr_server_t *s, struct job *j);
+
 /* maybe_start_round: every group rank waits and no round is under way:
- * hand the group's request to the quorum thread.  quorum_mu held (on the
- * loop, or where every waiter is in-process). */
+ * send the group's request to the lighthouse asynchronously, or hand it to
+ * the quorum thread.  quorum_mu held (on the loop, where every waiter is
+ * in-process, or on the lighthouse channel's I/O thread). */
 static void maybe_start_round(sg_mgr_server_t *s) {
   if (s->round_in_flight || s->q_closed || atomic_load(&s->left) ||
       s->n_arrived < (size_t)s->world_size)
@@ -573,6 +590,8 @@ static void maybe_start_round(sg_mgr_server_t *s) {
     s->ranks[g].waiting = 0;
   s->n_arrived = 0;
   s->round_in_flight = 1;
+  if (lh_start_async(s, &j))
+    return;
   pthread_mutex_lock(&s->mu);
   s->job = j;
   s->job_ready = 1;
@@ -760,10 +779,11 @@ static int all_local(const struct waiter *w) {
 }
 
 /*
- * deliver_here: the quorum thread answers the round itself when only
- * in-process calls wait (nobody on the wire needs the loop to answer), so
- * the loop is not woken.  Returns 1 if it did (the result is consumed and
- * freed); 0 leaves it to the loop.
+ * deliver_here: the quorum thread (or the I/O thread, for an asynchronous
+ * attempt) answers the round itself when only in-process calls wait
+ * (nobody on the wire needs the loop to answer), so the loop is not woken.
+ * Returns 1 if it did (the result is consumed and freed); 0 leaves it to the
+ * loop.
  */
 static int deliver_here(sg_mgr_server_t *s, int rc, const char *msg,
                         Torchft__LighthouseQuorumResponse *resp) {
@@ -1592,11 +1612,10 @@ static int lh_heartbeat(sg_mgr_server_t *s, sg_deadline_t deadline,
   return rc;
 }
 
-/* lh_quorum_once: one LighthouseService/Quorum call. */
-static int lh_quorum_once(sg_mgr_server_t *s, const struct job *j,
-                          int64_t timeout_ms,
-                          Torchft__LighthouseQuorumResponse **out, int *local,
-                          sg_err_t *err) {
+/* lh_quorum_encode: the LighthouseQuorumRequest of round `j`
+ * (sg_malloc'd, *len bytes), or NULL when out of memory. */
+static uint8_t *lh_quorum_encode(const sg_mgr_server_t *s, const struct job *j,
+                                 size_t *len) {
   Torchft__QuorumMember m = TORCHFT__QUORUM_MEMBER__INIT;
   m.replica_id = s->replica_id;
   m.address = s->address;
@@ -1609,15 +1628,47 @@ static int lh_quorum_once(sg_mgr_server_t *s, const struct job *j,
   m.reconfigure_handles = j->handles;
   Torchft__LighthouseQuorumRequest q = TORCHFT__LIGHTHOUSE_QUORUM_REQUEST__INIT;
   q.requester = &m;
-  size_t len = torchft__lighthouse_quorum_request__get_packed_size(&q);
-  uint8_t *req = sg_malloc(len), *resp = NULL;
+  *len = torchft__lighthouse_quorum_request__get_packed_size(&q);
+  uint8_t *req = sg_malloc(*len ? *len : 1);
+  if (req)
+    torchft__lighthouse_quorum_request__pack(&q, req);
+  return req;
+}
+
+/* lh_quorum_decode: check and unpack a LighthouseQuorumResponse into *out
+ * (NULL on error); 0 or SG_EPROTO. */
+static int lh_quorum_decode(const uint8_t *resp, size_t resp_len,
+                            Torchft__LighthouseQuorumResponse **out,
+                            sg_err_t *err) {
+  uint32_t field = 0;
+  *out = NULL;
+  if (sg__pb_check_strings(resp, resp_len, &lhresp_spec, &field) != 0)
+    return sg_err_set(err, SG_EPROTO, "malformed LighthouseQuorumResponse");
+  *out = torchft__lighthouse_quorum_response__unpack(&sg__pb_allocator,
+                                                     resp_len, resp);
+  if (!*out || !(*out)->quorum) {
+    if (*out)
+      torchft__lighthouse_quorum_response__free_unpacked(*out,
+                                                         &sg__pb_allocator);
+    *out = NULL;
+    return sg_err_set(err, SG_EPROTO, "lighthouse returned no quorum");
+  }
+  return 0;
+}
+
+/* lh_quorum_once: one LighthouseService/Quorum call. */
+static int lh_quorum_once(sg_mgr_server_t *s, const struct job *j,
+                          int64_t timeout_ms,
+                          Torchft__LighthouseQuorumResponse **out, int *local,
+                          sg_err_t *err) {
+  size_t len = 0;
+  uint8_t *req = lh_quorum_encode(s, j, &len), *resp = NULL;
   size_t resp_len = 0;
   int status = -1, rc;
   *out = NULL;
   *local = 0;
   if (!req)
     return sg_err_set(err, SG_ENOMEM, "out of memory");
-  torchft__lighthouse_quorum_request__pack(&q, req);
   /* While the lighthouse is unreachable a call waits for a reconnect until
    * its deadline.  Probe with a heartbeat bounded by the connect timeout, so
    * an unreachable lighthouse fails the attempt within that bound while a
@@ -1636,24 +1687,107 @@ static int lh_quorum_once(sg_mgr_server_t *s, const struct job *j,
     *local = rc == SG_ETIMEDOUT && status < 0;
     goto out;
   }
-  uint32_t field = 0;
-  if (sg__pb_check_strings(resp, resp_len, &lhresp_spec, &field) != 0) {
-    rc = sg_err_set(err, SG_EPROTO, "malformed LighthouseQuorumResponse");
-    goto out;
-  }
-  *out = torchft__lighthouse_quorum_response__unpack(&sg__pb_allocator,
-                                                     resp_len, resp);
-  if (!*out || !(*out)->quorum) {
-    rc = sg_err_set(err, SG_EPROTO, "lighthouse returned no quorum");
-    if (*out)
-      torchft__lighthouse_quorum_response__free_unpacked(*out,
-                                                         &sg__pb_allocator);
-    *out = NULL;
-  }
+  rc = lh_quorum_decode(resp, resp_len, out, err);
 out:
   sg_free(resp);
   sg_free(req);
   return rc;
+}
+
+/*
+ * on_lh_quorum: the outcome of a round's asynchronous first attempt (the
+ * lighthouse channel's I/O thread).  An answer is delivered here when only
+ * in-process calls wait, else posted to the loop, as the quorum thread
+ * does; a failure goes to the quorum thread, which applies torchft's retry
+ * rule from there.  While the server stops, a failure is delivered here
+ * (or left to the stop, which fails every waiting call) and nothing is
+ * posted: the loop and the workers may be gone.
+ */
+static void on_lh_quorum(void *ud, int rc, int grpc_status, uint8_t *resp,
+                         size_t resp_len, const char *msg) {
+  sg_mgr_server_t *s = ud;
+  Torchft__LighthouseQuorumResponse *out = NULL;
+  sg_err_t e;
+  sg_err_clear(&e);
+  int local = rc == SG_ETIMEDOUT && grpc_status < 0;
+  if (!rc)
+    rc = lh_quorum_decode(resp, resp_len, &out, &e);
+  else
+    sg_err_set(&e, rc, "%s", msg && msg[0] ? msg : sg_strerror(rc));
+  sg_free(resp);
+  pthread_mutex_lock(&s->mu);
+  struct job j = s->ajob;
+  memset(&s->ajob, 0, sizeof(s->ajob));
+  s->ajob_live = 0;
+  int stopping = s->stopping;
+  if (rc && !stopping) {
+    j.first_rc = rc;
+    j.first_local = local;
+    snprintf(j.first_msg, sizeof(j.first_msg), "%s", e.msg);
+    s->job = j;
+    s->job_ready = 1;
+    pthread_mutex_unlock(&s->mu);
+    pthread_cond_signal(&s->job_cv);
+    return;
+  }
+  pthread_mutex_unlock(&s->mu);
+  job_clear(&j);
+  if (deliver_here(s, rc, rc ? e.msg : "", out))
+    return;
+  if (stopping) { /* a call from the wire waits: the stop answers it */
+    if (out)
+      torchft__lighthouse_quorum_response__free_unpacked(out,
+                                                         &sg__pb_allocator);
+    return;
+  }
+  pthread_mutex_lock(&s->mu);
+  s->result = out;
+  s->result_rc = rc;
+  snprintf(s->result_msg, sizeof(s->result_msg), "%s", rc ? e.msg : "");
+  s->result_ready = 1;
+  uv_async_send(&s->result_async);
+  pthread_mutex_unlock(&s->mu);
+}
+
+/*
+ * lh_start_async: send round `j`'s first attempt as an asynchronous call
+ * while the lighthouse connection is up (else the quorum thread probes it
+ * first).  Returns 1 if it did (the server owns the job from here; *j is
+ * emptied), 0 to leave the round to the quorum thread.  quorum_mu held.
+ */
+static int lh_start_async(sg_mgr_server_t *s, struct job *j) {
+  if (!sg_rpc_channel_connected(s->lh))
+    return 0;
+  size_t len = 0;
+  uint8_t *req = lh_quorum_encode(s, j, &len);
+  if (!req)
+    return 0;
+  pthread_mutex_lock(&s->mu);
+  int busy = s->stopping || s->ajob_live;
+  if (!busy) {
+    s->ajob = *j;
+    s->ajob_live = 1;
+  }
+  pthread_mutex_unlock(&s->mu);
+  if (busy) {
+    sg_free(req);
+    return 0;
+  }
+  sg_err_t e;
+  int rc = sg__rpc_channel_call_start(
+      s->lh, "/torchft.LighthouseService/Quorum", req, len,
+      sg_deadline_in_ms(j->timeout_ms), on_lh_quorum, s, &e);
+  sg_free(req);
+  if (rc) { /* the callback never runs: the quorum thread takes the round */
+    pthread_mutex_lock(&s->mu);
+    *j = s->ajob;
+    memset(&s->ajob, 0, sizeof(s->ajob));
+    s->ajob_live = 0;
+    pthread_mutex_unlock(&s->mu);
+    return 0;
+  }
+  memset(j, 0, sizeof(*j));
+  return 1;
 }
 
 /*
@@ -1667,10 +1801,15 @@ static int quorum_with_retries(sg_mgr_server_t *s, const struct job *j,
                                Torchft__LighthouseQuorumResponse **out,
                                sg_err_t *err) {
   for (int64_t retry = 0;; retry++) {
-    int local = 0;
+    int local = 0, rc;
     sg_err_t e;
     sg_err_clear(&e);
-    int rc = lh_quorum_once(s, j, j->timeout_ms, out, &local, &e);
+    if (retry == 0 && j->first_rc) { /* made asynchronously (on_lh_quorum) */
+      rc = sg_err_set(&e, j->first_rc, "%s", j->first_msg);
+      local = j->first_local;
+    } else {
+      rc = lh_quorum_once(s, j, j->timeout_ms, out, &local, &e);
+    }
     if (rc == 0)
       return 0;
     sg_log(SG_LOG_WARN, LOG, "[Replica %s] lighthouse quorum attempt %lld: %s",
@@ -1795,6 +1934,11 @@ static void run_loop(void *arg) {
 static void server_free(sg_mgr_server_t *s) {
   if (!s)
     return;
+  /* first: an asynchronous lighthouse call still running ends here, and
+   * its callback (on_lh_quorum) finds the server whole */
+  if (s->lh)
+    sg_rpc_channel_free(s->lh);
+  s->lh = NULL;
   size_t pos = 0;
   const char *k;
   void *v;
@@ -1812,11 +1956,11 @@ static void server_free(sg_mgr_server_t *s) {
   sg_free(s->ranks);
   if (s->job_ready)
     job_clear(&s->job);
+  if (s->ajob_live) /* not reached: the channel's free ran its callback */
+    job_clear(&s->ajob);
   if (s->result)
     torchft__lighthouse_quorum_response__free_unpacked(s->result,
                                                        &sg__pb_allocator);
-  if (s->lh)
-    sg_rpc_channel_free(s->lh);
   sg_free(s->kill_msg);
   sg_free(s->hb_req);
   sg_free(s->replica_id);

@@ -844,12 +844,59 @@ static void test_quorum_retries(void **state) {
   sg_lh_server_stop(lh);
   struct qreq q;
   q_init(&q, &g, 0, 0);
-  q.timeout_ms = 6000; /* 3 tries of 300 ms, sleeps of 6000 / 3 ms */
+  /* 3 probes of 300 ms and 2 sleeps of 9000 / 3 ms: 6.9 s, well within
+   * the call's 9 s even on a slow (sanitized, loaded) build */
+  q.timeout_ms = 9000;
   q_start(&q);
   q_join(&q);
   assert_true(q.rc < 0);
   assert_non_null(strstr(q.err.msg, "after 2 retries"));
   group_stop(&g);
+}
+
+/* A round's first lighthouse attempt is asynchronous while the connection
+ * is up; when it fails (here the lighthouse dies under it), the quorum
+ * thread retries the same round by torchft's rule and the call succeeds. */
+static void test_async_attempt_fails_then_retry_succeeds(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
+  int port = sg_lh_server_port(lh);
+  char lh_addr[64];
+  snprintf(lh_addr, sizeof(lh_addr), "http://127.0.0.1:%d", port);
+  sg_mgr_server_opts_t o;
+  base_opts(&o, "a", lh_addr, "st:1");
+  o.world_size = 1;
+  o.quorum_retries = 3;
+  o.connect_timeout_ms = 300;
+  group_t g;
+  group_start_opts(&g, &o);
+  struct qreq q;
+  q_init(&q, &g, 0, 4);
+  q_start(&q);
+  q_join(&q);
+  assert_int_equal(q.rc, 0);
+  q_free(&q, 1);
+
+  /* min_replicas 2: the next attempt waits at the lighthouse, which dies */
+  sg_lh_server_stop(lh);
+  lh = lh_start(port, 2, 60000, 5000);
+  for (int i = 0; i < 100 && !heartbeating(port, "a"); i++)
+    usleep(20 * 1000);
+  q_init(&q, &g, 0, 5);
+  q.timeout_ms = 8000; /* retries sleep 8000 / 4 = 2000 ms */
+  int64_t t0 = sg_now_ns();
+  q_start(&q);
+  usleep(300 * 1000);
+  sg_lh_server_stop(lh);
+  lh = lh_start(port, 1, 100, 5000);
+  q_join(&q);
+  int64_t el = (sg_now_ns() - t0) / 1000000;
+  assert_int_equal(q.rc, 0);
+  assert_int_equal(q.r.max_step, 5);
+  assert_int_equal(q.r.replica_world_size, 1);
+  assert_true(el >= 1900 && el < 7000); /* one retry, after its sleep */
+  q_free(&q, 1);
+  lh_group_stop(&g, lh);
 }
 
 static void test_group_leaves_when_rank_disconnects(void **state) {
@@ -1518,6 +1565,7 @@ int main(void) {
       cmocka_unit_test(test_auth_token_required),
       cmocka_unit_test(test_lighthouse_down_then_back),
       cmocka_unit_test(test_quorum_retries),
+      cmocka_unit_test(test_async_attempt_fails_then_retry_succeeds),
       cmocka_unit_test(test_group_leaves_when_rank_disconnects),
       cmocka_unit_test(test_reconnect_within_grace_keeps_group),
       cmocka_unit_test(test_cancelled_call_no_longer_counts),

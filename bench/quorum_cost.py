@@ -14,11 +14,19 @@ It prints, per replica, the medians of each call's wall time and thread
 CPU time, and per step the CPU time, run-queue wait and context switches
 of every thread of the process (from /proc/self/task/*/schedstat and
 status), so a cost can be told apart from a wakeup that preempts the
-caller.  ``--pin`` puts every replica process on one CPU and ``--load N`` runs N
-busy processes alongside, as a loaded machine does.
+caller.  ``--pin`` puts every replica process on one CPU and ``--load N``
+runs N busy processes alongside, as a loaded machine does.
+
+To compare builds in the same run (load on a shared machine moves these
+figures by tens of percent from one minute to the next), copy each
+build's ``stepguard/_C*.so`` aside and pass each with ``--ext``; with
+``--rounds R`` the builds alternate R times (a fresh lighthouse each run)
+and the medians over runs are printed side by side with their ratios to
+the first build.
 
 Run with ``.venv/bin/python bench/quorum_cost.py`` (about 20 s), or
-``--steps N --replicas 2 --load 2``.
+``--steps N --replicas 2 --load 2``, or
+``--rounds 4 --ext /tmp/before.so --ext /tmp/after.so``.
 """
 
 from __future__ import annotations
@@ -87,8 +95,25 @@ def spin(us: float) -> None:
         pass
 
 
+def load_ext(path: str) -> None:
+    """Makes `path` (a built stepguard._C) the extension stepguard uses."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("stepguard._C", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sys.modules["stepguard._C"] = mod
+
+
 def replica_main(args: argparse.Namespace) -> int:
+    if args.ext:
+        load_ext(args.ext[0])
+    from stepguard import coordination
     from stepguard.coordination import ManagerClient, ManagerServer
+
+    if args.ext and coordination._C.__file__ != args.ext[0]:
+        raise RuntimeError(f"loaded {coordination._C.__file__}, not {args.ext[0]}")
 
     if args.pin is not None:
         os.sched_setaffinity(0, {args.pin})
@@ -145,6 +170,67 @@ def replica_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_once(args: argparse.Namespace, ext: str | None) -> list[dict]:
+    """One run: a fresh lighthouse and the replicas; their results."""
+    lh, addr = start_lighthouse(args.replicas,
+                                f"/tmp/quorum_cost_lh.{os.getpid()}.log")
+    procs = []
+    out = []
+    try:
+        for i in range(args.replicas):
+            cmd = [sys.executable, __file__, "--replica", "--index", str(i),
+                   "--lighthouse", addr, "--steps", str(args.steps),
+                   "--warmup", str(args.warmup), "--replicas",
+                   str(args.replicas), "--forward-us", str(args.forward_us)]
+            if args.pin is not None:
+                cmd += ["--pin", str(args.pin)]
+            if ext:
+                cmd += ["--ext", ext]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE))
+        deadline = time.monotonic() + args.timeout
+        for p in procs:
+            o, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            if p.returncode:
+                raise RuntimeError(f"replica exited with {p.returncode}")
+            out.append(json.loads(o.decode().strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        lh.kill()
+        lh.wait()
+    return out
+
+
+def summary(r: dict) -> dict[str, float]:
+    """The figures compared between builds, from one replica's result."""
+    mgr = [t for t in r["threads"] if t["name"] != "main"]
+    main = [t for t in r["threads"] if t["name"] == "main"][0]
+    return {
+        "start_us": r["start_us"], "start_cpu_us": r["start_cpu_us"],
+        "wait_us": r["wait_us"], "wait_cpu_us": r["wait_cpu_us"],
+        "commit_us": r["commit_us"],
+        "mgr_cpu_us": sum(t["cpu_us"] for t in mgr),
+        "mgr_switches": sum(t["vol"] + t["inv"] for t in mgr),
+        "main_invol": main["inv"],
+    }
+
+
+def print_result(r: dict) -> None:
+    print(f"replica {r['replica']}: _quorum_start {r['start_us']:.1f} us "
+          f"(cpu {r['start_cpu_us']:.1f}, p90 {r['start_p90_us']:.1f}), "
+          f"_quorum_wait {r['wait_us']:.1f} us (cpu "
+          f"{r['wait_cpu_us']:.1f}, p90 {r['wait_p90_us']:.1f}), "
+          f"should_commit {r['commit_us']:.1f} us")
+    for t in sorted(r["threads"], key=lambda t: -t["cpu_us"]):
+        if t["cpu_us"] < 0.5 and t["vol"] + t["inv"] < 0.01:
+            continue
+        print(f"    {t['name']:<16} {t['tid']:>7}: cpu {t['cpu_us']:8.1f} "
+              f"us/step, runq {t['runq_us']:7.1f} us/step, switches "
+              f"{t['vol']:.2f} vol + {t['inv']:.2f} invol per step")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=1000)
@@ -155,6 +241,11 @@ def main() -> int:
                     help="run every replica process on this CPU")
     ap.add_argument("--load", type=int, default=0,
                     help="busy processes to run alongside (a loaded machine)")
+    ap.add_argument("--ext", action="append", default=[],
+                    help="a stepguard._C build to load instead of the tree's; "
+                         "repeat to compare builds in turn in the same run")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="runs per build (builds alternate)")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--replica", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -162,46 +253,42 @@ def main() -> int:
     args = ap.parse_args()
     if args.replica:
         return replica_main(args)
-    lh, addr = start_lighthouse(args.replicas, f"/tmp/quorum_cost_lh.{os.getpid()}.log")
-    procs = []
+    exts = args.ext or [None]
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
             for _ in range(args.load)]
+    runs: dict[int, list[dict[str, float]]] = {i: [] for i in range(len(exts))}
     try:
-        for i in range(args.replicas):
-            cmd = [sys.executable, __file__, "--replica", "--index", str(i),
-                   "--lighthouse", addr, "--steps", str(args.steps),
-                   "--warmup", str(args.warmup), "--replicas",
-                   str(args.replicas), "--forward-us", str(args.forward_us)]
-            if args.pin is not None:
-                cmd += ["--pin", str(args.pin)]
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE))
-        deadline = time.monotonic() + args.timeout
-        for p in procs:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            if p.returncode:
-                raise RuntimeError(f"replica exited with {p.returncode}")
-            r = json.loads(out.decode().strip().splitlines()[-1])
-            print(f"replica {r['replica']}: _quorum_start {r['start_us']:.1f} us "
-                  f"(cpu {r['start_cpu_us']:.1f}, p90 {r['start_p90_us']:.1f}), "
-                  f"_quorum_wait {r['wait_us']:.1f} us (cpu "
-                  f"{r['wait_cpu_us']:.1f}, p90 {r['wait_p90_us']:.1f}), "
-                  f"should_commit {r['commit_us']:.1f} us")
-            for t in sorted(r["threads"], key=lambda t: -t["cpu_us"]):
-                if t["cpu_us"] < 0.5 and t["vol"] + t["inv"] < 0.01:
-                    continue
-                print(f"    {t['name']:<16} {t['tid']:>7}: cpu {t['cpu_us']:8.1f} "
-                      f"us/step, runq {t['runq_us']:7.1f} us/step, switches "
-                      f"{t['vol']:.2f} vol + {t['inv']:.2f} invol per step")
+        for rnd in range(args.rounds):
+            order = list(range(len(exts)))
+            if rnd % 2:
+                order.reverse()
+            for i in order:
+                res = run_once(args, exts[i])
+                if len(exts) == 1 and args.rounds == 1:
+                    for r in res:
+                        print_result(r)
+                runs[i] += [summary(r) for r in res]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
         for p in hogs:
             p.kill()
             p.wait()
-        lh.kill()
-        lh.wait()
+    if len(exts) > 1 or args.rounds > 1:
+        med = statistics.median
+        keys = list(runs[0][0])
+        print(f"medians over {args.rounds} runs x {args.replicas} replicas "
+              f"of {args.steps} steps (per step):")
+        print(f"{'build':<40} " + " ".join(f"{k:>12}" for k in keys))
+        base = None
+        for i, ext in enumerate(exts):
+            m = {k: med(x[k] for x in runs[i]) for k in keys}
+            print(f"{str(ext)[-40:]:<40} " +
+                  " ".join(f"{m[k]:12.1f}" for k in keys))
+            if base is None:
+                base = m
+            else:
+                print(f"{'  ratio to the first':<40} " + " ".join(
+                    f"{m[k] / base[k] if base[k] else float('nan'):12.2f}"
+                    for k in keys))
     return 0
 
 

@@ -45,6 +45,8 @@ typedef struct sg__lh_member_s {
                     into answers (it keeps fields this version does not
                     know); NULL: encoded from the fields above */
   size_t wire_len;
+  void *block; /* owned: in a copy, one allocation that every pointer
+                  above points into; NULL: each field is its own */
 } sg__lh_member_t;
 
 typedef struct sg__lh_opts_s {

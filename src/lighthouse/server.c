@@ -47,9 +47,9 @@
 /* A Quorum call waiting for its quorum. */
 struct pending {
   sg_rpc_call_t *call;
-  char *replica_id;
   int64_t start_ns;
   struct pending *prev, *next;
+  char replica_id[]; /* in the same allocation */
 };
 
 /* Liveness of one replica id: how many open connections it spoke on. */
@@ -257,10 +257,7 @@ static int pending_has(const sg_lh_server_t *s, const char *id) {
   return 0;
 }
 
-static void pending_free(struct pending *p) {
-  sg_free(p->replica_id);
-  sg_free(p);
-}
+static void pending_free(struct pending *p) { sg_free(p); }
 
 static void observe_latency(sg_lh_server_t *s, int64_t start_ns) {
   double secs = (double)(sg_now_ns() - start_ns) / 1e9;
@@ -720,11 +717,12 @@ static void handle_quorum(sg_lh_server_t *s, sg_rpc_call_t *call,
     m.wire = (uint8_t *)(uintptr_t)span; /* sg__lh_join copies it */
   else if ((rc = sg__lh_member_wire(r, &wire, &m.wire_len)) == 0)
     m.wire = wire;
-  p = rc ? NULL : sg_calloc(1, sizeof(*p));
+  size_t id_len = strlen(r->replica_id); /* <= MAX_ID_LEN (checked) */
+  p = rc ? NULL : sg_calloc(1, sizeof(*p) + id_len + 1);
   if (p)
-    p->replica_id = sg_strdup(r->replica_id);
-  if (!rc)
-    rc = p && p->replica_id ? 0 : SG_ENOMEM;
+    memcpy(p->replica_id, r->replica_id, id_len + 1);
+  if (!rc && !p)
+    rc = SG_ENOMEM;
   if (!rc)
     rc = sg__lh_join(s->st, &m, sg_now_ns());
   sg_free(wire); /* the state keeps its own copy */

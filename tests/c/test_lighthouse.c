@@ -420,6 +420,42 @@ static void test_quorum_ids_grow_across_restart(void **state) {
   sg_lh_server_stop(s);
 }
 
+/*
+ * A replica with two calls waiting (two connections) stays a participant
+ * when one of them is cancelled: the other still waits for its quorum.
+ */
+static void test_cancel_keeps_replica_with_another_call(void **state) {
+  (void)state;
+  sg_lh_opts_t o;
+  default_opts(&o);
+  o.min_replicas = 2;
+  sg_lh_server_t *s = start(&o);
+  sg_lh_client_t *a1 = connect_to(s, NULL), *a2 = connect_to(s, NULL);
+  sg_lh_client_t *b = connect_to(s, NULL);
+  struct req keep = {.c = a1, .id = "a", .step = 1, .timeout_ms = 10000};
+  struct req gone = {.c = a2, .id = "a", .step = 1, .timeout_ms = 500};
+  pthread_t tk, tg;
+  pthread_create(&tk, NULL, quorum_thread, &keep);
+  usleep(100000);
+  pthread_create(&tg, NULL, quorum_thread, &gone);
+  pthread_join(tg, NULL);
+  assert_int_not_equal(gone.rc, 0); /* its deadline passed: cancelled */
+  struct req rb = {.c = b, .id = "b", .step = 1, .timeout_ms = 5000};
+  quorum_thread(&rb);
+  pthread_join(tk, NULL);
+  assert_int_equal(rb.rc, 0);
+  assert_int_equal(keep.rc, 0);
+  assert_int_equal(rb.q.n, 2);
+  assert_true(has_member(&rb.q, "a") && has_member(&rb.q, "b"));
+  assert_int_equal(keep.q.quorum_id, rb.q.quorum_id);
+  sg_lh_quorum_free(&rb.q);
+  sg_lh_quorum_free(&keep.q);
+  sg_lh_client_free(a1);
+  sg_lh_client_free(a2);
+  sg_lh_client_free(b);
+  sg_lh_server_stop(s);
+}
+
 static void test_stop_with_calls_in_flight(void **state) {
   (void)state;
   sg_lh_opts_t o;
@@ -666,6 +702,7 @@ int main(void) {
       cmocka_unit_test(test_closed_connection_stops_blocking_quorum),
       cmocka_unit_test(test_auth_token),
       cmocka_unit_test(test_quorum_ids_grow_across_restart),
+      cmocka_unit_test(test_cancel_keeps_replica_with_another_call),
       cmocka_unit_test(test_stop_with_calls_in_flight),
       cmocka_unit_test(test_answer_encoding_matches_protobuf_c),
       cmocka_unit_test(test_member_span_of_request),

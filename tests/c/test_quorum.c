@@ -208,15 +208,41 @@ static void test_member_copy_is_deep_and_fills_nulls(void **state) {
   assert_null(dst.replica_id);
   sg__lh_member_free(NULL);
 
-  for (long n = 1; n <= 4; n++) {
-    sg_test_fail_alloc(n, 0);
-    assert_int_equal(sg__lh_member_copy(&dst, &src), SG_ENOMEM);
-    assert_int_equal(sg_test_fail_alloc(0, 0), 1);
-    assert_null(dst.replica_id);
-    assert_null(dst.address);
-    assert_null(dst.store_address);
-    assert_null(dst.data);
-  }
+  /* one allocation: when it fails, nothing is left half made */
+  sg_test_fail_alloc(1, 0);
+  assert_int_equal(sg__lh_member_copy(&dst, &src), SG_ENOMEM);
+  assert_int_equal(sg_test_fail_alloc(0, 0), 1);
+  assert_null(dst.replica_id);
+  assert_null(dst.address);
+  assert_null(dst.store_address);
+  assert_null(dst.data);
+  assert_null(dst.block);
+  sg_test_fail_alloc(2, 0); /* the second allocation is never made */
+  assert_int_equal(sg__lh_member_copy(&dst, &src), 0);
+  assert_int_equal(sg_test_fail_alloc(0, 0), 0);
+  sg__lh_member_free(&dst);
+
+  /* wire bytes and handles live in the same block, copied */
+  char h0[] = "h0", h1[] = "";
+  char *hs[] = {h0, h1, NULL};
+  uint8_t wire[] = {0x0a, 0x01, 'x'};
+  src.reconfigure_handles = hs;
+  src.n_reconfigure_handles = 3;
+  src.wire = wire;
+  src.wire_len = sizeof(wire);
+  assert_int_equal(sg__lh_member_copy(&dst, &src), 0);
+  h0[0] = 'X';
+  wire[2] = 'y';
+  assert_int_equal(dst.n_reconfigure_handles, 3);
+  assert_string_equal(dst.reconfigure_handles[0], "h0");
+  assert_string_equal(dst.reconfigure_handles[1], "");
+  assert_string_equal(dst.reconfigure_handles[2], ""); /* NULL filled */
+  assert_int_equal(dst.wire_len, 3);
+  assert_int_equal(dst.wire[2], 'x');
+  assert_string_equal(dst.replica_id, "Xep:1"); /* the source's, renamed */
+  sg__lh_member_free(&dst);
+  assert_null(dst.block);
+  assert_null(dst.reconfigure_handles);
 }
 
 static void test_first_quorum_is_id_1_and_copies_members(void **state) {

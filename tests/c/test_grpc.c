@@ -186,6 +186,30 @@ static void test_utf8(void **state) {
   assert_false(sg__utf8_valid("\x80", 1));             /* lone cont. */
   assert_false(sg__utf8_valid("\xe2\x28\xa1", 3));     /* bad cont. */
   assert_false(sg__utf8_valid("\xff", 1));
+  /* long strings take the eight-bytes-at-a-time ASCII path: a sequence or
+   * a bad byte at every offset, across and at the end of the chunks */
+  char buf[40];
+  for (size_t at = 0; at + 2 <= 24; at++) {
+    memset(buf, 'a', sizeof(buf));
+    memcpy(buf + at, "\xc3\xa9", 2);
+    assert_true(sg__utf8_valid(buf, 24));
+    memcpy(buf + at, "\xc3\x28", 2); /* bad continuation */
+    assert_false(sg__utf8_valid(buf, 24));
+    buf[at] = '\x80';
+    buf[at + 1] = 'a';
+    assert_false(sg__utf8_valid(buf, 24));
+    buf[at] = '\0'; /* a NUL is valid UTF-8 */
+    assert_true(sg__utf8_valid(buf, 24));
+  }
+  memset(buf, 'a', sizeof(buf));
+  buf[23] = '\xc3'; /* cut at the end of the third chunk */
+  assert_false(sg__utf8_valid(buf, 24));
+  memcpy(buf + 6, "\xf0\x9f\x98\x80", 4); /* straddles the first chunk */
+  buf[23] = 'a';
+  assert_true(sg__utf8_valid(buf, 24));
+  assert_true(sg__utf8_valid(buf, 17)); /* not a multiple of eight */
+  buf[16] = '\xff';
+  assert_false(sg__utf8_valid(buf, 17));
 }
 
 /* A QuorumRequest-shaped spec: field 1 is a member with strings 1, 2, 7. */

@@ -57,8 +57,8 @@
 #include <uv.h>
 
 #include "manager/results.h"
-#include "manager/rpc_async.h"
 #include "manager/wire.h"
+#include "rpc/client_async.h"
 #include "rpc/grpc.h"
 #include "rpc/pb.h"
 #include "stepguard/manager.h"

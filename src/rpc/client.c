@@ -30,7 +30,7 @@
  * drops it from the queue, and releases its reference.  So a caller never
  * waits for the I/O thread beyond its own deadline.
  *
- * An asynchronous call (sg__rpc_channel_call_start, manager/rpc_async.h)
+ * An asynchronous call (sg__rpc_channel_call_start, rpc/client_async.h)
  * has no waiting caller: only the I/O thread holds it, completes it and
  * runs its callback (after releasing `mu`); abort leaves it to the I/O
  * thread, which fails it when it handles the abort, and its deadline is
@@ -57,7 +57,7 @@
 #include <unistd.h>
 #include <uv.h>
 
-#include "manager/rpc_async.h"
+#include "rpc/client_async.h"
 #include "rpc/grpc.h"
 
 #define LOG "rpc_client"

@@ -1,6 +1,6 @@
 /*
  * test_rpc_client.c: the blocking gRPC channel (stepguard/rpc_client.h)
- * and its asynchronous call (manager/rpc_async.h).
+ * and its asynchronous call (rpc/client_async.h).
  *
  * Two kinds of server:
  *   - torchft's real Rust lighthouse (tonic), spawned as a process; tests
@@ -33,7 +33,7 @@
 #include <cmocka.h>
 #include <nghttp2/nghttp2.h>
 
-#include "manager/rpc_async.h"
+#include "rpc/client_async.h"
 #include "rpc/grpc.h"
 #include "stepguard/rpc_client.h"
 

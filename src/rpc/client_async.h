@@ -1,12 +1,12 @@
 /*
- * rpc_async.h: the rpc client channel's asynchronous unary call
+ * client_async.h: the rpc client channel's asynchronous unary call
  * (src/rpc/client.c), which the manager server uses to send a round's
  * lighthouse Quorum without waking a thread to wait for it.  Internal:
  * the blocking sg_rpc_channel_call (stepguard/rpc_client.h) is the public
  * form.
  */
-#ifndef SG_MANAGER_RPC_ASYNC_H
-#define SG_MANAGER_RPC_ASYNC_H
+#ifndef SG_RPC_CLIENT_ASYNC_H
+#define SG_RPC_CLIENT_ASYNC_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -43,4 +43,4 @@ int sg__rpc_channel_call_start(sg_rpc_channel_t *ch, const char *path,
                                sg_deadline_t deadline, sg__rpc_done_cb cb,
                                void *ud, sg_err_t *err);
 
-#endif /* SG_MANAGER_RPC_ASYNC_H */
+#endif /* SG_RPC_CLIENT_ASYNC_H */

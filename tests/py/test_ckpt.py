@@ -18,7 +18,11 @@ import pytest
 import torch
 
 from stepguard import _C
-from stepguard.checkpointing.native_transport import NativeTransport, parse_sources
+from stepguard.checkpointing.native_transport import (
+    NativeTransport,
+    native_address,
+    parse_sources,
+)
 from stepguard.checkpointing.transport import CheckpointTransport
 
 T5 = timedelta(seconds=5)
@@ -125,7 +129,8 @@ def pair():
 def test_is_a_checkpoint_transport(pair) -> None:
     a, _ = pair
     assert isinstance(a, CheckpointTransport)
-    assert a.metadata().startswith("sgckpt://127.0.0.1:")
+    assert a.metadata().startswith("http://127.0.0.1:")
+    assert native_address(a.metadata()) == f"127.0.0.1:{a._server.port()}"
     assert parse_sources("sgckpt://h:1,sgckpt://[::1]:2/") == ["h:1", "[::1]:2"]
     assert parse_sources(["sgckpt://h:1", "h:1", "g:3"]) == ["h:1", "g:3"]
     with pytest.raises(ValueError):
@@ -153,7 +158,7 @@ def test_tensor_data_is_not_in_the_header(pair) -> None:
     big = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB
     a.send_checkpoint([1], 1, {"w": big}, T60)
     fetch = _C.CkptFetch()
-    header, lens, _ = fetch.info(a.metadata()[len("sgckpt://") :], "tok", 1, 5.0)
+    header, lens, _ = fetch.info(native_address(a.metadata()), "tok", 1, 5.0)
     assert lens == [4 << 20]
     assert len(header) < 2048
     got = b.recv_checkpoint(0, a.metadata(), 1, T60)
@@ -244,7 +249,7 @@ def test_disallow_waits_for_a_transfer_in_flight(pair) -> None:
     a, _ = pair
     big = torch.ones(8 << 20)  # 32 MiB
     a.send_checkpoint([1], 2, {"w": big}, T60)
-    addr = a.metadata()[len("sgckpt://") :]
+    addr = native_address(a.metadata())
     fetch = _C.CkptFetch()
     _, lens, layout = fetch.info(addr, "tok", 2, 5.0)
     # a raw reader that asks for everything and reads slowly
@@ -304,7 +309,7 @@ def _spawn_source(procs, mb: int, die_after: int, on: str = "bytes") -> str:
         _SERVE_AND_DIE, str(mb), str(die_after), on, stdout=subprocess.PIPE, text=True
     )
     line = p.stdout.readline().strip()
-    assert line.startswith("sgckpt://"), line
+    assert line.startswith("http://") and native_address(line), line
     return line
 
 
@@ -446,7 +451,7 @@ def test_mapped_flags_are_checked(pair) -> None:
     a, _ = pair
     a.send_checkpoint([1], 3, {"x": torch.arange(10), "y": torch.ones(4)}, T60)
     f = _C.CkptFetch()
-    host_port = a.metadata().removeprefix("sgckpt://")
+    host_port = native_address(a.metadata())
     _h, lens, layout = f.info(host_port, "tok", 3, 10.0)
     dst = [torch.empty(n, dtype=torch.uint8) for n in lens]
     ptrs = array.array("Q", [t.data_ptr() for t in dst])
@@ -526,7 +531,7 @@ def test_same_host_many_small_tensors(procs) -> None:
     total = sum(t.numel() * 4 for t in expect.values())
     p = procs.spawn(_SERVE_MANY, str(n), stdout=subprocess.PIPE, text=True)
     src = p.stdout.readline().strip()
-    assert src.startswith("sgckpt://"), src
+    assert src.startswith("http://") and native_address(src), src
     b = NativeTransport(T60, hostname="127.0.0.1", in_place=True)
     try:
         got = b.recv_checkpoint(0, src, 2, T60)
@@ -545,7 +550,7 @@ def test_same_host_many_small_tensors(procs) -> None:
 def test_server_survives_garbage(pair) -> None:
     a, b = pair
     a.send_checkpoint([1], 1, {"w": torch.arange(1000)}, T60)
-    host, port = a.metadata()[len("sgckpt://") :].rsplit(":", 1)
+    host, port = native_address(a.metadata()).rsplit(":", 1)
     junk_inputs = [
         b"\x00" * 100,
         b"GET / HTTP/1.1\r\n\r\n",

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Generator, List, Optional, TypeVar, cast
+from typing import Any, Dict, Generator, Iterator, List, Optional, TypeVar, cast
 
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
@@ -40,6 +40,8 @@ from stepguard.checkpointing._serialization import _streaming_load, _streaming_s
 from stepguard.checkpointing.transport import CheckpointTransport
 
 __all__ = ["HTTPTransport"]
+
+_MAX_STEP_DIGITS = 20  # a step is an int64
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -68,15 +70,20 @@ class _Server(ThreadingHTTPServer):
         super().server_bind()
 
 
-class _Server4(_Server):
-    address_family = socket.AF_INET
-
-
-def _make_server(handler: type) -> ThreadingHTTPServer:
+def _make_server(handler: type, host: str = "", cls: type = _Server) -> ThreadingHTTPServer:
+    """A server on ``host`` (all interfaces when empty), port 0; IPv4 when
+    ``host`` is an IPv4 address or the host has no IPv6."""
+    v4 = type(f"{cls.__name__}4", (cls,), {"address_family": socket.AF_INET})
+    if host and ":" not in host:
+        try:
+            socket.inet_pton(socket.AF_INET, host)
+            return v4((host, 0), handler)
+        except OSError:
+            pass  # a name: try IPv6 first
     try:
-        return _Server(("", 0), handler)
+        return cls((host, 0), handler)
     except OSError:  # no IPv6 on this host
-        return _Server4(("", 0), handler)
+        return v4((host, 0), handler)
 
 
 class _BadRequest(Exception):
@@ -317,3 +324,316 @@ def _merge_chunks(chunks: List[List[T]], num_chunks: int) -> List[T]:
             if i < len(c):
                 out.append(c[i])
     return out
+
+
+# ---- the HTTP side of another transport's state ------------------------------
+
+
+class _Limited(_Server):
+    """A threading server that closes connections beyond ``max_conns`` at
+    once instead of starting a thread for each."""
+
+    max_conns = 64
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        self._count_lock = threading.Lock()
+        self.active = 0
+        super().__init__(*args, **kw)
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        with self._count_lock:
+            if self.active >= self.max_conns:
+                logger.warning("checkpoint HTTP: %d connections, refusing more", self.active)
+                return False
+            self.active += 1
+            return True
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)  # type: ignore[misc]
+        finally:
+            with self._count_lock:
+                self.active -= 1
+
+
+class _Staged:
+    """One served state, as torchft's HTTP transport lays it out: ``full``
+    (the tree), ``metadata`` (its spec) and ``num_chunks`` chunks of its
+    leaves taken round-robin.  Built from the serving transport's own
+    leaves: nothing is copied (``copies`` gives the host copy of each leaf
+    that lives on an accelerator), and the tree is rebuilt on the first
+    request for it, not when the state is staged."""
+
+    def __init__(
+        self,
+        step: int,
+        leaves: List[object],
+        spec: TreeSpec,
+        copies: Dict[int, object],
+        num_chunks: int,
+    ) -> None:
+        self.step = step
+        self._leaves = leaves
+        self._spec = spec
+        self._copies = copies
+        self._num_chunks = num_chunks
+        self._lock = threading.Lock()
+        self._values: Optional[List[object]] = None
+        self._full: Optional[object] = None
+
+    def _host_values(self) -> List[object]:
+        with self._lock:
+            if self._values is None:
+                if self._copies:
+                    vals = list(self._leaves)
+                    for i, t in self._copies.items():
+                        vals[i] = t
+                else:
+                    vals = self._leaves
+                # leaves on a device that no copy was made for (tensors the
+                # native header pickles whole): copied here, as torchft does
+                self._values = _to_cpu(vals, None)
+            return self._values
+
+    def get(self, key: str) -> object:
+        """The object ``key`` names; raises _BadRequest(404) for no such."""
+        if key == "metadata":
+            return self._spec
+        values = self._host_values()
+        if key == "full":
+            with self._lock:
+                if self._full is None:
+                    self._full = tree_unflatten(values, self._spec)
+                return self._full
+        if key.isdigit() and len(key) <= 6 and int(key) < self._num_chunks:
+            return values[int(key) :: self._num_chunks]
+        if self._num_chunks == 0:
+            raise _BadRequest(
+                404,
+                f"no chunk {key[:32]!r}: this replica serves the whole state "
+                "(key 'full'); a healer that fetches in chunks needs the "
+                "source's http_chunks set to its num_chunks",
+            )
+        raise _BadRequest(404, f"no chunk {key[:32]!r} (have {self._num_chunks})")
+
+
+class _StateServer:
+    """Serves another transport's state in torchft's HTTP format.
+
+    ``GET [{prefix}]/checkpoint/{step}/{key}``, where ``prefix`` is the
+    owner's extra path segment (``/sgckpt=PORT`` for NativeTransport), so a
+    torchft healer can use the owner's metadata as it is.
+
+    Gating: requests wait (up to ``timeout_s``, then 503) until
+    :meth:`serve`; :meth:`close_gate` stops new readers at once and
+    :meth:`wait_idle` waits for those in flight, then cuts their
+    connections, so the owner's memory may change after it.  With
+    ``refuse`` set every request gets 403 with that text (the owner needs an
+    auth token, which torchft's HTTP client cannot send).
+
+    Bad input: the request line and headers must arrive within
+    ``min(timeout_s, 10)`` seconds; more than ``max_conns`` connections are
+    closed on accept; malformed paths get 400.
+    """
+
+    def __init__(
+        self,
+        timeout_s: float,
+        *,
+        host: str = "",
+        prefix: str = "",
+        refuse: Optional[str] = None,
+        max_conns: int = 64,
+    ) -> None:
+        self._timeout = float(timeout_s)
+        self._prefix = prefix.rstrip("/")
+        self._refuse = refuse
+        self._cond = threading.Condition(threading.Lock())
+        self._allowed = False
+        self._staged: Optional[_Staged] = None
+        self._readers = 0
+        self._conns: set = set()  # sockets of requests that read the state
+        self._closed = False
+        server_cls = type("_LimitedN", (_Limited,), {"max_conns": max_conns})
+        self._server = _make_server(self._handler_class(), host, server_cls)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            name="stepguard-ckpt-http",
+            daemon=True,
+        )
+        self._thread.start()
+        ref = weakref.ref(self)
+
+        def close_in_child() -> None:
+            me = ref()
+            if me is not None:
+                try:
+                    me._server.socket.close()
+                except OSError:
+                    pass
+
+        os.register_at_fork(after_in_child=close_in_child)
+
+    def port(self) -> int:
+        return int(self._server.socket.getsockname()[1])
+
+    def _handler_class(self) -> type:
+        owner = self
+        socket_timeout = self._timeout
+        head_s = min(self._timeout, 10.0)
+
+        class Handler(BaseHTTPRequestHandler):
+            timeout = socket_timeout
+
+            def setup(self) -> None:
+                super().setup()
+                # a peer that does not finish its request line and headers
+                # in time (slowloris) is cut; cancelled once they are read
+                self._head_timer = threading.Timer(head_s, self._cut)
+                self._head_timer.daemon = True
+                self._head_timer.start()
+
+            def _cut(self) -> None:
+                try:
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+            def parse_request(self) -> bool:
+                ok = super().parse_request()  # reads the headers too
+                self._head_timer.cancel()
+                return ok
+
+            def finish(self) -> None:
+                self._head_timer.cancel()
+                try:
+                    super().finish()
+                except OSError:
+                    pass
+
+            def log_message(self, format: str, *args: object) -> None:
+                logger.debug("%s - %s", self.address_string(), format % args)
+
+            def do_GET(self) -> None:
+                try:
+                    owner._get(self)
+                except _BadRequest as e:
+                    try:
+                        self.send_error(e.code, str(e))
+                    except OSError:
+                        self.close_connection = True
+                except (OSError, socket.timeout) as e:
+                    logger.info("checkpoint request %s: peer went away: %s", self.path[:200], e)
+                    self.close_connection = True
+                except Exception as e:  # noqa: BLE001 - reported to the peer
+                    logger.exception("checkpoint request %s failed", self.path[:200])
+                    try:
+                        self.send_error(500, str(e))
+                    except OSError:
+                        self.close_connection = True
+
+        return Handler
+
+    def _parse(self, path: str) -> tuple:
+        if self._prefix and path.startswith(self._prefix + "/"):
+            path = path[len(self._prefix) :]
+        parts = path.split("/")
+        if len(parts) != 4 or parts[0] != "" or parts[1] != "checkpoint":
+            raise _BadRequest(
+                400,
+                f"invalid url format, expected [{self._prefix}]/checkpoint/step/key "
+                f"but got {path[:200]}",
+            )
+        raw = parts[2]
+        digits = raw[1:] if raw.startswith("-") else raw
+        if not digits.isdigit() or not digits.isascii() or len(digits) > _MAX_STEP_DIGITS:
+            raise _BadRequest(400, f"invalid step {raw[:32]!r}")
+        return int(raw), parts[3]
+
+    @contextmanager
+    def _reading(self, req: BaseHTTPRequestHandler) -> Iterator[_Staged]:
+        deadline = time.monotonic() + self._timeout
+        with self._cond:
+            while not self._allowed and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise _BadRequest(
+                        503, f"checkpoint not available: not served within {self._timeout:.1f}s"
+                    )
+                self._cond.wait(left)
+            if self._closed or self._staged is None:
+                raise _BadRequest(503, "checkpoint server is shutting down")
+            staged = self._staged
+            self._readers += 1
+            self._conns.add(req.connection)
+        try:
+            yield staged
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._conns.discard(req.connection)
+                self._cond.notify_all()
+
+    def _get(self, req: BaseHTTPRequestHandler) -> None:
+        if self._refuse is not None:
+            raise _BadRequest(403, self._refuse)
+        step, key = self._parse(req.path)
+        with self._reading(req) as staged:
+            if step != staged.step:
+                raise _BadRequest(
+                    400,
+                    f"invalid checkpoint requested, serving {staged.step} but got step={step}",
+                )
+            obj = staged.get(key)
+            req.send_response(200)
+            req.send_header("Content-type", "application/octet-stream")
+            req.end_headers()
+            _streaming_save(obj, req.wfile)
+
+    def serve(self, staged: _Staged) -> None:
+        """Serves ``staged`` until :meth:`close_gate`; does not block."""
+        with self._cond:
+            self._staged = staged
+            self._allowed = True
+            self._cond.notify_all()
+
+    def close_gate(self) -> None:
+        """No new request reads the state (they wait for the next serve)."""
+        with self._cond:
+            self._allowed = False
+            self._staged = None
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` for requests in flight, then cuts the
+        connections of any left (nothing more of the state reaches them);
+        True when none had to be cut."""
+        with self._cond:
+            if self._cond.wait_for(lambda: self._readers == 0, max(timeout_s, 0.0)):
+                return True
+            for sock in list(self._conns):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            # their writes fail at once; the threads leave soon after
+            self._cond.wait_for(lambda: self._readers == 0, 1.0)
+            return False
+
+    def close(self, wait: bool = True) -> None:
+        """Stops serving and closes the socket (idempotent)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self.wait_idle(0.0)
+
+        def stop() -> None:
+            self._server.shutdown()
+            self._thread.join()
+            self._server.server_close()
+
+        if wait:
+            stop()
+        else:
+            threading.Thread(target=stop, name="stepguard-ckpt-http-stop", daemon=True).start()

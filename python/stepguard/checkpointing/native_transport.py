@@ -18,8 +18,13 @@ for transfers in flight (up to ``timeout``, then cuts them) before it returns,
 as torchft's HTTPTransport does with its reader-writer lock.  CUDA tensors
 are copied to host memory at ``send_checkpoint``.
 
-Addresses: ``metadata()`` is ``sgckpt://host:port``.  ``recv_checkpoint``
-accepts one such string or several joined by commas, and
+Addresses: ``metadata()`` is ``http://host:HTTP_PORT/sgckpt=PORT/checkpoint/``:
+a torchft replica's HTTPTransport uses it as it is (it fetches
+``{metadata}{step}/full``, answered in torchft's format by a small HTTP
+server beside the native one, see below), and ours reads the native port
+from the ``sgckpt=`` segment and fetches natively from ``host:PORT``.
+``recv_checkpoint`` accepts one such string, or the older
+``sgckpt://host:port``, or several joined by commas, and
 ``recv_checkpoint_striped`` takes a list; with several sources the fetch
 is striped across all of them (a source that fails mid-transfer is dropped
 and its share taken by the others).  Nothing half-loaded is ever returned.
@@ -30,7 +35,19 @@ and no page faults (``in_place``, the default; ``fetches_in_place``: the Manager
 then passes its state and reports step -1 until the fetch completes, since a
 failed fetch leaves those tensors partly overwritten).  A source whose metadata is an ``http://`` URL (an HTTPTransport peer, e.g.
 a torchft replica) is fetched from with the HTTP transport's format when no
-``sgckpt://`` source is given.
+native source is given.
+
+The HTTP side (``serve_http``, on by default) serves exactly the state the
+native server serves, under the same rules: nothing before the first
+``send_checkpoint``, a request that comes while nothing is served waits for
+the next one (up to ``timeout``), and ``disallow_checkpoint`` stops new
+requests at once and waits for those in flight (together with the native
+transfers, up to ``timeout``, then cuts them).  It is built from the leaves
+the native server already holds: staging costs no copy and no tree walk;
+the tree is rebuilt, and pickled, only when a torchft peer asks.  With an
+auth token it answers every request with 403: torchft's HTTP client cannot
+send a token, so a torchft replica cannot heal from a replica that requires
+one.
 
 The header is unpickled on the receiving side, so a source is trusted as
 with torchft's transports; set ``auth_token`` (or ``STEPGUARD_AUTH_TOKEN``)
@@ -49,6 +66,7 @@ import pickle
 import socket
 import threading
 import time
+import urllib.parse
 import warnings
 from datetime import timedelta
 from typing import Any, Dict, List, Sequence, Tuple, TypeVar
@@ -73,6 +91,7 @@ logger: logging.Logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _SCHEME = "sgckpt://"
+_SEGMENT = "sgckpt="  # the native port, as a path segment of an http:// metadata
 _HEADER_VERSION = 1
 _MALLOC_MIN = 1 << 20  # staging in [MIN, MAX] bytes comes from malloc
 _MALLOC_MAX = 32 << 20
@@ -190,22 +209,51 @@ def _unflatten(leaves: List[Any], spec: Any) -> Any:
     return _build(spec, leaves, 0)
 
 
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def native_address(item: str) -> str | None:
+    """The native ``host:port`` that one metadata string names, or None
+    for an ``http://`` URL without a ``sgckpt=`` segment (an HTTPTransport
+    peer, e.g. a torchft replica).
+
+    Accepts ``sgckpt://host:port``, a bare ``host:port`` and
+    ``http://host:p/sgckpt=PORT/...`` (this transport's :meth:`metadata`;
+    the native server listens on the URL's host).  Raises ValueError for a
+    malformed ``sgckpt=`` segment.
+    """
+    item = item.strip()
+    if item.startswith(_SCHEME):
+        return item[len(_SCHEME) :].rstrip("/")
+    if not item.startswith(("http://", "https://")):
+        return item.rstrip("/")
+    url = urllib.parse.urlsplit(item)
+    first = url.path.lstrip("/").split("/", 1)[0]
+    if not first.startswith(_SEGMENT):
+        return None
+    port = first[len(_SEGMENT) :]
+    if not (port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
+        raise ValueError(f"bad native port in checkpoint metadata {item!r}")
+    if not url.hostname:
+        raise ValueError(f"no host in checkpoint metadata {item!r}")
+    return f"{_bracket(url.hostname)}:{int(port)}"
+
+
 def parse_sources(metadata: str | Sequence[str]) -> List[str]:
-    """``host:port`` addresses from metadata strings (comma-joined or a list)."""
+    """Native ``host:port`` addresses from metadata strings (comma-joined or
+    a list); ``http://`` sources without a native address are left out."""
     items = [metadata] if isinstance(metadata, str) else list(metadata)
     out: List[str] = []
     for item in items:
         for part in item.split(","):
-            part = part.strip()
-            if not part:
+            if not part.strip():
                 continue
-            if part.startswith(_SCHEME):
-                part = part[len(_SCHEME) :]
-            part = part.rstrip("/")
-            if part not in out:
-                out.append(part)
+            addr = native_address(part)
+            if addr and addr not in out:
+                out.append(addr)
     if not out:
-        raise ValueError(f"no checkpoint source in {metadata!r}")
+        raise ValueError(f"no native checkpoint source in {metadata!r}")
     return out
 
 
@@ -222,6 +270,13 @@ class NativeTransport(CheckpointTransport[T]):
             ``STEPGUARD_AUTH_TOKEN``.
         streams_per_source: parallel connections to each source.
         max_conns: connections the server holds at once (0: 256).
+        serve_http: also serve the state in torchft's HTTP format, and make
+            :meth:`metadata` an ``http://`` URL a torchft healer can use
+            (else ``sgckpt://host:port``, which only stepguard reads).
+        http_chunks: the number of chunks the HTTP side splits the state
+            into, for torchft healers whose ``HTTPTransport`` has
+            ``num_chunks`` > 0 (it must be theirs; their default, 0, fetches
+            the whole state, which is always served).
         in_place: whether ``recv_checkpoint(..., into=state)`` may fetch into
             ``state``'s tensors (else ``into`` is ignored and every tensor
             is fetched into fresh memory).  On by default: no allocation and
@@ -241,8 +296,12 @@ class NativeTransport(CheckpointTransport[T]):
         auth_token: str | None = None,
         streams_per_source: int = 2,
         max_conns: int = 0,
+        serve_http: bool = True,
+        http_chunks: int = 0,
         in_place: bool = True,
     ) -> None:
+        if http_chunks < 0:
+            raise ValueError(f"http_chunks must be >= 0, got {http_chunks}")
         self._timeout = timeout
         # read by the Manager: pass the replica's state as ``into``
         self.fetches_in_place = bool(in_place)
@@ -260,6 +319,19 @@ class NativeTransport(CheckpointTransport[T]):
         )
         host = hostname or os.environ.get("STEPGUARD_ADVERTISE_HOST")
         self._host = host or socket.gethostname()
+        # the HTTP side: started by the first metadata() (no one can reach
+        # it before), staged under _http_lock, never under _lock, so that
+        # metadata() (the quorum thread) never waits for a disallow
+        self._http_on = bool(serve_http)
+        self._http_chunks = int(http_chunks)
+        self._http_host = ""
+        if bind:
+            self._http_host = bind.rsplit(":", 1)[0].strip("[]")
+        self._http: Any = None
+        self._http_lock = threading.Lock()
+        self._http_staged: Any = None
+        self._http_closed = False
+        self._metadata: str | None = None
         self._lock = threading.Lock()
         self._serving_step = -1
         self._held: List[Any] = []  # keeps served memory alive
@@ -274,11 +346,60 @@ class NativeTransport(CheckpointTransport[T]):
     # ---- serving ---------------------------------------------------------
 
     def metadata(self) -> str:
-        """``sgckpt://host:port``; what healing peers pass to recv."""
-        host = self._host
-        if ":" in host and not host.startswith("["):
-            host = f"[{host}]"
-        return f"{_SCHEME}{host}:{self._server.port()}"
+        """What healing peers pass to recv:
+        ``http://host:HTTP_PORT/sgckpt=PORT/checkpoint/`` (torchft's
+        HTTPTransport appends ``{step}/{key}``), or ``sgckpt://host:PORT``
+        with ``serve_http=False`` or when the HTTP server cannot start."""
+        meta = self._metadata
+        if meta is not None:
+            return meta
+        host = _bracket(self._host)
+        port = self._server.port()
+        http = self._http_server()
+        if http is None:
+            meta = f"{_SCHEME}{host}:{port}"
+        else:
+            meta = f"http://{host}:{http.port()}/{_SEGMENT}{port}/checkpoint/"
+        self._metadata = meta
+        return meta
+
+    def _http_server(self) -> Any:
+        """The HTTP side, started on first use; None when off or failed."""
+        with self._http_lock:
+            if self._http is None and self._http_on and not self._http_closed:
+                from stepguard.checkpointing.http_transport import _StateServer
+
+                refuse = None
+                if self._token:
+                    refuse = (
+                        "this replica's checkpoints require an auth token "
+                        "(STEPGUARD_AUTH_TOKEN), which torchft's HTTP transport "
+                        "cannot send: heal this replica from a stepguard replica, "
+                        "or run the job without a token"
+                    )
+                try:
+                    self._http = _StateServer(
+                        max(_seconds(self._timeout), 1.0),
+                        host=self._http_host,
+                        prefix=f"/{_SEGMENT}{self._server.port()}",
+                        refuse=refuse,
+                    )
+                except OSError as e:
+                    logger.warning("no HTTP checkpoint server (torchft peers cannot heal from us): %s", e)
+                    self._http_on = False
+                    return None
+                if self._http_staged is not None:
+                    self._http.serve(self._http_staged)
+            return self._http
+
+    def _stage_http(self, staged: Any) -> None:
+        with self._http_lock:
+            self._http_staged = staged
+            if self._http is not None:
+                if staged is None:
+                    self._http.close_gate()
+                else:
+                    self._http.serve(staged)
 
     def address(self) -> str:
         """Same as :meth:`metadata`."""
@@ -296,16 +417,18 @@ class NativeTransport(CheckpointTransport[T]):
         leaves, spec = tree_flatten(state_dict)
         metas: List[Tuple[Any, ...]] = []
         held: List[Any] = []
+        copies: Dict[int, Any] = {}  # host copies of device tensors, by leaf
         # one string object per dtype and device: pickled once, memoized after
         names: Dict[Any, str] = {}
         records: Dict[Tuple[Any, ...], Tuple[Any, ...]] = {}
         ptrs = array.array("Q")
         lens = array.array("Q")
-        for leaf in leaves:
+        for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor) and _plain(leaf):
                 t = leaf.detach()
                 if t.device.type != "cpu":
                     t = t.to("cpu")  # served from a host copy
+                    copies[i] = t
                 span = _span_elems(t)
                 nbytes = span * t.element_size()
                 held.append(t)
@@ -343,11 +466,23 @@ class NativeTransport(CheckpointTransport[T]):
             self._server.serve(step, header, ptrs, lens)
             self._held = [header, held]
             self._serving_step = step
+            if self._http_on:
+                from stepguard.checkpointing.http_transport import _Staged
+
+                self._stage_http(_Staged(step, leaves, spec, copies, self._http_chunks))
 
     def _disallow_locked(self, timeout_s: float) -> None:
         if self._serving_step < 0:
             return
+        # no new HTTP reader from here; those in flight and the native
+        # transfers share the deadline
+        self._stage_http(None)
+        t0 = time.monotonic()
         clean = self._server.disallow(timeout_s)
+        http = self._http
+        if http is not None:
+            left = max(timeout_s - (time.monotonic() - t0), 0.0)
+            clean = http.wait_idle(left) and clean
         if not clean:
             logger.warning(
                 "checkpoint step %d: transfers still running after %.1fs were cut",
@@ -413,10 +548,15 @@ class NativeTransport(CheckpointTransport[T]):
         those tensors hold partial data: the caller must treat its state as
         lost until a later fetch succeeds.
         """
-        items = [m for s in sources for m in s.split(",") if m.strip()]
-        is_http = [m.strip().startswith(("http://", "https://")) for m in items]
-        http = [m.strip() for m, h in zip(items, is_http) if h]
-        native = [m for m, h in zip(items, is_http) if not h]
+        items = [m.strip() for s in sources for m in s.split(",") if m.strip()]
+        native: List[str] = []
+        http: List[str] = []
+        for m in items:
+            addr = native_address(m)
+            if addr is None:
+                http.append(m)
+            elif addr not in native:
+                native.append(addr)
         if not native and http:
             # an HTTPTransport peer (torchft's or ours): its wire format
             from stepguard.checkpointing.http_transport import HTTPTransport
@@ -424,7 +564,9 @@ class NativeTransport(CheckpointTransport[T]):
             self.last_recv_bytes = []
             self.last_recv_stats = {}
             return HTTPTransport._load_from_address(f"{http[0]}{step}/full", timeout)
-        addrs = parse_sources(native)
+        if not native:
+            raise ValueError(f"no checkpoint source in {list(sources)!r}")
+        addrs = native
         deadline = time.monotonic() + _seconds(timeout)
         fetch = _C.CkptFetch()
         t0 = time.perf_counter()
@@ -610,18 +752,32 @@ class NativeTransport(CheckpointTransport[T]):
         return header, lens, layout, [a for a in addrs if a in ready]
 
     def shutdown(self, wait: bool = True) -> None:
-        """Stop serving and close the server (idempotent)."""
+        """Stop serving and close the servers (idempotent)."""
         with self._lock:
             try:
                 self._disallow_locked(_seconds(self._timeout) if wait else 0.0)
             except RuntimeError:
                 pass  # already shut down
             self._server.shutdown()
+        self._close_http(wait)
+
+    def _close_http(self, wait: bool) -> None:
+        with self._http_lock:
+            http, self._http = self._http, None
+            self._http_closed = True
+            self._http_staged = None
+        if http is not None:
+            http.close(wait)
 
     def __del__(self) -> None:
         server = getattr(self, "_server", None)
         if server is not None:
             try:
                 server.shutdown()
+            except Exception:  # noqa: BLE001 - interpreter teardown
+                pass
+        if getattr(self, "_http", None) is not None:
+            try:
+                self._close_http(False)
             except Exception:  # noqa: BLE001 - interpreter teardown
                 pass

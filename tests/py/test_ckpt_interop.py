@@ -409,3 +409,23 @@ def test_connections_beyond_the_limit_are_closed() -> None:
         assert torch.equal(got[0], torch.ones(2))
     finally:
         srv.close()
+
+
+_EXIT_WITHOUT_SHUTDOWN = r"""
+import sys
+from datetime import timedelta
+import torch
+from stepguard.checkpointing.native_transport import NativeTransport
+t = NativeTransport(timedelta(seconds=30), hostname="127.0.0.1")
+print(t.metadata(), flush=True)
+t.send_checkpoint([1], 1, {"w": torch.ones(3)}, timedelta(seconds=30))
+sys.exit(0)  # no shutdown: the finalizer closes the HTTP side
+"""
+
+
+def test_a_process_exits_without_shutting_the_transport_down(procs) -> None:
+    import subprocess
+
+    p = procs.spawn(_EXIT_WITHOUT_SHUTDOWN, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().startswith("http://")
+    assert p.wait(timeout=60) == 0

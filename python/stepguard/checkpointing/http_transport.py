@@ -10,6 +10,10 @@ Serving is gated by a readers-writer lock: the transport starts disallowed
 (nothing is served before the first ``send_checkpoint``), a request waits
 while the state is being changed and fails after ``timeout``.
 
+``_StateServer`` (below) is the same server for another transport's state:
+NativeTransport serves the state its native server serves through it, so a
+torchft healer can heal from a replica that uses NativeTransport.
+
 Differences from torchft: a malformed path gets 400 and an unknown chunk 404
 (torchft: 500 for both); a request that waits past the deadline for the
 lock gets 503; the listening socket is closed in forked children, so a
@@ -456,10 +460,9 @@ class _StateServer:
         self._closed = False
         server_cls = type("_LimitedN", (_Limited,), {"max_conns": max_conns})
         self._server = _make_server(self._handler_class(), host, server_cls)
+        self._server.timeout = 0.5  # how soon the loop sees a close
         self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            name="stepguard-ckpt-http",
-            daemon=True,
+            target=self._loop, name="stepguard-ckpt-http", daemon=True
         )
         self._thread.start()
         ref = weakref.ref(self)
@@ -476,6 +479,18 @@ class _StateServer:
 
     def port(self) -> int:
         return int(self._server.socket.getsockname()[1])
+
+    def _loop(self) -> None:
+        """Accepts until closed.  Not serve_forever: :meth:`close` must not
+        wait for this thread or start one (it may run in a finalizer at
+        interpreter exit), so closing the socket has to end the loop."""
+        while not self._closed:
+            try:
+                self._server.handle_request()
+            except (OSError, ValueError) as e:  # the socket closed under us
+                if not self._closed:
+                    logger.warning("checkpoint HTTP server: %s", e)
+                    time.sleep(0.1)
 
     def _handler_class(self) -> type:
         owner = self
@@ -627,13 +642,7 @@ class _StateServer:
             self._closed = True
             self._cond.notify_all()
         self.wait_idle(0.0)
-
-        def stop() -> None:
-            self._server.shutdown()
-            self._thread.join()
-            self._server.server_close()
-
-        if wait:
-            stop()
-        else:
-            threading.Thread(target=stop, name="stepguard-ckpt-http-stop", daemon=True).start()
+        if wait and self._thread is not threading.current_thread():
+            self._thread.join(5.0)  # the loop checks every 0.5 s
+        # handler threads are daemons: closing joins none of them
+        self._server.server_close()

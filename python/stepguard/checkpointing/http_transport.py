@@ -468,12 +468,15 @@ class _StateServer:
         ref = weakref.ref(self)
 
         def close_in_child() -> None:
+            # a forked child (a DataLoader worker) must not keep our
+            # listening socket or a healer's connection open after we die
             me = ref()
             if me is not None:
-                try:
-                    me._server.socket.close()
-                except OSError:
-                    pass
+                for sock in [me._server.socket, *me._conns]:
+                    try:
+                        sock.close()
+                    except OSError:
+                        pass
 
         os.register_at_fork(after_in_child=close_in_child)
 

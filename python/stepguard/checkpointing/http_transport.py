@@ -552,7 +552,7 @@ class _StateServer:
 
         return Handler
 
-    def _parse(self, path: str) -> "tuple[int, str]":
+    def _parse(self, path: str) -> tuple[int, str]:
         if self._prefix and path.startswith(self._prefix + "/"):
             path = path[len(self._prefix) :]
         parts = path.split("/")

@@ -374,8 +374,8 @@ class NativeTransport(CheckpointTransport[T]):
                     refuse = (
                         "this replica's checkpoints require an auth token "
                         "(STEPGUARD_AUTH_TOKEN), which torchft's HTTP transport "
-                        "cannot send: heal this replica from a stepguard replica, "
-                        "or run the job without a token"
+                        "cannot send: a torchft replica must heal from a torchft "
+                        "replica, or the job must run without a token"
                     )
                 try:
                     self._http = _StateServer(
@@ -385,7 +385,9 @@ class NativeTransport(CheckpointTransport[T]):
                         refuse=refuse,
                     )
                 except OSError as e:
-                    logger.warning("no HTTP checkpoint server (torchft peers cannot heal from us): %s", e)
+                    logger.warning(
+                        "no HTTP checkpoint server (torchft peers cannot heal from us): %s", e
+                    )
                     self._http_on = False
                     return None
                 if self._http_staged is not None:

@@ -46,9 +46,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("plain", "torchft", "stepguard")
 # plain DDP with find_unused_parameters=True, as torchft's DDP builds it
-# (how much of its cost is that flag), and stepguard with torchft's bucket
-# layout (STEPGUARD_DDP_BUCKETS=torchft): --kinds to add them
-REFERENCE_KINDS = ("plain-unused", "stepguard-torchft-buckets")
+# (how much of its cost is that flag), and stepguard with the buckets DDP's
+# own rebuild makes (STEPGUARD_DDP_BUCKETS=rebuilt): --kinds to add them
+REFERENCE_KINDS = ("plain-unused", "stepguard-rebuilt-buckets")
 LISTEN_RE = re.compile(r"Lighthouse listening on:? http://\S+:(\d+)")
 # what the stepguard kind needs from the package
 API = ("Manager", "DistributedDataParallel", "Optimizer", "ProcessGroupGloo")
@@ -174,8 +174,8 @@ class Kind:
             hostname="127.0.0.1", timeout=timedelta(seconds=60),
             quorum_timeout=timedelta(seconds=60), connect_timeout=timedelta(seconds=60))
         self.manager = manager
-        if kind == "stepguard-torchft-buckets":
-            os.environ["STEPGUARD_DDP_BUCKETS"] = "torchft"
+        if kind == "stepguard-rebuilt-buckets":
+            os.environ["STEPGUARD_DDP_BUCKETS"] = "rebuilt"
         try:
             self.ddp = ft.DistributedDataParallel(manager, self.model)
         finally:
@@ -455,8 +455,8 @@ def summarize(kinds: list[str], results: list[list[dict]]) -> dict:
     pairs = [(num, den) for num, den in (("stepguard", "plain"), ("torchft", "plain"),
                                          ("stepguard", "torchft"), ("plain-unused", "plain"),
                                          ("stepguard", "plain-unused"),
-                                         ("stepguard-torchft-buckets", "plain"),
-                                         ("stepguard", "stepguard-torchft-buckets"))
+                                         ("stepguard-rebuilt-buckets", "plain"),
+                                         ("stepguard-rebuilt-buckets", "stepguard"))
              if num in kinds and den in kinds]
     for num, den in pairs:
         wall = [statistics.median(x["times"]) / statistics.median(y["times"])

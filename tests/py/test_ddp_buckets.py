@@ -1,9 +1,9 @@
-"""DDP's gradient buckets, in one process: fixed at construction (by
-default the buckets DDP's own rebuild makes, with STEPGUARD_DDP_BUCKETS=
-torchft exactly torchft's), kept through every step so that replicas
-started at different times cut the same buckets, without the per-step
-search for unused parameters; a model that leaves a parameter without a
-gradient costs one step and then runs with that search, same buckets.
+"""DDP's gradient buckets, in one process: fixed at construction (torchft's
+by default, with STEPGUARD_DDP_BUCKETS=rebuilt the ones DDP's own rebuild
+makes), kept through every step so that replicas started at different
+times cut the same buckets, without the per-step search for unused
+parameters; a model that leaves a parameter without a gradient costs one
+step and then runs with that search, same buckets.
 
 The manager is a stand-in that records what DDP hands it (a world of one:
 the allreduce gives the bucket back).  The real allreduces across replicas
@@ -125,7 +125,8 @@ def rebuilt_by_torch(make, kw) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("case", ["mlp", "mlp, 0.3 MB buckets"])
-def test_default_buckets_are_those_of_torchs_rebuild(case):
+def test_rebuilt_buckets_are_those_of_torchs_rebuild(case, monkeypatch):
+    monkeypatch.setenv("STEPGUARD_DDP_BUCKETS", "rebuilt")
     make, kw = CASES[case]
     model = make()
     ddp = DistributedDataParallel(StubManager(), model, **kw)
@@ -143,8 +144,8 @@ def test_default_buckets_are_those_of_torchs_rebuild(case):
 @pytest.mark.parametrize("case", list(CASES))
 def test_buckets_stay(case, torchft_buckets, monkeypatch):
     make, kw = CASES[case]
-    if torchft_buckets:
-        monkeypatch.setenv("STEPGUARD_DDP_BUCKETS", "torchft")
+    if not torchft_buckets:
+        monkeypatch.setenv("STEPGUARD_DDP_BUCKETS", "rebuilt")
     ref_model, model = make(), make()
     if torchft_buckets:
         ref = torchft_ddp.DistributedDataParallel(StubManager(), ref_model, **kw)
@@ -173,8 +174,8 @@ def test_gradients_match_the_search_for_unused_parameters(torchft_buckets, monke
     """The fixed buckets' gradients are bitwise torchft's construction's
     (find_unused_parameters=True), and so are the allreduced buffers with
     torchft's buckets."""
-    if torchft_buckets:
-        monkeypatch.setenv("STEPGUARD_DDP_BUCKETS", "torchft")
+    if not torchft_buckets:
+        monkeypatch.setenv("STEPGUARD_DDP_BUCKETS", "rebuilt")
     fast_mgr, slow_mgr = StubManager(), StubManager()
     fast_model, slow_model = mlp(), mlp()
     fast = DistributedDataParallel(fast_mgr, fast_model, bucket_cap_mb=0.3)
@@ -234,8 +235,8 @@ def test_torchfts_construction_where_asked_or_needed(how, monkeypatch):
 
 @pytest.mark.parametrize("torchft_buckets", [False, True])
 def test_unused_parameter_costs_this_replica_one_step(torchft_buckets, monkeypatch):
-    if torchft_buckets:
-        monkeypatch.setenv("STEPGUARD_DDP_BUCKETS", "torchft")
+    if not torchft_buckets:
+        monkeypatch.setenv("STEPGUARD_DDP_BUCKETS", "rebuilt")
     mgr = StubManager()
     model = WithUnused()
     ddp = DistributedDataParallel(mgr, model, bucket_cap_mb=0.02)

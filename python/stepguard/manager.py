@@ -191,9 +191,10 @@ class Manager:
         heartbeat_interval: manager -> lighthouse heartbeat period.
         checkpoint_transport: moves state to healing replicas (default
             ``NativeTransport(timeout)``: zero-copy serving, and a healer
-            fetches striped across every up-to-date replica; torchft's
-            default is ``HTTPTransport(timeout, num_chunks=0)``, which a
-            job mixing torchft and stepguard replicas must use).
+            fetches striped across every up-to-date replica; a torchft
+            replica heals from it over its HTTP side, unless an auth token
+            is set; torchft's default is
+            ``HTTPTransport(timeout, num_chunks=0)``).
         init_sync: heal replicas from each other at step 0 too.
         max_retries: consecutive failed commits allowed before
             ``should_commit`` raises (None: no limit).

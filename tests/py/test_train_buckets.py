@@ -1,8 +1,9 @@
 """DDP with several gradient buckets across real replica processes: a
 replica that starts while the others are many steps in cuts the same
-buckets (no rebuild after the first step); torchft's DDP and ours (with
-STEPGUARD_DDP_BUCKETS=torchft) in one job average each other's gradients; a model with a parameter that never
-gets a gradient costs each replica one step, then trains.
+buckets (no rebuild after the first step); torchft's DDP and ours in one
+job average each other's gradients, and a torchft replica heals from ours;
+a model with a parameter that never gets a gradient costs each replica
+one step, then trains.
 (tests/py/train_harness.py, tests/py/train_worker.py --buckets)
 """
 
@@ -43,13 +44,12 @@ def test_torchft_and_stepguard_replicas_share_buckets(job_factory):
         pytest.skip("mixes the two implementations itself")
     steps = 10
     job = job_factory(min_replicas=3)
-    # same weights from the start and no step-0 heal: this is about the
-    # gradients (a torchft replica cannot fetch our default checkpoint
-    # transport, sgckpt://)
+    # same weights from the start and no step-0 heal: this one is about the
+    # gradients alone (healing: test_torchft_replica_heals_from_...)
     same = ("--steps", str(steps), *BUCKETS, "--same-init", "--no-init-sync")
-    job.start_group("train_0", 1, *same, "--torchft-buckets")
+    job.start_group("train_0", 1, *same)
     job.start_group("train_1", 1, *same, impl="torchft")
-    job.start_group("train_2", 1, *same, "--torchft-buckets")
+    job.start_group("train_2", 1, *same)
     for rid in ("train_0", "train_1", "train_2"):
         assert job.wait_exit(rid, 120) == [0], job.summary()
     for e in job.steps():
@@ -88,9 +88,9 @@ def test_torchft_replica_heals_from_stepguard_replicas(job_factory):
     job = job_factory(hard_timeout=240, min_replicas=3)
     args = ("--steps", "400", *BUCKETS, "--step-sleep", "0.02")
     # train_0 sorts first: the primary every replica heals from at step 0
-    job.start_group("train_0", 1, *args, "--torchft-buckets")
+    job.start_group("train_0", 1, *args)
     job.start_group("train_1", 1, *args, impl="torchft")
-    job.start_group("train_2", 1, *args, "--torchft-buckets")
+    job.start_group("train_2", 1, *args)
     wait_for(lambda: job.all_committed(4), 120, "3 replicas to commit 4 steps", job)
     # without the step-0 heal the first steps' weights would differ
     assert not job.events("train_0", ev="loaded")

@@ -161,9 +161,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "buckets (bucket_cap_mb=0.02)")
     ap.add_argument("--unused-param", action="store_true",
                     help="the model has a parameter that never gets a gradient")
-    ap.add_argument("--torchft-buckets", action="store_true",
-                    help="STEPGUARD_DDP_BUCKETS=torchft: stepguard's DDP cuts "
-                    "torchft's buckets (to share a job with torchft's DDP)")
     # fault injection
     ap.add_argument("--mid-at", type=int, default=-1,
                     help="at this step, after the quorum and the forward pass, "
@@ -266,8 +263,6 @@ def main(argv: list[str] | None = None) -> int:
         **manager_kwargs(a, group_rank, group_ws, store_addr, store_port),
         **kw,
     )
-    if a.torchft_buckets:
-        os.environ["STEPGUARD_DDP_BUCKETS"] = "torchft"
     ddp = ft.DistributedDataParallel(manager, model,
                                      **({"bucket_cap_mb": 0.02} if a.buckets else {}))
     opt = ft.Optimizer(manager, inner_opt)

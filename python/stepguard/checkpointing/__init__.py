@@ -2,10 +2,10 @@
 
 ``NativeTransport`` (the Manager's default) serves tensor bytes straight
 from memory with libstepguard's checkpoint server, and a healer fetches
-striped across every up-to-date replica.  ``HTTPTransport`` serves the
-state dict over HTTP in torchft's wire format (use it in a job that mixes
-torchft and stepguard replicas); ``PGTransport`` sends it over the
-replicas' process group.
+striped across every up-to-date replica, and also serves torchft's HTTP
+format so that torchft replicas can heal from it.  ``HTTPTransport``
+serves the state dict over HTTP in torchft's wire format only;
+``PGTransport`` sends it over the replicas' process group.
 """
 
 from stepguard.checkpointing.http_transport import HTTPTransport

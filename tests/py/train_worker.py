@@ -95,13 +95,15 @@ def make_model(a: argparse.Namespace):
     import torch
 
     torch.manual_seed(0 if a.same_init else 1000 + replica_index(a.replica_id))
-    width = 96 if a.buckets else 16
+    # (other workers share this model and may lack the options)
+    buckets = getattr(a, "buckets", False)
+    width = 96 if buckets else 16
     model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(),
                                 torch.nn.Linear(width, width), torch.nn.Tanh(),
-                                torch.nn.Linear(width, 4)) if a.buckets else \
+                                torch.nn.Linear(width, 4)) if buckets else \
         torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(),
                             torch.nn.Linear(width, 4))
-    if a.unused_param:
+    if getattr(a, "unused_param", False):
         # a parameter that never gets a gradient
         model.register_module("unused", torch.nn.Linear(3, 3))
         model.unused.forward = lambda x: x  # type: ignore[method-assign]

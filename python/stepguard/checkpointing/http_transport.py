@@ -6,18 +6,20 @@ returns, where key is ``full`` (the whole state dict), ``metadata`` (the
 pytree spec) or a chunk index; every body is torch's streaming save of the
 object, ``application/octet-stream``.
 
-Serving is gated by a readers-writer lock: the transport starts disallowed
-(nothing is served before the first ``send_checkpoint``), a request waits
-while the state is being changed and fails after ``timeout``.
-
-``_StateServer`` (below) is the same server for another transport's state:
-NativeTransport serves the state its native server serves through it, so a
-torchft healer can heal from a replica that uses NativeTransport.
+One server, ``_StateServer`` (below), does the serving, for this transport
+and for NativeTransport (which serves its native state through it too, so
+a torchft healer can heal from a replica that uses NativeTransport).
+Serving is gated: nothing is served before the first ``send_checkpoint``,
+a request that comes while serving is disallowed waits for the next
+``allow_checkpoint`` and fails after ``timeout``, and disallowing waits for
+the requests in flight (up to ``timeout``, then cuts them).
 
 Differences from torchft: a malformed path gets 400 and an unknown chunk 404
-(torchft: 500 for both); a request that waits past the deadline for the
-lock gets 503; the listening socket is closed in forked children, so a
-DataLoader worker cannot keep a dead trainer's port open.
+(torchft: 500 for both); a request that waits past the deadline gets 503;
+a request whose line and headers do not arrive within ``min(timeout, 10
+s)`` is cut, and connections beyond 64 are closed at once; the sockets are
+closed in forked children, so a DataLoader worker cannot keep a dead
+trainer's port open.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from typing import Any, Dict, Generator, Iterator, List, Optional, TypeVar, cast
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from stepguard.checkpointing._rwlock import RWLock
 from stepguard.checkpointing._serialization import _streaming_load, _streaming_save
 from stepguard.checkpointing.transport import CheckpointTransport
 
@@ -102,7 +103,7 @@ class HTTPTransport(CheckpointTransport[T]):
 
     Args:
         timeout: deadline of a request: socket reads and writes on both
-            sides, and the wait for the lock while serving is disallowed.
+            sides, and the wait while serving is disallowed.
         num_chunks: 0 fetches the state dict in one request; n > 0 splits
             its leaves round-robin into n chunks fetched in parallel.
     """
@@ -112,110 +113,18 @@ class HTTPTransport(CheckpointTransport[T]):
             raise ValueError(f"num_chunks must be >= 0, got {num_chunks}")
         self._timeout = timeout
         self._num_chunks = num_chunks
-        self._checkpoint_lock = RWLock(timeout=timeout.total_seconds())
-        self._disallowed = False
-        self._step = -1
-        self._state_dict: Optional[T] = None
+        # the last state sent (host values and spec), served again by
+        # allow_checkpoint under a new step
+        self._values: Optional[List[object]] = None
         self._spec: Optional[TreeSpec] = None
-        self._chunks: Optional[List[List[object]]] = None
         self._stream: Optional[torch.Stream] = (
             torch.Stream(torch.accelerator.current_accelerator())
             if torch.accelerator.is_available()
             else None
         )
         # Nothing is served before the first send_checkpoint.
-        self.disallow_checkpoint()
-
-        self._server = _make_server(self._handler_class())
-        self._closed = False
+        self._server = _StateServer(timeout.total_seconds())
         logger.info("serving checkpoints on %s", self.address())
-        self._thread = threading.Thread(
-            target=self._serve, name="stepguard-ckpt-http", daemon=True
-        )
-        self._thread.start()
-
-        ref = weakref.ref(self)
-
-        def close_in_child() -> None:
-            me = ref()
-            if me is not None:
-                try:
-                    me._server.socket.close()
-                except OSError:
-                    pass
-
-        os.register_at_fork(after_in_child=close_in_child)
-
-    def _handler_class(self) -> type:
-        transport = self
-        socket_timeout = self._timeout.total_seconds()
-
-        class Handler(BaseHTTPRequestHandler):
-            timeout = socket_timeout
-
-            def log_message(self, format: str, *args: object) -> None:
-                logger.debug("%s - %s", self.address_string(), format % args)
-
-            def do_GET(self) -> None:
-                try:
-                    transport._serve_get(self)
-                except _BadRequest as e:
-                    self.send_error(e.code, str(e))
-                except (BrokenPipeError, ConnectionResetError, socket.timeout) as e:
-                    logger.info("checkpoint request %s: peer went away: %s", self.path, e)
-                    self.close_connection = True
-                except Exception as e:  # noqa: BLE001 - reported to the peer
-                    logger.exception("checkpoint request %s failed", self.path)
-                    try:
-                        self.send_error(500, str(e))
-                    except OSError:
-                        self.close_connection = True
-
-        return Handler
-
-    def _serve_get(self, req: BaseHTTPRequestHandler) -> None:
-        parts = req.path.split("/")
-        if len(parts) != 4 or parts[0] != "" or parts[1] != "checkpoint":
-            raise _BadRequest(
-                400,
-                f"invalid url format, expected /checkpoint/step/key but got {req.path}",
-            )
-        try:
-            step = int(parts[2])
-        except ValueError:
-            raise _BadRequest(400, f"invalid step in {req.path}") from None
-        key = parts[3]
-        try:
-            self._checkpoint_lock.r_acquire()
-        except TimeoutError as e:
-            raise _BadRequest(503, f"checkpoint not available: {e}") from None
-        try:
-            if step != self._step:
-                raise _BadRequest(
-                    400,
-                    f"invalid checkpoint requested, serving {self._step} but got step={step}",
-                )
-            if key == "full":
-                obj: object = self._state_dict
-            elif key == "metadata":
-                obj = self._spec
-            else:
-                chunks = self._chunks or []
-                if not key.isdigit() or int(key) >= len(chunks):
-                    raise _BadRequest(404, f"no chunk {key!r} (have {len(chunks)})")
-                obj = chunks[int(key)]
-            req.send_response(200)
-            req.send_header("Content-type", "application/octet-stream")
-            req.end_headers()
-            _streaming_save(obj, req.wfile)
-        finally:
-            self._checkpoint_lock.r_release()
-
-    def _serve(self) -> None:
-        try:
-            self._server.serve_forever()
-        except Exception:  # noqa: BLE001 - logged; the server is gone
-            logger.exception("checkpoint server stopped")
 
     @classmethod
     def _load_from_address(cls, address: str, timeout: timedelta) -> object:
@@ -240,25 +149,22 @@ class HTTPTransport(CheckpointTransport[T]):
 
     def address(self) -> str:
         """``http://{hostname}:{port}/checkpoint/``; append ``{step}/{key}``."""
-        port = self._server.socket.getsockname()[1]
-        return f"http://{socket.gethostname()}:{port}/checkpoint/"
+        return f"http://{socket.gethostname()}:{self._server.port()}/checkpoint/"
 
     def metadata(self) -> str:
         return self.address()
 
     def disallow_checkpoint(self) -> None:
-        """Stops serving; requests wait (up to the timeout) until the next
-        ``allow_checkpoint``."""
-        if not self._disallowed:
-            self._disallowed = True
-            self._checkpoint_lock.w_acquire()
+        """Stops serving: new requests wait (up to the timeout) for the next
+        ``allow_checkpoint``; those in flight are waited for up to the
+        timeout, then cut."""
+        self._server.close_gate()
+        self._server.wait_idle(self._timeout.total_seconds())
 
     def allow_checkpoint(self, step: int) -> None:
-        """Serves the staged state dict as ``step``."""
-        self._step = step
-        if self._disallowed:
-            self._disallowed = False
-            self._checkpoint_lock.w_release()
+        """Serves the last state sent as ``step``."""
+        if self._values is not None and self._spec is not None:
+            self._server.serve(_Staged(step, self._values, self._spec, {}, self._num_chunks))
 
     def send_checkpoint(
         self, dst_ranks: List[int], step: int, state_dict: T, timeout: timedelta
@@ -267,10 +173,8 @@ class HTTPTransport(CheckpointTransport[T]):
         serves it as ``step``; returns at once."""
         values, spec = tree_flatten(state_dict)
         with _time("copying state_dict to CPU"):
-            values = _to_cpu(values, self._stream)
-        self._state_dict = cast(T, tree_unflatten(values, spec))
+            self._values = _to_cpu(values, self._stream)
         self._spec = spec
-        self._chunks = _split_chunks(values, self._num_chunks)
         self.allow_checkpoint(step)
 
     def recv_checkpoint(
@@ -288,18 +192,7 @@ class HTTPTransport(CheckpointTransport[T]):
 
     def shutdown(self, wait: bool = True) -> None:
         """Stops the server; ``wait`` joins its thread."""
-        if self._closed:
-            return
-        self._closed = True
-        if wait:
-            self._stop()
-        else:
-            threading.Thread(target=self._stop, name="stepguard-ckpt-stop", daemon=True).start()
-
-    def _stop(self) -> None:
-        self._server.shutdown()
-        self._thread.join()
-        self._server.server_close()
+        self._server.close(wait)
 
 
 def _to_cpu(values: List[object], stream: Optional[torch.Stream]) -> List[object]:

@@ -47,11 +47,12 @@ replicas of a job must make the same choice.
 
 import os
 import weakref
-from typing import TYPE_CHECKING, Any, List, Optional, cast
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 from torch.nn import parallel
 
 from stepguard.manager import _ManagedFuture
@@ -77,14 +78,27 @@ _TORCHFT_BUCKETS = frozenset(
 
 
 class _HookState:
-    """What the comm hook is registered with: the manager, and the index
-    after the last bucket handed to it this step."""
+    """What the comm hook is registered with: the manager, the index
+    after the last bucket handed to it this step, and (where the buckets'
+    completion is left to the end of backward) what completes them."""
 
-    __slots__ = ("manager", "next_bucket")
+    __slots__ = ("manager", "next_bucket", "defer", "finishers")
 
     def __init__(self, manager: "Manager") -> None:
         self.manager = manager
         self.next_bucket = 0
+        # complete the buckets on backward's thread (only where DDP waits
+        # for them in its own end-of-backward callback, queued after ours)
+        self.defer = False
+        self.finishers: List[Callable[[], None]] = []
+
+    def finish(self) -> None:
+        """Queued on the autograd engine at the first bucket of a
+        backward, so it runs before DDP's end-of-backward callback (queued
+        at the last bucket) waits for the buckets' futures."""
+        finishers, self.finishers = self.finishers, []
+        for finish in finishers:
+            finish()
 
 
 class DistributedDataParallel(parallel.DistributedDataParallel):
@@ -117,6 +131,11 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
             **kwargs,
         )
         self._hook_state = _HookState(manager)
+        # static_graph and the delayed allreduces reduce the buckets inside
+        # DDP's own end-of-backward callback, after ours ran
+        self._hook_state.defer = not (kwargs.keys() & _TORCHFT_BUCKETS) and not getattr(
+            self, "_use_python_reducer", True
+        )
         # the fixed buckets (indices into the reducer's parameters, in the
         # order they are reduced), kept if the reducer is rebuilt
         self._buckets: Optional[List[List[int]]] = None
@@ -241,6 +260,8 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         else:
             state.next_bucket = 0
             return
+        # a backward that raised before its end left its buckets pending
+        state.finish()
         missing = self.reducer._get_zeros_like_grad_buckets()[state.next_bucket :]
         for bucket in missing:
             _fill(bucket)
@@ -267,6 +288,18 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
             # Nothing to order on a stream: one future that DDP waits for
             # at the end of backward, so this bucket's allreduce overlaps
             # the gradients of the next buckets.
+            if state.defer:
+                if bucket.index() == 0:
+                    # a backward that raised midway left its finishers:
+                    # its futures are dropped with its graph
+                    state.finishers = []
+                    try:
+                        Variable._execution_engine.queue_callback(state.finish)
+                    except RuntimeError:  # not inside backward (DDP's join)
+                        return manager._bucket_allreduce(buffer)
+                elif not state.finishers:
+                    return manager._bucket_allreduce(buffer)
+                return manager._bucket_allreduce_deferred(buffer, state.finishers)
             return manager._bucket_allreduce(buffer)
         work = manager.allreduce(buffer)
         if not work.wait():

@@ -550,6 +550,64 @@ class Manager:
         fut.add_done_callback(on_done)
         return out
 
+    def _bucket_allreduce_deferred(
+        self, tensor: torch.Tensor, finishers: List[Callable[[], None]]
+    ) -> torch.futures.Future[torch.Tensor]:
+        """``_bucket_allreduce`` whose completion is left to the caller:
+        the collective is started, and a finisher appended to
+        ``finishers`` waits for it (within the manager's deadline, counted
+        from now), swallows a failure into ``report_error``, divides by
+        the participants and completes the returned future.
+
+        DDP's comm hook runs the finishers on backward's own thread at the
+        end of backward, before DDP waits for the futures: the process
+        group's thread then runs no Python at all, so it never takes the
+        GIL from backward (each bucket's completion did, and a thread that
+        Python does not know builds and frees a thread state each time).
+        The division costs the same on either thread.
+        """
+        if self._errored is not None:
+            return _done_future(tensor)
+        self.wait_quorum()
+        num_participants = self.num_participants()
+        if not self.is_participating():
+            tensor.zero_()
+        if not torch.is_floating_point(tensor):
+            raise ValueError("average reduce op is only supported for floating point tensors")
+        try:
+            work = self._pg.allreduce([tensor], self._sum_opts)
+        except Exception as e:  # noqa: BLE001 - a failed step, not a crash
+            self._logger.exception(f"got exception in all reduce -- skipping remaining: {e}")
+            self.report_error(e)
+            return _done_future(tensor)
+        out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        timeout = self._timeout
+        deadline = time.monotonic() + timeout.total_seconds()
+
+        def finish() -> None:
+            err: Optional[Exception] = None
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0 or not work.wait(timedelta(seconds=left)):
+                    err = TimeoutError(f"future did not complete within {timeout}")
+            except Exception as e:  # noqa: BLE001 - swallowed on purpose
+                err = (
+                    TimeoutError(f"future did not complete within {timeout}: {e}")
+                    if time.monotonic() >= deadline
+                    else e
+                )
+            if err is not None:
+                self._logger.exception(f"got exception in future -- skipping remaining: {err}")
+                self.report_error(err)
+            # as allreduce's chain: the average applies to whatever the
+            # tensor holds, failed or not
+            if num_participants > 0:
+                tensor.div_(num_participants)
+            out.set_result(tensor)
+
+        finishers.append(finish)
+        return out
+
     def report_error(self, e: Exception) -> None:
         """Marks this step failed (it will not commit); the process group
         is rebuilt at the next quorum."""

@@ -327,3 +327,118 @@ def test_ddp_bucket_failure_fails_the_step_not_backward() -> None:
     finally:
         m.shutdown(wait=False)
         lh.shutdown()
+
+
+class _NeverDone(torch.distributed.distributed_c10d.Work):
+    """A collective that never completes: ``wait(timeout)`` raises after
+    the timeout, as c10d's works do.  Its future is not to be used: DDP's
+    buckets are completed on backward's thread by waiting on the work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited: List[float] = []
+
+    def wait(self, timeout: timedelta = timedelta(hours=1)) -> bool:
+        self.waited.append(timeout.total_seconds())
+        threading.Event().wait(timeout.total_seconds())
+        raise RuntimeError("Operation timed out!")
+
+    def get_future(self) -> torch.futures.Future:
+        raise AssertionError("a bucket was completed on the process group's thread")
+
+
+def test_ddp_bucket_that_never_completes_fails_the_step_within_the_timeout() -> None:
+    """A bucket allreduce that hangs: backward returns once the manager's
+    timeout (1 s here, measured from the bucket's start) has passed, the
+    step fails with a TimeoutError and is not committed, the next step is
+    clean; the process group's thread ran nothing of ours."""
+    from stepguard.process_group import ProcessGroupWrapper
+
+    class Hang(ProcessGroupWrapper):
+        hang_next = False
+
+        def allreduce(self, tensors, opts):  # type: ignore[no-untyped-def, override]
+            if self.hang_next:
+                self.hang_next = False
+                self.hung = _NeverDone()
+                return self.hung
+            return super().allreduce(tensors, opts)
+
+    lh = LighthouseServer("127.0.0.1:0", 1, join_timeout_ms=100)
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    pg = Hang(pg=ProcessGroupGloo(timeout=TD))
+    m = make_manager(lh, 0, pg, model)
+    m._timeout = timedelta(seconds=1)
+    try:
+        net = DistributedDataParallel(m, model)
+        opt = OptimizerWrapper(m, torch.optim.SGD(model.parameters(), lr=0.1))
+        x = torch.randn(4, 3)
+        opt.zero_grad()
+        net(x).sum().backward()
+        opt.step()
+        assert m.current_step() == 1
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.zero_grad()
+        pg.hang_next = True
+        t = time.monotonic()
+        net(x).sum().backward()  # must not raise, must not hang
+        took = time.monotonic() - t
+        assert took < 10, f"backward took {took:.1f}s with a 1s timeout"
+        assert len(pg.hung.waited) == 1 and 0 < pg.hung.waited[0] <= 1.0
+        err = m.errored()
+        assert err is not None and isinstance(err.original_exception, TimeoutError)
+        opt.step()
+        assert m.current_step() == 1  # not committed
+        for p, b in zip(model.parameters(), before):
+            assert torch.equal(p.detach(), b)
+        opt.zero_grad()
+        net(x).sum().backward()
+        opt.step()
+        assert m.errored() is None and m.current_step() == 2
+    finally:
+        m.shutdown(wait=False)
+        lh.shutdown()
+
+
+def test_ddp_backward_that_raises_midway_leaves_nothing_pending() -> None:
+    """A backward that raises after DDP started a bucket (a later gradient
+    hook fails): the bucket's completion is not left behind, and the next
+    steps run and commit."""
+    lh = LighthouseServer("127.0.0.1:0", 1, join_timeout_ms=100)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    m = make_manager(lh, 0, ProcessGroupGloo(timeout=TD), model)
+    try:
+        net = DistributedDataParallel(m, model, bucket_cap_mb=1e-6)  # a bucket per parameter
+        assert len(net._buckets or []) > 1
+        opt = OptimizerWrapper(m, torch.optim.SGD(model.parameters(), lr=0.1))
+        x = torch.randn(4, 3)
+        fail = [True]
+
+        def boom(g: torch.Tensor) -> torch.Tensor:
+            if fail[0]:
+                raise RuntimeError("injected backward failure")
+            return g
+
+        # the input's gradient comes after the last layer's buckets were
+        # handed to the manager
+        opt.zero_grad()
+        inp = x.clone().requires_grad_(True)
+        out = net(inp)
+        inp.register_hook(boom)
+        with pytest.raises(RuntimeError, match="injected backward failure"):
+            out.sum().backward()
+        assert net._hook_state.finishers, "no bucket was in flight when backward raised"
+        fail[0] = False
+        for _ in range(2):
+            opt.zero_grad()
+            net(x).sum().backward()
+            assert not net._hook_state.finishers
+            opt.step()
+        # the step after the failed backward fails (its buckets were not
+        # all reduced), the next one commits
+        assert m.current_step() == 1
+    finally:
+        m.shutdown(wait=False)
+        lh.shutdown()

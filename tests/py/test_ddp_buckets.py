@@ -39,6 +39,12 @@ class StubManager:
         fut.set_result(tensor)
         return fut
 
+    def _bucket_allreduce_deferred(self, tensor: torch.Tensor, finishers: list) -> torch.futures.Future[torch.Tensor]:
+        self.buffers.append(tensor.clone())
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        finishers.append(lambda: fut.set_result(tensor))
+        return fut
+
     def allreduce(self, tensor: torch.Tensor):  # torchft's DDP, never stepped here
         raise AssertionError("not stepped")
 

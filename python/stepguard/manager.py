@@ -474,7 +474,7 @@ class Manager:
                 def average(fut: _SimpleFuture) -> torch.Tensor:
                     fut.value()
                     if num_participants > 0:
-                        tensor.div_(num_participants)
+                        _average(tensor, num_participants)
                     return tensor
 
                 managed.get_future().then(average)
@@ -527,7 +527,7 @@ class Manager:
             # as allreduce's chain: the average applies to whatever the
             # tensor holds, failed or not
             if num_participants > 0:
-                tensor.div_(num_participants)
+                _average(tensor, num_participants)
             out.set_result(tensor)
 
         timeout = self._timeout
@@ -602,7 +602,7 @@ class Manager:
             # as allreduce's chain: the average applies to whatever the
             # tensor holds, failed or not
             if num_participants > 0:
-                tensor.div_(num_participants)
+                _average(tensor, num_participants)
             out.set_result(tensor)
 
         finishers.append(finish)
@@ -1106,6 +1106,16 @@ class Manager:
             assert self._use_async_quorum
             return False
         return True
+
+
+def _average(tensor: torch.Tensor, n: int) -> None:
+    """Divides the floating point ``tensor`` by ``n`` in place.  By a power
+    of two it multiplies by the inverse instead: the same bits (both scale
+    exactly and round once), and a faster kernel than division."""
+    if n & (n - 1) == 0:
+        tensor.mul_(1.0 / n)
+    else:
+        tensor.div_(n)
 
 
 def _done_future(value: T) -> torch.futures.Future[T]:

@@ -442,3 +442,26 @@ def test_ddp_backward_that_raises_midway_leaves_nothing_pending() -> None:
     finally:
         m.shutdown(wait=False)
         lh.shutdown()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_average_is_bitwise_a_division(dtype: torch.dtype) -> None:
+    """The manager's average (a multiplication by the inverse for a power
+    of two) gives exactly the bits of torchft's division, subnormals,
+    extremes, infinities and NaN included."""
+    from stepguard.manager import _average
+
+    info = torch.finfo(dtype)
+    g = torch.Generator().manual_seed(0)
+    special = torch.tensor([0.0, -0.0, info.tiny, -info.tiny, info.tiny / 4, info.max, -info.max,
+                            info.smallest_normal * 3, float("inf"), float("-inf"), float("nan")],
+                           dtype=torch.float64).to(dtype)
+    for scale in (1.0, 1e-3, 1e3):
+        x = torch.cat([(torch.randn(100_000, generator=g, dtype=torch.float64) * scale).to(dtype),
+                       special, (torch.rand(1000, generator=g, dtype=torch.float64) * info.tiny).to(dtype)])
+        for n in (1, 2, 3, 4, 6, 8, 1024):
+            got = x.clone()
+            _average(got, n)
+            want = x.clone().div_(n)
+            bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+            assert torch.equal(got.view(bits), want.view(bits)), (dtype, n, scale)

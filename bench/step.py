@@ -47,8 +47,13 @@ ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("plain", "torchft", "stepguard")
 # plain DDP with find_unused_parameters=True, as torchft's DDP builds it
 # (how much of its cost is that flag), and stepguard with the buckets DDP's
-# own rebuild makes (STEPGUARD_DDP_BUCKETS=rebuilt): --kinds to add them
-REFERENCE_KINDS = ("plain-unused", "stepguard-rebuilt-buckets")
+# own rebuild makes (STEPGUARD_DDP_BUCKETS=rebuilt), and stepguard completing
+# each bucket on the process group's thread (STEPGUARD_DDP_COMPLETION=thread):
+# --kinds to add them
+REFERENCE_KINDS = ("plain-unused", "stepguard-rebuilt-buckets", "stepguard-thread-completion")
+# the environment each stepguard reference kind builds its DDP under
+KIND_ENV = {"stepguard-rebuilt-buckets": ("STEPGUARD_DDP_BUCKETS", "rebuilt"),
+            "stepguard-thread-completion": ("STEPGUARD_DDP_COMPLETION", "thread")}
 LISTEN_RE = re.compile(r"Lighthouse listening on:? http://\S+:(\d+)")
 # what the stepguard kind needs from the package
 API = ("Manager", "DistributedDataParallel", "Optimizer", "ProcessGroupGloo")
@@ -174,12 +179,14 @@ class Kind:
             hostname="127.0.0.1", timeout=timedelta(seconds=60),
             quorum_timeout=timedelta(seconds=60), connect_timeout=timedelta(seconds=60))
         self.manager = manager
-        if kind == "stepguard-rebuilt-buckets":
-            os.environ["STEPGUARD_DDP_BUCKETS"] = "rebuilt"
+        env = KIND_ENV.get(kind)
+        if env:
+            os.environ[env[0]] = env[1]
         try:
             self.ddp = ft.DistributedDataParallel(manager, self.model)
         finally:
-            os.environ.pop("STEPGUARD_DDP_BUCKETS", None)
+            if env:
+                os.environ.pop(env[0], None)
         self.opt = ft.Optimizer(manager, inner)
         # time spent waiting for the quorum (inside backward, at the first
         # bucket): how much of the lighthouse round trip the forward pass
@@ -456,7 +463,9 @@ def summarize(kinds: list[str], results: list[list[dict]]) -> dict:
                                          ("stepguard", "torchft"), ("plain-unused", "plain"),
                                          ("stepguard", "plain-unused"),
                                          ("stepguard-rebuilt-buckets", "plain"),
-                                         ("stepguard-rebuilt-buckets", "stepguard"))
+                                         ("stepguard-rebuilt-buckets", "stepguard"),
+                                         ("stepguard-thread-completion", "plain"),
+                                         ("stepguard", "stepguard-thread-completion"))
              if num in kinds and den in kinds]
     for num, den in pairs:
         wall = [statistics.median(x["times"]) / statistics.median(y["times"])

@@ -133,8 +133,10 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         self._hook_state = _HookState(manager)
         # static_graph and the delayed allreduces reduce the buckets inside
         # DDP's own end-of-backward callback, after ours ran
-        self._hook_state.defer = not (kwargs.keys() & _TORCHFT_BUCKETS) and not getattr(
-            self, "_use_python_reducer", True
+        self._hook_state.defer = (
+            os.environ.get("STEPGUARD_DDP_COMPLETION", "") != "thread"
+            and not (kwargs.keys() & _TORCHFT_BUCKETS)
+            and not getattr(self, "_use_python_reducer", True)
         )
         # the fixed buckets (indices into the reducer's parameters, in the
         # order they are reduced), kept if the reducer is rebuilt

@@ -44,6 +44,7 @@ from datetime import timedelta
 from enum import Enum
 from typing import (
     TYPE_CHECKING,
+    Any,
     Callable,
     ContextManager,
     Dict,
@@ -484,6 +485,28 @@ class Manager:
             self.report_error(e)
             return _DummyWork(tensor)
 
+    def _bucket_start(self, tensor: torch.Tensor, future: bool) -> Optional[Tuple[Any, int]]:
+        """Starts the SUM allreduce of a DDP bucket (zeros from a replica
+        that does not participate): its work (its future if ``future``)
+        and the number of participants, or None when the step already
+        failed or the collective did not start (recorded as the step's
+        error)."""
+        if self._errored is not None:
+            return None
+        self.wait_quorum()
+        num_participants = self.num_participants()
+        if not self.is_participating():
+            tensor.zero_()
+        if not torch.is_floating_point(tensor):
+            raise ValueError("average reduce op is only supported for floating point tensors")
+        try:
+            work = self._pg.allreduce([tensor], self._sum_opts)
+            return (work.get_future() if future else work), num_participants
+        except Exception as e:  # noqa: BLE001 - a failed step, not a crash
+            self._logger.exception(f"got exception in all reduce -- skipping remaining: {e}")
+            self.report_error(e)
+            return None
+
     def _bucket_allreduce(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         """What ``allreduce(tensor)`` followed by waiting on its future
         gives, as one future, for DDP's comm hook without an accelerator
@@ -497,20 +520,10 @@ class Manager:
         the GIL from backward.  The deadlines of all buckets share one
         timer (``_BucketDeadlines``).
         """
-        if self._errored is not None:
+        started = self._bucket_start(tensor, future=True)
+        if started is None:
             return _done_future(tensor)
-        self.wait_quorum()
-        num_participants = self.num_participants()
-        if not self.is_participating():
-            tensor.zero_()
-        if not torch.is_floating_point(tensor):
-            raise ValueError("average reduce op is only supported for floating point tensors")
-        try:
-            fut = self._pg.allreduce([tensor], self._sum_opts).get_future()
-        except Exception as e:  # noqa: BLE001 - a failed step, not a crash
-            self._logger.exception(f"got exception in all reduce -- skipping remaining: {e}")
-            self.report_error(e)
-            return _done_future(tensor)
+        fut, num_participants = started
 
         out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         lock = threading.Lock()
@@ -566,20 +579,10 @@ class Manager:
         Python does not know builds and frees a thread state each time).
         The division costs the same on either thread.
         """
-        if self._errored is not None:
+        started = self._bucket_start(tensor, future=False)
+        if started is None:
             return _done_future(tensor)
-        self.wait_quorum()
-        num_participants = self.num_participants()
-        if not self.is_participating():
-            tensor.zero_()
-        if not torch.is_floating_point(tensor):
-            raise ValueError("average reduce op is only supported for floating point tensors")
-        try:
-            work = self._pg.allreduce([tensor], self._sum_opts)
-        except Exception as e:  # noqa: BLE001 - a failed step, not a crash
-            self._logger.exception(f"got exception in all reduce -- skipping remaining: {e}")
-            self.report_error(e)
-            return _done_future(tensor)
+        work, num_participants = started
         out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         timeout = self._timeout
         deadline = time.monotonic() + timeout.total_seconds()

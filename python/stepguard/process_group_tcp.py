@@ -249,6 +249,9 @@ class _TCPWork(dist._Work):
         for), with a safety margin.  When ``timeout`` (or the margin)
         expires first, the group is aborted: the members are out of step.
         """
+        if timeout is not None and timeout <= timedelta(0):
+            # c10d's kNoTimeout (what its C++ callers pass by default)
+            timeout = None
         limit = timeout if timeout is not None else self._pg._timeout + _WAIT_MARGIN
         if not self._event.wait(max(limit.total_seconds(), 0.0)):
             exc = TimeoutError(f"work did not complete within {limit}")
@@ -296,8 +299,17 @@ class ProcessGroupTCP(ProcessGroup):
             rendezvous (a float is seconds).
     """
 
-    def __init__(self, timeout: Union[timedelta, float] = timedelta(seconds=60)) -> None:
-        super().__init__(0, 1)
+    def __init__(
+        self,
+        timeout: Union[timedelta, float] = timedelta(seconds=60),
+        *,
+        _rank_size: Tuple[int, int] = (0, 1),
+    ) -> None:
+        # c10d's view of the group (rank, size): a group of one until
+        # configured, except when built as a fixed c10d backend, whose
+        # size c10d's own helpers read (DDP's parameter check sizes its
+        # allgather from it)
+        super().__init__(*_rank_size)
         if not isinstance(timeout, timedelta):
             timeout = timedelta(seconds=timeout)
         self._timeout = timeout
@@ -746,7 +758,7 @@ class ProcessGroupTCP(ProcessGroup):
 def _create_backend(
     store: Store, rank: int, world_size: int, timeout: timedelta
 ) -> ProcessGroupTCP:
-    pg = ProcessGroupTCP(timeout=timeout)
+    pg = ProcessGroupTCP(timeout=timeout, _rank_size=(rank, world_size))
     pg._connect(store, rank, world_size, 0, "", None)
     return pg
 

@@ -240,6 +240,22 @@ elif scenario == "init":
     dist.barrier()
     res = {"sum": t.tolist(), "gather": [o.tolist() for o in outs], "bcast": b.tolist(),
            "rank": dist.get_rank(), "world": dist.get_world_size()}
+    # plain torch DDP over the backend: its construction checks the
+    # parameters with an allgather sized by c10d's view of the group and
+    # waits on it with c10d's default (no) timeout
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    x = torch.full((3, 4), float(rank + 1))
+    ddp(x).sum().backward()
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    ref.load_state_dict(model.state_dict())
+    ref(torch.cat([torch.full((3, 4), float(r + 1)) for r in range(world)])).sum().backward()
+    res["ddp_grads_match"] = all(
+        torch.allclose(p.grad, q.grad / world, rtol=1e-5, atol=1e-6)
+        for p, q in zip(model.parameters(), ref.parameters()))
+    w = dist.all_reduce(torch.ones(2), async_op=True)
+    res["wait_no_timeout"] = w.wait(timedelta(0))
     dist.destroy_process_group()
 with open(out, "w") as f:
     json.dump(res, f)
@@ -414,6 +430,8 @@ def test_init_process_group_backend(procs, tmp_path):
         assert r["gather"] == [[3.0] * 3, [3.0] * 3]
         assert r["bcast"] == [1.0, 1.0]
         assert r["rank"] == rank and r["world"] == 2
+        assert r["ddp_grads_match"], "DDP over the backend did not average the gradients"
+        assert r["wait_no_timeout"] is True  # c10d's kNoTimeout waits, it does not expire
 
 
 def test_bad_arguments_raise():

@@ -55,6 +55,10 @@ REFERENCE_KINDS = ("plain-unused", "stepguard-rebuilt-buckets", "stepguard-threa
 KIND_ENV = {"stepguard-rebuilt-buckets": ("STEPGUARD_DDP_BUCKETS", "rebuilt"),
             "stepguard-thread-completion": ("STEPGUARD_DDP_COMPLETION", "thread")}
 LISTEN_RE = re.compile(r"Lighthouse listening on:? http://\S+:(\d+)")
+# --pg: the c10d backend plain DDP is built on, and the Manager's group
+PG_BACKEND = {"gloo": "gloo", "tcp": "stepguard_tcp"}
+PG_CLASS = {"gloo": "ProcessGroupGloo", "tcp": "ProcessGroupTCP"}
+PG_LABEL = {"gloo": "Gloo", "tcp": "stepguard's ProcessGroupTCP"}
 # what the stepguard kind needs from the package
 API = ("Manager", "DistributedDataParallel", "Optimizer", "ProcessGroupGloo")
 
@@ -147,6 +151,8 @@ class Kind:
         self.manager = None
         self.waited = [0.0]  # this step's time in manager.wait_quorum
         if kind in ("plain", "plain-unused"):
+            if a.pg == "tcp":
+                importlib.import_module("stepguard.process_group_tcp")  # registers the backend
             if not dist.is_initialized():  # both plain kinds share the default group
                 port_file = os.path.join(a.dir, "plain.port")
                 if a.rank == 0:
@@ -159,7 +165,7 @@ class Kind:
                 else:
                     self.store = dist.TCPStore("127.0.0.1", int(wait_file(port_file, 60)),
                                                a.world, is_master=False)
-                dist.init_process_group("gloo", store=self.store, rank=a.rank,
+                dist.init_process_group(PG_BACKEND[a.pg], store=self.store, rank=a.rank,
                                         world_size=a.world, timeout=timedelta(seconds=60))
             self.ddp = torch.nn.parallel.DistributedDataParallel(
                 self.model, find_unused_parameters=kind == "plain-unused")
@@ -169,7 +175,7 @@ class Kind:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         model = self.model
         manager = ft.Manager(
-            pg=ft.ProcessGroupGloo(timeout=timedelta(seconds=60)),
+            pg=getattr(ft, PG_CLASS[a.pg])(timeout=timedelta(seconds=60)),
             load_state_dict=lambda sd: (model.load_state_dict(sd["m"]),
                                         inner.load_state_dict(sd["o"])),
             state_dict=lambda: {"m": model.state_dict(), "o": inner.state_dict()},
@@ -380,7 +386,7 @@ def run_once(kinds: list[str], n: int, a: argparse.Namespace, blocks: int,
                        "--out", os.path.join(d, f"r{r}.json"), "--blocks", str(blocks),
                        "--block", str(block), "--warmup", str(a.warmup),
                        "--width", str(a.width), "--batch", str(a.batch),
-                       "--profile", a.profile]
+                       "--pg", a.pg, "--profile", a.profile]
                 procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
                                               stderr=open(os.path.join(d, f"r{r}.log"), "wb")))
             deadline = time.monotonic() + a.run_timeout
@@ -504,6 +510,9 @@ def main() -> int:
                          "steps per run (the earlier method)")
     ap.add_argument("--warmup", type=int, default=15, help="untimed steps of each kind")
     ap.add_argument("--width", type=int, default=512, help="hidden width of the MLP")
+    ap.add_argument("--pg", choices=sorted(PG_BACKEND), default="gloo",
+                    help="the process group of every kind: torch's Gloo, or stepguard's "
+                         "ProcessGroupTCP (plain DDP through its c10d backend; torchft not run)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--run-timeout", type=float, default=300.0)
     ap.add_argument("--profile", default="",
@@ -519,6 +528,8 @@ def main() -> int:
     if bad:
         ap.error(f"unknown kinds {bad}")
     unavailable = {k: why for k in ("torchft", "stepguard") if k in wanted and (why := has_api(k))}
+    if a.pg != "gloo" and "torchft" in wanted:
+        unavailable["torchft"] = f"not run over {PG_LABEL[a.pg]}"
     kinds = [k for k in wanted if k not in unavailable]
     for k, why in unavailable.items():
         print(f"{k}: not measured ({why})")
@@ -544,7 +555,7 @@ def main() -> int:
 
     mode = "separate processes per kind" if a.separate else \
         f"kinds interleaved in blocks of {a.block} steps in the same processes"
-    print(f"\nMLP 256-{a.width}-{a.width}-10, batch {a.batch}, Gloo on loopback; replica 0; "
+    print(f"\nMLP 256-{a.width}-{a.width}-10, batch {a.batch}, {PG_LABEL[a.pg]} on loopback; replica 0; "
           f"{a.rounds} runs x {a.blocks} blocks x {a.block} steps per kind; {mode}")
     summary: dict[str, dict] = {}
     for n in counts:
@@ -576,7 +587,7 @@ def main() -> int:
                     "python": platform.python_version(), "load": os.getloadavg()},
         "config": {"rounds": a.rounds, "blocks": a.blocks, "block": a.block,
                    "separate": a.separate, "warmup": a.warmup,
-                   "width": a.width, "batch": a.batch, "replicas": counts},
+                   "width": a.width, "batch": a.batch, "replicas": counts, "pg": a.pg},
         "unavailable": unavailable,
         "goal": {"stepguard/plain": 1.05, "met": goal_met if "stepguard" in kinds else None},
         "results": summary,

@@ -50,7 +50,10 @@ KINDS = ("plain", "torchft", "stepguard")
 # own rebuild makes (STEPGUARD_DDP_BUCKETS=rebuilt), and stepguard completing
 # each bucket on the process group's thread (STEPGUARD_DDP_COMPLETION=thread):
 # --kinds to add them
-REFERENCE_KINDS = ("plain-unused", "stepguard-rebuilt-buckets", "stepguard-thread-completion")
+# and stepguard over its own ProcessGroupTCP whatever --pg says
+# (stepguard-tcp: against plain DDP over Gloo in the same run)
+REFERENCE_KINDS = ("plain-unused", "stepguard-rebuilt-buckets", "stepguard-thread-completion",
+                   "stepguard-tcp")
 # the environment each stepguard reference kind builds its DDP under
 KIND_ENV = {"stepguard-rebuilt-buckets": ("STEPGUARD_DDP_BUCKETS", "rebuilt"),
             "stepguard-thread-completion": ("STEPGUARD_DDP_COMPLETION", "thread")}
@@ -175,7 +178,8 @@ class Kind:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         model = self.model
         manager = ft.Manager(
-            pg=getattr(ft, PG_CLASS[a.pg])(timeout=timedelta(seconds=60)),
+            pg=getattr(ft, PG_CLASS["tcp" if kind == "stepguard-tcp" else a.pg])(
+                timeout=timedelta(seconds=60)),
             load_state_dict=lambda sd: (model.load_state_dict(sd["m"]),
                                         inner.load_state_dict(sd["o"])),
             state_dict=lambda: {"m": model.state_dict(), "o": inner.state_dict()},
@@ -471,7 +475,8 @@ def summarize(kinds: list[str], results: list[list[dict]]) -> dict:
                                          ("stepguard-rebuilt-buckets", "plain"),
                                          ("stepguard-rebuilt-buckets", "stepguard"),
                                          ("stepguard-thread-completion", "plain"),
-                                         ("stepguard", "stepguard-thread-completion"))
+                                         ("stepguard", "stepguard-thread-completion"),
+                                         ("stepguard-tcp", "plain"))
              if num in kinds and den in kinds]
     for num, den in pairs:
         wall = [statistics.median(x["times"]) / statistics.median(y["times"])

@@ -349,6 +349,8 @@ class Manager:
         # the bucket allreduce's options (read by c10d at each call)
         self._sum_opts = AllreduceOptions()
         self._sum_opts.reduceOp = ReduceOp.SUM
+        self._avg_opts = AllreduceOptions()
+        self._avg_opts.reduceOp = ReduceOp.AVG
         self._bucket_deadlines = _BucketDeadlines()
 
         self._global_rank: int = (
@@ -486,11 +488,11 @@ class Manager:
             return _DummyWork(tensor)
 
     def _bucket_start(self, tensor: torch.Tensor, future: bool) -> Optional[Tuple[Any, int]]:
-        """Starts the SUM allreduce of a DDP bucket (zeros from a replica
-        that does not participate): its work (its future if ``future``)
-        and the number of participants, or None when the step already
-        failed or the collective did not start (recorded as the step's
-        error)."""
+        """Starts the allreduce of a DDP bucket (zeros from a replica that
+        does not participate): its work (its future if ``future``) and what
+        to divide the result by (0: the group averaged it itself), or None
+        when the step already failed or the collective did not start
+        (recorded as the step's error)."""
         if self._errored is not None:
             return None
         self.wait_quorum()
@@ -499,9 +501,15 @@ class Manager:
             tensor.zero_()
         if not torch.is_floating_point(tensor):
             raise ValueError("average reduce op is only supported for floating point tensors")
+        opts, divisor = self._sum_opts, num_participants
+        pg = self._pg
+        if getattr(pg, "_avg_is_sum_then_divide", False) and pg.size() == num_participants:
+            # every member takes part: the group's own AVG gives the same
+            # bits and divides as it reduces (no pass over the bucket after)
+            opts, divisor = self._avg_opts, 0
         try:
-            work = self._pg.allreduce([tensor], self._sum_opts)
-            return (work.get_future() if future else work), num_participants
+            work = pg.allreduce([tensor], opts)
+            return (work.get_future() if future else work), divisor
         except Exception as e:  # noqa: BLE001 - a failed step, not a crash
             self._logger.exception(f"got exception in all reduce -- skipping remaining: {e}")
             self.report_error(e)
@@ -523,7 +531,7 @@ class Manager:
         started = self._bucket_start(tensor, future=True)
         if started is None:
             return _done_future(tensor)
-        fut, num_participants = started
+        fut, divisor = started
 
         out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         lock = threading.Lock()
@@ -538,9 +546,9 @@ class Manager:
                 self._logger.exception(f"got exception in future -- skipping remaining: {err}")
                 self.report_error(err)
             # as allreduce's chain: the average applies to whatever the
-            # tensor holds, failed or not
-            if num_participants > 0:
-                _average(tensor, num_participants)
+            # tensor holds, failed or not (unless the group averaged)
+            if divisor > 0:
+                _average(tensor, divisor)
             out.set_result(tensor)
 
         timeout = self._timeout
@@ -582,7 +590,7 @@ class Manager:
         started = self._bucket_start(tensor, future=False)
         if started is None:
             return _done_future(tensor)
-        work, num_participants = started
+        work, divisor = started
         out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         timeout = self._timeout
         deadline = time.monotonic() + timeout.total_seconds()
@@ -603,9 +611,9 @@ class Manager:
                 self._logger.exception(f"got exception in future -- skipping remaining: {err}")
                 self.report_error(err)
             # as allreduce's chain: the average applies to whatever the
-            # tensor holds, failed or not
-            if num_participants > 0:
-                _average(tensor, num_participants)
+            # tensor holds, failed or not (unless the group averaged)
+            if divisor > 0:
+                _average(tensor, divisor)
             out.set_result(tensor)
 
         finishers.append(finish)

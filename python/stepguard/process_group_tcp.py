@@ -326,6 +326,11 @@ class ProcessGroupTCP(ProcessGroup):
 
     # -- configuration ----------------------------------------------------------
 
+    # AVG sums, then divides each element by the number of members (as it
+    # reduces): the bits of a SUM followed by a division, which the Manager
+    # relies on to let the group average a DDP bucket itself
+    _avg_is_sum_then_divide = True
+
     def getBackendName(self) -> str:
         return "stepguard-tcp"
 

@@ -1007,10 +1007,15 @@ static int do_send(struct xfer *x, int *blocked, int *moved) {
   return 0;
 }
 
-/* reduce_ready: reduce the whole elements received but not yet reduced. */
+/* reduce_ready: reduce the whole elements received but not yet reduced.
+ * For AVG the last reducing step completes its chunk: each piece is
+ * divided right after its sum, while it is in cache, instead of in a pass
+ * over the whole result afterwards (the same operations, the same bits);
+ * the ring then forwards the chunk already divided. */
 static void reduce_ready(struct xfer *x) {
   struct seg *s = &x->rs[x->rk];
   size_t S = x->c->stage_cap;
+  int avg = x->op->redop == SG_COMM_AVG && x->rk == x->nreduce - 1;
   for (;;) {
     size_t avail = x->roff - x->rdone;
     avail -= avail % x->esize;
@@ -1020,6 +1025,9 @@ static void reduce_ready(struct xfer *x) {
     size_t n = avail < S - pos ? avail : S - pos;
     sg__comm_reduce(x->op->dtype, x->op->redop, s->p + x->rdone,
                     x->c->stage + pos, s->src + x->rdone, n / x->esize);
+    if (avg)
+      sg__comm_scale_avg(x->op->dtype, s->p + x->rdone, n / x->esize,
+                         x->c->world);
     x->rdone += n;
   }
 }
@@ -1589,13 +1597,12 @@ static int run_allreduce(sg_comm_t *c, struct op *op, char *msg) {
       t.src[i] = t.p[i];
       t.len[i] = len * es;
     }
+    /* AVG divides as the last reducing step goes (reduce_ready) */
     rc = ring(c, op, 2 * (n - 1), n - 1, 0, t.p, t.src, t.len, msg);
   } else {
     snprintf(msg, 256, "out of memory");
   }
   table_free(&t);
-  if (rc == 0 && op->redop == SG_COMM_AVG)
-    sg__comm_scale_avg(op->dtype, op->buf, op->count, n);
   return rc;
 }
 
@@ -1676,9 +1683,8 @@ static int run_reduce_scatter(sg_comm_t *c, struct op *op, char *msg) {
     t.src[i] = op->ins[i];
     t.len[i] = bytes;
   }
+  /* AVG divides as the last reducing step goes (reduce_ready) */
   rc = ring(c, op, n - 1, n - 1, 1, t.p, t.src, t.len, msg);
-  if (rc == 0 && op->redop == SG_COMM_AVG)
-    sg__comm_scale_avg(op->dtype, op->buf, op->count, n);
 out:
   sg_free(work);
   table_free(&t);

@@ -782,6 +782,66 @@ static void test_allreduce_bits(void **state) {
   }
 }
 
+/* AVG divides each piece as the ring's last reducing step completes it:
+ * the result must be bitwise SUM followed by the separate division, on
+ * every rank, for floats and both half types, with both algorithms and a
+ * size spanning several staging buffers. */
+static void test_allreduce_avg_is_sum_then_divide(void **state) {
+  sg_comm_dtype_t dts[] = {SG_COMM_F32, SG_COMM_F16, SG_COMM_BF16};
+  for (int alg = 0; alg < 2; alg++) {
+    struct group g;
+    group_start_opts(&g, 3, alg ? 1 : (size_t)64 << 20);
+    for (size_t k = 0; k < sizeof(dts) / sizeof(dts[0]); k++) {
+      sg_comm_dtype_t dt = dts[k];
+      size_t es = sg_comm_dtype_size(dt);
+      size_t count = (3u << 20) / es + 13; /* ~3 MiB, uneven chunks */
+      uint8_t *sum[3], *avg[3];
+      struct done d[6];
+      for (int r = 0; r < 3; r++) {
+        sum[r] = malloc(count * es);
+        avg[r] = malloc(count * es);
+        for (size_t i = 0; i < count; i++) {
+          float f = (float)((double)(rnd() % 2000001) / 1000.0 - 1000.0);
+          if (dt == SG_COMM_F32) {
+            memcpy(sum[r] + i * 4, &f, 4);
+          } else {
+            uint16_t h = dt == SG_COMM_F16 ? sg__comm_f32_to_f16(f)
+                                           : sg__comm_f32_to_bf16(f);
+            memcpy(sum[r] + i * 2, &h, 2);
+          }
+        }
+        memcpy(avg[r], sum[r], count * es);
+        done_init(&d[r]);
+        done_init(&d[3 + r]);
+      }
+      for (int r = 0; r < 3; r++)
+        assert_int_equal(
+            sg_comm_allreduce(g.c[r], sum[r], count, dt, SG_COMM_SUM,
+                              sg_deadline_in_ms(30000), done_cb, &d[r], NULL),
+            0);
+      for (int r = 0; r < 3; r++)
+        assert_int_equal(done_wait(&d[r], 60000), 0);
+      for (int r = 0; r < 3; r++)
+        assert_int_equal(sg_comm_allreduce(g.c[r], avg[r], count, dt,
+                                           SG_COMM_AVG,
+                                           sg_deadline_in_ms(30000), done_cb,
+                                           &d[3 + r], NULL),
+                         0);
+      for (int r = 0; r < 3; r++)
+        assert_int_equal(done_wait(&d[3 + r], 60000), 0);
+      for (int r = 0; r < 3; r++) {
+        sg__comm_scale_avg(dt, sum[r], count, 3);
+        assert_memory_equal(sum[r], avg[r], count * es);
+        free(sum[r]);
+        free(avg[r]);
+        done_destroy(&d[r]);
+        done_destroy(&d[3 + r]);
+      }
+    }
+    group_stop(&g);
+  }
+}
+
 static void wait_all(struct group *g, struct done *d) {
   for (int r = 0; r < g->n; r++) {
     int rc = done_wait(&d[r], 30000);
@@ -1908,6 +1968,7 @@ int main(void) {
       cmocka_unit_test(test_allreduce_3_ring),
       cmocka_unit_test(test_allreduce_4_ring),
       cmocka_unit_test(test_allreduce_bits),
+      cmocka_unit_test(test_allreduce_avg_is_sum_then_divide),
       cmocka_unit_test(test_broadcast),
       cmocka_unit_test(test_allgather_reduce_scatter),
       cmocka_unit_test(test_alltoall_sendrecv_barrier),
@@ -1935,6 +1996,7 @@ int main(void) {
       cmocka_unit_test(test_allreduce_3_ring),
       cmocka_unit_test(test_allreduce_4_ring),
       cmocka_unit_test(test_allreduce_bits),
+      cmocka_unit_test(test_allreduce_avg_is_sum_then_divide),
       cmocka_unit_test(test_broadcast),
       cmocka_unit_test(test_allgather_reduce_scatter),
       cmocka_unit_test(test_alltoall_sendrecv_barrier),

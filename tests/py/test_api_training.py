@@ -190,14 +190,34 @@ def make_manager(lh: LighthouseServer, idx: int, pg: object, model: nn.Module) -
     return m
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "pure"])
-def test_ddp_averages_gradients_over_replicas(wrapper: str) -> None:
+@pytest.mark.parametrize("wrapper,pg", [("ddp", "gloo"), ("pure", "gloo"), ("ddp", "tcp")])
+def test_ddp_averages_gradients_over_replicas(wrapper: str, pg: str) -> None:
+    """Both replicas get the mean of their gradients, bitwise for DDP
+    (torchft's sum then division); over ProcessGroupTCP the group averages
+    DDP's buckets itself (its AVG), with the same bits."""
+    from stepguard.process_group_tcp import ProcessGroupTCP
+
     lh = LighthouseServer("127.0.0.1:0", 2, join_timeout_ms=100)
     torch.manual_seed(0)
     models = [nn.Linear(3, 2) for _ in range(2)]
     for m in models[1:]:
         m.load_state_dict(models[0].state_dict())
-    managers = [make_manager(lh, i, ProcessGroupGloo(timeout=TD), models[i]) for i in range(2)]
+    ops: List[object] = []
+
+    def group() -> object:
+        if pg == "gloo":
+            return ProcessGroupGloo(timeout=TD)
+        g = ProcessGroupTCP(timeout=TD)
+        real = g.allreduce
+
+        def allreduce(tensors, opts):  # type: ignore[no-untyped-def]
+            ops.append(getattr(opts, "reduceOp", opts))
+            return real(tensors, opts)
+
+        g.allreduce = allreduce  # type: ignore[method-assign]
+        return g
+
+    managers = [make_manager(lh, i, group(), models[i]) for i in range(2)]
     grads: List[List[torch.Tensor]] = [[], []]
     reference = nn.Linear(3, 2)
     reference.load_state_dict(models[0].state_dict())
@@ -238,6 +258,10 @@ def test_ddp_averages_gradients_over_replicas(wrapper: str) -> None:
         for i in range(2):
             for g, e in zip(grads[i], mean):
                 assert torch.allclose(g, e, atol=1e-6)
+                if wrapper == "ddp":
+                    assert torch.equal(g, e)
+        if pg == "tcp":
+            assert ops and all(op == torch.distributed.ReduceOp.AVG for op in ops), ops
             for p, r in zip(models[i].parameters(), reference.parameters()):
                 assert torch.allclose(p, r, atol=1e-6)
         assert [m.current_step() for m in managers] == [2, 2]

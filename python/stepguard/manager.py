@@ -487,12 +487,16 @@ class Manager:
             self.report_error(e)
             return _DummyWork(tensor)
 
-    def _bucket_start(self, tensor: torch.Tensor, future: bool) -> Optional[Tuple[Any, int]]:
+    def _bucket_start(
+        self, tensor: torch.Tensor, deferred: bool
+    ) -> Optional[Tuple[Any, int, bool]]:
         """Starts the allreduce of a DDP bucket (zeros from a replica that
-        does not participate): its work (its future if ``future``) and what
-        to divide the result by (0: the group averaged it itself), or None
-        when the step already failed or the collective did not start
-        (recorded as the step's error)."""
+        does not participate).  Returns what completes it, what to divide
+        the result by (0: the group averaged it itself) and whether the
+        first is the work (asked for with ``deferred``, and only when its
+        ``wait(timeout)`` is known to give up at the timeout) or its
+        future; None when the step already failed or the collective did
+        not start (recorded as the step's error)."""
         if self._errored is not None:
             return None
         self.wait_quorum()
@@ -509,7 +513,9 @@ class Manager:
             opts, divisor = self._avg_opts, 0
         try:
             work = pg.allreduce([tensor], opts)
-            return (work.get_future() if future else work), divisor
+            if deferred and _waits_with_deadline(work):
+                return work, divisor, True
+            return work.get_future(), divisor, False
         except Exception as e:  # noqa: BLE001 - a failed step, not a crash
             self._logger.exception(f"got exception in all reduce -- skipping remaining: {e}")
             self.report_error(e)
@@ -528,11 +534,17 @@ class Manager:
         the GIL from backward.  The deadlines of all buckets share one
         timer (``_BucketDeadlines``).
         """
-        started = self._bucket_start(tensor, future=True)
+        started = self._bucket_start(tensor, deferred=False)
         if started is None:
             return _done_future(tensor)
-        fut, divisor = started
+        return self._complete_on_thread(started[0], tensor, started[1])
 
+    def _complete_on_thread(
+        self, fut: torch.futures.Future[object], tensor: torch.Tensor, divisor: int
+    ) -> torch.futures.Future[torch.Tensor]:
+        """The future of ``_bucket_allreduce`` for a started collective's
+        future ``fut``: completed by one callback on the thread that
+        completes ``fut``, or by the shared timer at the deadline."""
         out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         lock = threading.Lock()
         settled = [False]
@@ -587,10 +599,14 @@ class Manager:
         Python does not know builds and frees a thread state each time).
         The division costs the same on either thread.
         """
-        started = self._bucket_start(tensor, future=False)
+        started = self._bucket_start(tensor, deferred=True)
         if started is None:
             return _done_future(tensor)
-        work, divisor = started
+        work, divisor, deferred = started
+        if not deferred:
+            # a work whose wait may not give up at a timeout (a wrapper's):
+            # its future and the shared timer keep the deadline instead
+            return self._complete_on_thread(work, tensor, divisor)
         out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         timeout = self._timeout
         deadline = time.monotonic() + timeout.total_seconds()
@@ -1117,6 +1133,14 @@ class Manager:
             assert self._use_async_quorum
             return False
         return True
+
+
+def _waits_with_deadline(work: object) -> bool:
+    """Whether ``work.wait(timeout)`` is known to give up at the timeout:
+    c10d's own works (Gloo's, NCCL's) and works that say so
+    (``ProcessGroupTCP``'s).  A Python work may wait without one."""
+    cls = type(work)
+    return cls.wait is Work.wait or getattr(cls, "_wait_honours_timeout", False)
 
 
 def _average(tensor: torch.Tensor, n: int) -> None:

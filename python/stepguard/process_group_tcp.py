@@ -241,6 +241,9 @@ class _TCPWork(dist._Work):
         else:
             fut.set_result(self._result)
 
+    # wait(timeout) gives up at the timeout (the Manager relies on it)
+    _wait_honours_timeout = True
+
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         """Blocks until the operation is done and raises its error.
 

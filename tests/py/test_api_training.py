@@ -358,6 +358,8 @@ class _NeverDone(torch.distributed.distributed_c10d.Work):
     the timeout, as c10d's works do.  Its future is not to be used: DDP's
     buckets are completed on backward's thread by waiting on the work."""
 
+    _wait_honours_timeout = True  # as c10d's works: DDP completes it by waiting
+
     def __init__(self) -> None:
         super().__init__()
         self.waited: List[float] = []
@@ -489,3 +491,68 @@ def test_average_is_bitwise_a_division(dtype: torch.dtype) -> None:
             want = x.clone().div_(n)
             bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
             assert torch.equal(got.view(bits), want.view(bits)), (dtype, n, scale)
+
+
+class _WaitsForever(torch.distributed.distributed_c10d.Work):
+    """A wrapper's work that never completes and whose ``wait`` ignores its
+    timeout (it returns only when the test ends): only its future can be
+    bounded."""
+
+    def __init__(self, release: threading.Event) -> None:
+        super().__init__()
+        self.release = release
+        self.fut: torch.futures.Future = torch.futures.Future()
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        self.release.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self.fut
+
+
+def test_ddp_bucket_of_a_work_that_waits_without_deadline_still_times_out() -> None:
+    """A process group whose works wait without honouring a timeout: DDP
+    does not wait on such a work; the bucket's future and the shared timer
+    keep the Manager's deadline, so backward returns and the step fails."""
+    from stepguard.process_group import ProcessGroupWrapper
+
+    release = threading.Event()
+
+    class Stuck(ProcessGroupWrapper):
+        stuck_next = False
+
+        def allreduce(self, tensors, opts):  # type: ignore[no-untyped-def, override]
+            if self.stuck_next:
+                self.stuck_next = False
+                return _WaitsForever(release)
+            return super().allreduce(tensors, opts)
+
+    lh = LighthouseServer("127.0.0.1:0", 1, join_timeout_ms=100)
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    pg = Stuck(pg=ProcessGroupGloo(timeout=TD))
+    m = make_manager(lh, 0, pg, model)
+    m._timeout = timedelta(seconds=1)
+    try:
+        net = DistributedDataParallel(m, model)
+        opt = OptimizerWrapper(m, torch.optim.SGD(model.parameters(), lr=0.1))
+        x = torch.randn(4, 3)
+        opt.zero_grad()
+        pg.stuck_next = True
+        t = time.monotonic()
+        net(x).sum().backward()
+        took = time.monotonic() - t
+        assert took < 10, f"backward took {took:.1f}s with a 1s timeout"
+        err = m.errored()
+        assert err is not None and isinstance(err.original_exception, TimeoutError)
+        opt.step()
+        assert m.current_step() == 0
+        opt.zero_grad()
+        net(x).sum().backward()
+        opt.step()
+        assert m.errored() is None and m.current_step() == 1
+    finally:
+        release.set()
+        m.shutdown(wait=False)
+        lh.shutdown()

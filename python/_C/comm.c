@@ -31,13 +31,13 @@ static void on_done(void *ud, int rc, const char *msg) {
   PyObject *fn = ud;
   if (interpreter_finalizing())
     return; /* the interpreter is going away: leak rather than crash */
-  PyGILState_STATE g = PyGILState_Ensure();
+  PyGILState_STATE g = sg_py_gil_enter();
   PyObject *r = PyObject_CallFunction(fn, "is", rc, msg);
   if (!r)
     PyErr_WriteUnraisable(fn);
   Py_XDECREF(r);
   Py_DECREF(fn);
-  PyGILState_Release(g);
+  sg_py_gil_leave(g);
 }
 
 static int comm_init(PyObject *self_obj, PyObject *args, PyObject *kw) {

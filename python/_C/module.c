@@ -24,6 +24,48 @@ sg_py_state *sg_py_state_of_type(PyTypeObject *tp) {
   return m ? get_state(m) : NULL;
 }
 
+#if PY_VERSION_HEX >= 0x030D0000
+#define interpreter_finalizing() Py_IsFinalizing()
+#else
+#define interpreter_finalizing() _Py_IsFinalizing()
+#endif
+
+/* The threads whose thread state sg_py_gil_enter keeps: the key holds the
+ * state, and its destructor frees it when the thread exits (by the state
+ * itself: the C library may already have cleared CPython's own per-thread
+ * key by then). */
+static pthread_key_t pin_key;
+static pthread_once_t pin_once = PTHREAD_ONCE_INIT;
+static int pin_ok;
+
+static void pin_release(void *ts) {
+  if (interpreter_finalizing())
+    return; /* the interpreter is going away: leave the state to it */
+  PyEval_RestoreThread(ts);
+  PyThreadState_Clear(ts);
+  PyThreadState_DeleteCurrent(); /* and releases the GIL */
+}
+
+static void pin_init(void) {
+  pin_ok = pthread_key_create(&pin_key, pin_release) == 0;
+}
+
+PyGILState_STATE sg_py_gil_enter(void) {
+  int unknown = PyGILState_GetThisThreadState() == NULL;
+  PyGILState_STATE g = PyGILState_Ensure();
+  if (unknown) {
+    pthread_once(&pin_once, pin_init);
+    /* a second, never released count keeps the state alive between
+     * calls; only a thread Python did not start is pinned (Python frees
+     * the states of its own threads itself) */
+    if (pin_ok && pthread_setspecific(pin_key, PyThreadState_Get()) == 0)
+      (void)PyGILState_Ensure();
+  }
+  return g;
+}
+
+void sg_py_gil_leave(PyGILState_STATE g) { PyGILState_Release(g); }
+
 int64_t sg_py_timeout_ms(double seconds) {
   if (!(seconds >= 0) || seconds > 86400.0 * 365) {
     PyErr_SetString(PyExc_ValueError, "timeout must be in [0, 1 year]");

@@ -22,6 +22,17 @@ typedef struct {
   PyObject *ckpt_types[4];   /* ckpt.c's types (SG_PY_HAVE_CKPT) */
 } sg_py_state;
 
+/*
+ * sg_py_gil_enter / sg_py_gil_leave: PyGILState_Ensure / _Release for a
+ * libstepguard thread that calls into Python (a communicator's progress
+ * thread).  On a thread Python does not know, the first call gives it a
+ * thread state that stays from one call to the next and is freed when the
+ * thread exits: PyGILState_Ensure alone builds one and frees it every call
+ * (with an mmap and a munmap of its frame stack).
+ */
+PyGILState_STATE sg_py_gil_enter(void);
+void sg_py_gil_leave(PyGILState_STATE g);
+
 /* sg_py_state_of: the module state reached from a heap type's instance. */
 sg_py_state *sg_py_state_of_type(PyTypeObject *tp);
 

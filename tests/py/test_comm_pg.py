@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed import TCPStore
 
 WORKER = r'''
@@ -432,6 +433,47 @@ def test_init_process_group_backend(procs, tmp_path):
         assert r["rank"] == rank and r["world"] == 2
         assert r["ddp_grads_match"], "DDP over the backend did not average the gradients"
         assert r["wait_no_timeout"] is True  # c10d's kNoTimeout waits, it does not expire
+
+
+def _thread_states() -> int:
+    """The interpreter's thread states (CPython's C API through ctypes)."""
+    import ctypes
+
+    api = ctypes.pythonapi
+    api.PyInterpreterState_Get.restype = ctypes.c_void_p
+    api.PyInterpreterState_ThreadHead.restype = ctypes.c_void_p
+    api.PyInterpreterState_ThreadHead.argtypes = [ctypes.c_void_p]
+    api.PyThreadState_Next.restype = ctypes.c_void_p
+    api.PyThreadState_Next.argtypes = [ctypes.c_void_p]
+    ts, n = api.PyInterpreterState_ThreadHead(api.PyInterpreterState_Get()), 0
+    while ts:
+        n += 1
+        ts = api.PyThreadState_Next(ts)
+    return n
+
+
+def test_progress_thread_keeps_its_python_state_and_frees_it_at_exit():
+    """The communicator's progress thread calls into Python for every
+    completion: it keeps one thread state while it runs (a fresh one per
+    call cost an mmap and a munmap each) and frees it when it exits, so
+    groups built and destroyed one after another leave nothing behind."""
+    import stepguard.process_group_tcp  # noqa: F401 - registers the backend
+
+    before = _thread_states()
+    for _ in range(4):
+        store = TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+        dist.init_process_group(backend="stepguard_tcp", store=store, rank=0, world_size=1,
+                                timeout=timedelta(seconds=10))
+        t = torch.ones(4)
+        for _ in range(5):
+            dist.all_reduce(t)
+        # the completion thread (Python's) and the progress thread's kept state
+        assert _thread_states() >= before + 2
+        dist.destroy_process_group()
+        deadline = time.monotonic() + 10
+        while _thread_states() > before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _thread_states() == before
 
 
 def test_bad_arguments_raise():

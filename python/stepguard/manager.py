@@ -554,14 +554,7 @@ class Manager:
                 if settled[0]:
                     return
                 settled[0] = True
-            if err is not None:
-                self._logger.exception(f"got exception in future -- skipping remaining: {err}")
-                self.report_error(err)
-            # as allreduce's chain: the average applies to whatever the
-            # tensor holds, failed or not (unless the group averaged)
-            if divisor > 0:
-                _average(tensor, divisor)
-            out.set_result(tensor)
+            self._bucket_done(err, tensor, divisor, out)
 
         timeout = self._timeout
 
@@ -623,17 +616,28 @@ class Manager:
                     if time.monotonic() >= deadline
                     else e
                 )
-            if err is not None:
-                self._logger.exception(f"got exception in future -- skipping remaining: {err}")
-                self.report_error(err)
-            # as allreduce's chain: the average applies to whatever the
-            # tensor holds, failed or not (unless the group averaged)
-            if divisor > 0:
-                _average(tensor, divisor)
-            out.set_result(tensor)
+            self._bucket_done(err, tensor, divisor, out)
 
         finishers.append(finish)
         return out
+
+    def _bucket_done(
+        self,
+        err: Optional[Exception],
+        tensor: torch.Tensor,
+        divisor: int,
+        out: torch.futures.Future[torch.Tensor],
+    ) -> None:
+        """Ends a DDP bucket: its failure (if any) fails the step, the
+        result is divided (as ``allreduce``'s chain: whatever the tensor
+        holds, failed or not; 0 when the group averaged) and ``out`` gets
+        the tensor."""
+        if err is not None:
+            self._logger.exception(f"got exception in future -- skipping remaining: {err}")
+            self.report_error(err)
+        if divisor > 0:
+            _average(tensor, divisor)
+        out.set_result(tensor)
 
     def report_error(self, e: Exception) -> None:
         """Marks this step failed (it will not commit); the process group
@@ -1139,8 +1143,7 @@ def _waits_with_deadline(work: object) -> bool:
     """Whether ``work.wait(timeout)`` is known to give up at the timeout:
     c10d's own works (Gloo's, NCCL's) and works that say so
     (``ProcessGroupTCP``'s).  A Python work may wait without one."""
-    cls = type(work)
-    return cls.wait is Work.wait or getattr(cls, "_wait_honours_timeout", False)
+    return type(work).wait is Work.wait or getattr(work, "_wait_honours_timeout", False)
 
 
 def _average(tensor: torch.Tensor, n: int) -> None:

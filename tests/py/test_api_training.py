@@ -11,7 +11,7 @@ import textwrap
 import threading
 import time
 from datetime import timedelta
-from typing import List
+from typing import List, Optional
 from unittest.mock import MagicMock
 
 import pytest
@@ -353,80 +353,6 @@ def test_ddp_bucket_failure_fails_the_step_not_backward() -> None:
         lh.shutdown()
 
 
-class _NeverDone(torch.distributed.distributed_c10d.Work):
-    """A collective that never completes: ``wait(timeout)`` raises after
-    the timeout, as c10d's works do.  Its future is not to be used: DDP's
-    buckets are completed on backward's thread by waiting on the work."""
-
-    _wait_honours_timeout = True  # as c10d's works: DDP completes it by waiting
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.waited: List[float] = []
-
-    def wait(self, timeout: timedelta = timedelta(hours=1)) -> bool:
-        self.waited.append(timeout.total_seconds())
-        threading.Event().wait(timeout.total_seconds())
-        raise RuntimeError("Operation timed out!")
-
-    def get_future(self) -> torch.futures.Future:
-        raise AssertionError("a bucket was completed on the process group's thread")
-
-
-def test_ddp_bucket_that_never_completes_fails_the_step_within_the_timeout() -> None:
-    """A bucket allreduce that hangs: backward returns once the manager's
-    timeout (1 s here, measured from the bucket's start) has passed, the
-    step fails with a TimeoutError and is not committed, the next step is
-    clean; the process group's thread ran nothing of ours."""
-    from stepguard.process_group import ProcessGroupWrapper
-
-    class Hang(ProcessGroupWrapper):
-        hang_next = False
-
-        def allreduce(self, tensors, opts):  # type: ignore[no-untyped-def, override]
-            if self.hang_next:
-                self.hang_next = False
-                self.hung = _NeverDone()
-                return self.hung
-            return super().allreduce(tensors, opts)
-
-    lh = LighthouseServer("127.0.0.1:0", 1, join_timeout_ms=100)
-    torch.manual_seed(0)
-    model = nn.Linear(3, 2)
-    pg = Hang(pg=ProcessGroupGloo(timeout=TD))
-    m = make_manager(lh, 0, pg, model)
-    m._timeout = timedelta(seconds=1)
-    try:
-        net = DistributedDataParallel(m, model)
-        opt = OptimizerWrapper(m, torch.optim.SGD(model.parameters(), lr=0.1))
-        x = torch.randn(4, 3)
-        opt.zero_grad()
-        net(x).sum().backward()
-        opt.step()
-        assert m.current_step() == 1
-        before = [p.detach().clone() for p in model.parameters()]
-        opt.zero_grad()
-        pg.hang_next = True
-        t = time.monotonic()
-        net(x).sum().backward()  # must not raise, must not hang
-        took = time.monotonic() - t
-        assert took < 10, f"backward took {took:.1f}s with a 1s timeout"
-        assert len(pg.hung.waited) == 1 and 0 < pg.hung.waited[0] <= 1.0
-        err = m.errored()
-        assert err is not None and isinstance(err.original_exception, TimeoutError)
-        opt.step()
-        assert m.current_step() == 1  # not committed
-        for p, b in zip(model.parameters(), before):
-            assert torch.equal(p.detach(), b)
-        opt.zero_grad()
-        net(x).sum().backward()
-        opt.step()
-        assert m.errored() is None and m.current_step() == 2
-    finally:
-        m.shutdown(wait=False)
-        lh.shutdown()
-
-
 def test_ddp_backward_that_raises_midway_leaves_nothing_pending() -> None:
     """A backward that raises after DDP started a bucket (a later gradient
     hook fails): the bucket's completion is not left behind, and the next
@@ -493,45 +419,64 @@ def test_average_is_bitwise_a_division(dtype: torch.dtype) -> None:
             assert torch.equal(got.view(bits), want.view(bits)), (dtype, n, scale)
 
 
-class _WaitsForever(torch.distributed.distributed_c10d.Work):
-    """A wrapper's work that never completes and whose ``wait`` ignores its
-    timeout (it returns only when the test ends): only its future can be
-    bounded."""
 
-    def __init__(self, release: threading.Event) -> None:
+class _NeverDone(torch.distributed.distributed_c10d.Work):
+    """A collective that never completes.  With ``honours`` its
+    ``wait(timeout)`` raises at the timeout, as c10d's works do, and its
+    future must not be used (DDP completes such a bucket by waiting on the
+    work); without, its ``wait`` ignores the timeout (as a wrapper's Python
+    work may) and only its future, never completed, can be bounded."""
+
+    def __init__(self, honours: bool, release: threading.Event) -> None:
         super().__init__()
+        self._wait_honours_timeout = honours
         self.release = release
+        self.waited: List[float] = []
         self.fut: torch.futures.Future = torch.futures.Future()
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        self.release.wait()
+        self.waited.append(timeout.total_seconds())
+        if self._wait_honours_timeout:
+            self.release.wait(timeout.total_seconds())
+            raise RuntimeError("Operation timed out!")
+        # bounded only so that a regression fails the test instead of hanging it
+        if not self.release.wait(60):
+            raise AssertionError("DDP waited on a work whose wait ignores its timeout")
         return True
 
     def get_future(self) -> torch.futures.Future:
+        if self._wait_honours_timeout:
+            raise AssertionError("a bucket was completed on the process group's thread")
         return self.fut
 
 
-def test_ddp_bucket_of_a_work_that_waits_without_deadline_still_times_out() -> None:
-    """A process group whose works wait without honouring a timeout: DDP
-    does not wait on such a work; the bucket's future and the shared timer
-    keep the Manager's deadline, so backward returns and the step fails."""
+@pytest.mark.parametrize("honours", [True, False], ids=["wait-honours-timeout", "wait-ignores-it"])
+def test_ddp_bucket_that_never_completes_fails_the_step_within_the_timeout(honours: bool) -> None:
+    """A bucket allreduce that hangs: backward returns once the manager's
+    timeout (1 s here, counted from the bucket's start) has passed, the
+    step fails with a TimeoutError and is not committed, the next step is
+    clean.  A work whose wait gives up at the timeout is waited on at the
+    end of backward (the process group's thread runs nothing of ours); one
+    whose wait may not is bounded through its future and the shared timer."""
     from stepguard.process_group import ProcessGroupWrapper
 
     release = threading.Event()
 
-    class Stuck(ProcessGroupWrapper):
-        stuck_next = False
+    class Hang(ProcessGroupWrapper):
+        hung: Optional[_NeverDone] = None
+        hang_next = False
 
         def allreduce(self, tensors, opts):  # type: ignore[no-untyped-def, override]
-            if self.stuck_next:
-                self.stuck_next = False
-                return _WaitsForever(release)
+            if self.hang_next:
+                self.hang_next = False
+                self.hung = _NeverDone(honours, release)
+                return self.hung
             return super().allreduce(tensors, opts)
 
     lh = LighthouseServer("127.0.0.1:0", 1, join_timeout_ms=100)
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
-    pg = Stuck(pg=ProcessGroupGloo(timeout=TD))
+    pg = Hang(pg=ProcessGroupGloo(timeout=TD))
     m = make_manager(lh, 0, pg, model)
     m._timeout = timedelta(seconds=1)
     try:
@@ -539,19 +484,31 @@ def test_ddp_bucket_of_a_work_that_waits_without_deadline_still_times_out() -> N
         opt = OptimizerWrapper(m, torch.optim.SGD(model.parameters(), lr=0.1))
         x = torch.randn(4, 3)
         opt.zero_grad()
-        pg.stuck_next = True
-        t = time.monotonic()
         net(x).sum().backward()
+        opt.step()
+        assert m.current_step() == 1
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.zero_grad()
+        pg.hang_next = True
+        t = time.monotonic()
+        net(x).sum().backward()  # must not raise, must not hang
         took = time.monotonic() - t
         assert took < 10, f"backward took {took:.1f}s with a 1s timeout"
+        assert pg.hung is not None
+        if honours:
+            assert len(pg.hung.waited) == 1 and 0 < pg.hung.waited[0] <= 1.0
+        else:
+            assert not pg.hung.waited, "DDP waited on a work whose wait ignores its timeout"
         err = m.errored()
         assert err is not None and isinstance(err.original_exception, TimeoutError)
         opt.step()
-        assert m.current_step() == 0
+        assert m.current_step() == 1  # not committed
+        for p, b in zip(model.parameters(), before):
+            assert torch.equal(p.detach(), b)
         opt.zero_grad()
         net(x).sum().backward()
         opt.step()
-        assert m.errored() is None and m.current_step() == 1
+        assert m.errored() is None and m.current_step() == 2
     finally:
         release.set()
         m.shutdown(wait=False)

@@ -41,6 +41,13 @@ typedef struct sg_rpc_channel_opts_s {
   int64_t keepalive_timeout_ms;  /* no PING ACK within this: the connection
                                     is dropped (calls on it fail with
                                     SG_ECONNRESET); <= 0: 20000 */
+  int fail_fast; /* 0: a call made while the connection is down waits for a
+                    reconnect (with backoff) until its deadline.  1: it
+                    waits for one connect attempt (started at once) and
+                    fails with that attempt's error
+                    if it fails, as gRPC calls that are not wait-for-ready
+                    (and tonic's) do: an unreachable server costs a call at
+                    most connect_timeout_ms */
 } sg_rpc_channel_opts_t;
 
 /*
@@ -65,7 +72,8 @@ SG_EXPORT int sg_rpc_channel_new(const sg_rpc_channel_opts_t *o,
  * multiplexed as concurrent streams on the one connection.  The request
  * carries grpc-timeout for the time left when it is sent.  If the
  * connection is down the call waits for a reconnect (with backoff) within
- * its deadline.  A call that was sent is never retried.
+ * its deadline, or, on a fail_fast channel, for one connect attempt.  A
+ * call that was sent is never retried.
  *
  * On return *resp is NULL or an sg_malloc'd copy of the response message
  * (*resp_len bytes; the caller sg_free's it; NULL for 0 bytes and on
@@ -79,7 +87,8 @@ SG_EXPORT int sg_rpc_channel_new(const sg_rpc_channel_opts_t *o,
  *   - SG_ECONNRESET: the connection was lost (or the stream reset) while
  *     the call was in flight;
  *   - SG_ECONNREFUSED (or the last connect error) when the deadline passed
- *     before any connection could be made;
+ *     before any connection could be made, or (fail_fast) when the connect
+ *     attempt it waited for failed;
  *   - SG_ETOOBIG: the response exceeds max_message (the stream is reset), or
  *     req_len does not fit a gRPC frame;
  *   - SG_EPROTO: a malformed response; SG_EINVAL: bad arguments;

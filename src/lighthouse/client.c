@@ -27,6 +27,7 @@ int sg_lh_client_new(const char *addr, int64_t connect_timeout_ms,
   o.connect_timeout_ms = connect_timeout_ms;
   o.auth_token = auth_token;
   o.max_message = MAX_RESPONSE;
+  o.fail_fast = 1; /* as tonic's channels: no waiting out a dead server */
   int rc = sg_rpc_channel_new(&o, &c->ch, err);
   if (rc) {
     sg_free(c);

@@ -1669,17 +1669,6 @@ static int lh_quorum_once(sg_mgr_server_t *s, const struct job *j,
   *local = 0;
   if (!req)
     return sg_err_set(err, SG_ENOMEM, "out of memory");
-  /* While the lighthouse is unreachable a call waits for a reconnect until
-   * its deadline.  Probe with a heartbeat bounded by the connect timeout, so
-   * an unreachable lighthouse fails the attempt within that bound while a
-   * reachable one still gets the whole timeout to form the quorum. */
-  if (!sg_rpc_channel_connected(s->lh)) {
-    int64_t probe_ms =
-        timeout_ms < s->connect_timeout_ms ? timeout_ms : s->connect_timeout_ms;
-    rc = lh_heartbeat(s, sg_deadline_in_ms(probe_ms), err);
-    if (rc)
-      goto out;
-  }
   rc = sg_rpc_channel_call(s->lh, "/torchft.LighthouseService/Quorum", req, len,
                            sg_deadline_in_ms(timeout_ms), &resp, &resp_len,
                            &status, err);
@@ -1751,9 +1740,10 @@ static void on_lh_quorum(void *ud, int rc, int grpc_status, uint8_t *resp,
 
 /*
  * lh_start_async: send round `j`'s first attempt as an asynchronous call
- * while the lighthouse connection is up (else the quorum thread probes it
- * first).  Returns 1 if it did (the server owns the job from here; *j is
- * emptied), 0 to leave the round to the quorum thread.  quorum_mu held.
+ * while the lighthouse connection is up (else the quorum thread makes it:
+ * a reconnect is on its way, and a failure takes it there anyway).  Returns 1
+ * if it did (the server owns the job from here; *j is emptied), 0 to leave the
+ * round to the quorum thread.  quorum_mu held.
  */
 static int lh_start_async(sg_mgr_server_t *s, struct job *j) {
   if (!sg_rpc_channel_connected(s->lh))
@@ -2122,6 +2112,11 @@ int sg_mgr_server_start(const sg_mgr_server_opts_t *o, sg_mgr_server_t **out,
   co.connect_timeout_ms = s->connect_timeout_ms;
   co.auth_token = s->auth_token;
   co.max_message = LH_MAX_RESPONSE;
+  /* A Quorum or Heartbeat while the lighthouse is unreachable fails after
+   * one connect attempt (bounded by the connect timeout), however the call
+   * met the drop (queued before or after the channel saw it), and the retry
+   * rule takes over; a reachable lighthouse still gets the whole timeout. */
+  co.fail_fast = 1;
   rc = sg_rpc_channel_new(&co, &s->lh, err);
   if (rc)
     goto fail;

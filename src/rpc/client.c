@@ -199,6 +199,7 @@ struct sg_rpc_channel_s {
   int64_t connect_timeout_ms;
   int64_t ka_interval_ms; /* keepalive PING period; 0: none */
   int64_t ka_timeout_ms;  /* keepalive ACK timeout */
+  int fail_fast;          /* a failed connect attempt fails the queued calls */
   unsigned fork_count;    /* sg_sock_fork_count() at creation */
   pthread_t thread;
   int thread_started;
@@ -897,9 +898,11 @@ static void free_addrs(sg_rpc_channel_t *ch) {
 
 /*
  * attempt_failed: one connect attempt (all addresses) failed with rc/msg:
- * remember the error for callers, then back off if someone still wants a
- * connection (delay = backoff + jitter in [0, 100 ms); backoff grows x1.5 up
- * to 10 s), else go idle.
+ * remember the error for callers (on a fail_fast channel, fail the queued
+ * calls with it), then back off if someone still wants a connection (delay
+ * = backoff + jitter in [0, 100 ms); backoff grows x1.5 up to 10 s), else go
+ * idle.  A fail_fast channel therefore only backs off while it is being
+ * constructed: a later call finds it idle and starts an attempt at once.
  */
 static void attempt_failed(sg_rpc_channel_t *ch, int rc, const char *msg) {
   uv_timer_stop(&ch->timer);
@@ -908,6 +911,8 @@ static void attempt_failed(sg_rpc_channel_t *ch, int rc, const char *msg) {
   sg_err_set(&ch->last_err, rc, "%s", msg);
   pthread_mutex_unlock(&ch->mu);
   sg_log(SG_LOG_DEBUG, LOG, "connect attempt failed: %s", msg);
+  if (ch->fail_fast)
+    io_fail_list(ch, &ch->pending, rc, msg);
   if (!want_connection(ch)) {
     set_state(ch, ST_IDLE);
     return;
@@ -1493,6 +1498,7 @@ int sg_rpc_channel_new(const sg_rpc_channel_opts_t *o, sg_rpc_channel_t **out,
   ch->ka_timeout_ms = o->keepalive_timeout_ms > 0
                           ? o->keepalive_timeout_ms
                           : DEFAULT_KEEPALIVE_TIMEOUT_MS;
+  ch->fail_fast = o->fail_fast != 0;
   ch->fork_count = sg_sock_fork_count();
   ch->mem.malloc = h2_malloc;
   ch->mem.free = h2_free;

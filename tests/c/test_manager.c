@@ -842,21 +842,49 @@ static void test_quorum_retries(void **state) {
   group_t g;
   group_start_opts(&g, &o);
   sg_lh_server_stop(lh);
-  /* Let the manager's channel see the connection close: an attempt that
-   * starts while the channel still counts it as up skips the probe and
-   * waits for a reconnect until its own deadline (9 s here), which is
-   * what a loaded run once hit. */
-  usleep(500 * 1000);
   struct qreq q;
   q_init(&q, &g, 0, 0);
-  /* 3 probes of 300 ms and 2 sleeps of 9000 / 3 ms: 6.9 s, well within
-   * the call's 9 s even on a slow (sanitized, loaded) build */
+  /* 3 refused connects (each at most 300 ms) and 2 sleeps of 9000 / 3 ms:
+   * under 7 s, well within the call's 9 s even on a slow (sanitized,
+   * loaded) build, whether or not the manager's channel has seen the
+   * lighthouse go when the first attempt starts */
   q.timeout_ms = 9000;
   q_start(&q);
   q_join(&q);
   assert_true(q.rc < 0);
   assert_non_null(strstr(q.err.msg, "after 2 retries"));
   group_stop(&g);
+}
+
+/* A quorum attempt made just as the lighthouse goes (queued while the
+ * manager's channel still counts the connection up, or after it saw the
+ * close) fails within the connect timeout, not the 60 s quorum timeout. */
+static void test_quorum_fails_fast_when_lighthouse_gone(void **state) {
+  (void)state;
+  for (int seen = 0; seen < 2; seen++) {
+    sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
+    sg_mgr_server_opts_t o;
+    base_opts(&o, "a", sg_lh_server_address(lh), "st:1");
+    o.world_size = 1;
+    o.connect_timeout_ms = 300;
+    group_t g;
+    group_start_opts(&g, &o);
+    sg_lh_server_stop(lh);
+    if (seen)
+      usleep(500 * 1000);
+    struct qreq q;
+    q_init(&q, &g, 0, 0);
+    q.timeout_ms = 60000;
+    int64_t t0 = sg_now_ns();
+    q_start(&q);
+    q_join(&q);
+    int64_t el = (sg_now_ns() - t0) / 1000000;
+    assert_true(q.rc < 0);
+    if (el >= 10000)
+      fail_msg("seen=%d: failed after %lld ms: %s", seen, (long long)el,
+               q.err.msg);
+    group_stop(&g);
+  }
 }
 
 /* A round's first lighthouse attempt is asynchronous while the connection
@@ -1570,6 +1598,7 @@ int main(void) {
       cmocka_unit_test(test_auth_token_required),
       cmocka_unit_test(test_lighthouse_down_then_back),
       cmocka_unit_test(test_quorum_retries),
+      cmocka_unit_test(test_quorum_fails_fast_when_lighthouse_gone),
       cmocka_unit_test(test_async_attempt_fails_then_retry_succeeds),
       cmocka_unit_test(test_group_leaves_when_rank_disconnects),
       cmocka_unit_test(test_reconnect_within_grace_keeps_group),

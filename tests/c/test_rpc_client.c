@@ -76,7 +76,7 @@ typedef struct pconn_s {
 
 typedef struct peer_s {
   int lfd, port;
-  peer_mode_t mode;
+  atomic_int mode; /* a peer_mode_t; read by the peer for each accept */
   pthread_t th;
   atomic_int stop;
   atomic_int accepts;
@@ -376,6 +376,10 @@ static peer_t *peer_start(peer_mode_t mode, peer_resp_t resp) {
   assert_int_equal(pthread_create(&p->th, NULL, peer_main, p), 0);
   g_peer = p;
   return p;
+}
+
+static void peer_set_mode(peer_t *p, peer_mode_t m) {
+  atomic_store(&p->mode, m);
 }
 
 static void peer_set_resp(peer_t *p, peer_resp_t r) {
@@ -1236,6 +1240,62 @@ static void test_async_call_deadline_before_connecting(void **state) {
   done_destroy(&d);
 }
 
+/* A fail_fast channel: a call made while the connection is down waits for
+ * one connect attempt, not for its (60 s) deadline, and fails with that
+ * attempt's error; the channel still reconnects for the next call. */
+static void test_fail_fast_call_fails_after_one_attempt(void **state) {
+  (void)state;
+  peer_t *p = peer_start(P_H2, R_ECHO);
+  char target[64];
+  snprintf(target, sizeof(target), "http://127.0.0.1:%d", p->port);
+  sg_rpc_channel_opts_t o = {
+      .target = target, .connect_timeout_ms = 300, .fail_fast = 1};
+  sg_rpc_channel_t *ch = NULL;
+  sg_err_t err;
+  assert_int_equal(sg_rpc_channel_new(&o, &ch, &err), 0);
+  int gs;
+
+  /* The server accepts but never completes the HTTP/2 handshake. */
+  peer_set_mode(p, P_SILENT);
+  sg_rpc_channel_disconnect(ch);
+  int64_t t0 = sg_now_ns();
+  int rc = call_ms(ch, "/a/b", "x", 1, 60000, NULL, NULL, &gs, &err);
+  assert_int_equal(rc, SG_ETIMEDOUT);
+  assert_int_equal(gs, -1);
+  assert_non_null(strstr(err.msg, "SETTINGS"));
+  assert_true(ms_since(t0) < 10000);
+  assert_int_equal(atomic_load(&p->accepts), 2); /* one attempt */
+
+  /* The same for an asynchronous call. */
+  done_t d;
+  done_init(&d);
+  t0 = sg_now_ns();
+  assert_int_equal(start_ms(ch, "x", 60000, &d, &err), 0);
+  assert_int_equal(done_wait(&d), 1);
+  assert_int_equal(d.rc, SG_ETIMEDOUT);
+  assert_true((d.at_ns - t0) / 1000000 < 10000);
+  assert_int_equal(atomic_load(&p->accepts), 3);
+  done_destroy(&d);
+
+  /* A healthy server again: the next call reconnects. */
+  peer_set_mode(p, P_H2);
+  assert_int_equal(call_ms(ch, "/a/b", "y", 1, 10000, NULL, NULL, &gs, &err),
+                   0);
+  assert_true(sg_rpc_channel_connected(ch));
+
+  /* The server is gone: refused at once, not retried until the deadline. */
+  peer_stop(p);
+  t0 = sg_now_ns();
+  rc = call_ms(ch, "/a/b", "z", 1, 60000, NULL, NULL, &gs, &err);
+  assert_true(rc == SG_ECONNREFUSED || rc == SG_ECONNRESET);
+  assert_true(ms_since(t0) < 10000);
+  if (rc == SG_ECONNRESET) /* sent before the channel saw the close */
+    rc = call_ms(ch, "/a/b", "z", 1, 60000, NULL, NULL, &gs, &err);
+  assert_int_equal(rc, SG_ECONNREFUSED);
+  assert_true(ms_since(t0) < 10000);
+  sg_rpc_channel_free(ch);
+}
+
 static void test_async_call_abort_and_free_complete_it(void **state) {
   (void)state;
   peer_t *p = peer_start(P_H2, R_SILENT);
@@ -1590,6 +1650,8 @@ int main(void) {
       cmocka_unit_test_teardown(test_async_call_deadline_resets_stream,
                                 teardown),
       cmocka_unit_test_teardown(test_async_call_deadline_before_connecting,
+                                teardown),
+      cmocka_unit_test_teardown(test_fail_fast_call_fails_after_one_attempt,
                                 teardown),
       cmocka_unit_test_teardown(test_async_call_abort_and_free_complete_it,
                                 teardown),

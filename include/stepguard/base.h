@@ -143,6 +143,12 @@ SG_EXPORT void sg_log_set_sink(sg_log_cb cb, void *ud);
 /* sg_log_level_parse: "warn" -> SG_LOG_WARN; returns -1 when unknown. */
 SG_EXPORT int sg_log_level_parse(const char *s);
 
+/* sg_thread_name: name the calling thread (cut to 15 bytes), as the
+ * library's own threads do: sg-rpc-client, sg-mgr-loop, sg-mgr-quorum,
+ * sg-mgr-hbeat, sg-lighthouse, sg-comm, sg-ckpt-serve, sg-ckpt-fetch,
+ * sg-blocking. */
+SG_EXPORT void sg_thread_name(const char *name);
+
 /* ---- clocks and deadlines ------------------------------------------------ */
 
 /* sg_now_ns: CLOCK_MONOTONIC in nanoseconds.  Never goes backwards. */

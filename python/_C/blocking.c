@@ -103,6 +103,7 @@ static void task_finish(sg_py_task_t *t) {
  */
 static void *worker(void *arg) {
   struct pool *p = arg;
+  sg_thread_name("sg-blocking");
   pthread_mutex_lock(&p->mu);
   p->idle++;
   for (;;) {

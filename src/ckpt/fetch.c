@@ -674,6 +674,7 @@ static int stream_mode(job_t *j, stream_t *st, int *fd, sg_err_t *err) {
 
 static void *stream_main(void *arg) {
   stream_t *st = arg;
+  sg_thread_name("sg-ckpt-fetch");
   job_t *j = st->job;
   const char *addr = j->addrs[st->src];
   int fd = -1;

@@ -460,6 +460,7 @@ static void accept_some(sg_ckpt_server_t *s) {
 
 static void *server_main(void *arg) {
   sg_ckpt_server_t *s = arg;
+  sg_thread_name("sg-ckpt-serve");
   struct pollfd *pfd = sg_calloc((size_t)s->max_conns + 2, sizeof(*pfd));
   if (!pfd) {
     sg_log(SG_LOG_ERROR, "ckpt", "checkpoint server: out of memory");

@@ -1764,6 +1764,7 @@ static void shut_all(sg_comm_t *c) {
 
 static void *progress_main(void *arg) {
   sg_comm_t *c = arg;
+  sg_thread_name("sg-comm");
   char msg[256];
   for (;;) {
     pthread_mutex_lock(&c->mu);

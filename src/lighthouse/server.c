@@ -989,6 +989,7 @@ static void on_stop(uv_async_t *a) {
 
 static void run_loop(void *arg) {
   sg_lh_server_t *s = arg;
+  sg_thread_name("sg-lighthouse");
   uv_run(&s->loop, UV_RUN_DEFAULT);
 }
 

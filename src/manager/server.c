@@ -1825,6 +1825,7 @@ static int quorum_with_retries(sg_mgr_server_t *s, const struct job *j,
 
 static void *quorum_main(void *arg) {
   sg_mgr_server_t *s = arg;
+  sg_thread_name("sg-mgr-quorum");
   pthread_mutex_lock(&s->mu);
   for (;;) {
     while (!s->job_ready && !s->stopping)
@@ -1858,6 +1859,7 @@ static void *quorum_main(void *arg) {
 
 static void *heartbeat_main(void *arg) {
   sg_mgr_server_t *s = arg;
+  sg_thread_name("sg-mgr-hbeat");
   int failing = 0;
   pthread_mutex_lock(&s->mu);
   while (!s->stopping && !atomic_load(&s->left)) {
@@ -1918,6 +1920,7 @@ static void on_stop(uv_async_t *a) {
 
 static void run_loop(void *arg) {
   sg_mgr_server_t *s = arg;
+  sg_thread_name("sg-mgr-loop");
   uv_run(&s->loop, UV_RUN_DEFAULT);
 }
 

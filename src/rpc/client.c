@@ -1438,6 +1438,7 @@ static void wake_cb(uv_async_t *a) {
 
 static void *io_main(void *arg) {
   sg_rpc_channel_t *ch = arg;
+  sg_thread_name("sg-rpc-client");
   drive(ch);
   uv_run(&ch->loop, UV_RUN_DEFAULT);
   return NULL;

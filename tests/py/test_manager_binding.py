@@ -65,6 +65,26 @@ def two_groups():
     lh.shutdown()
 
 
+def _thread_names() -> list[str]:
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # the thread ended meanwhile
+            pass
+    return names
+
+
+def test_library_threads_are_named(two_groups):
+    """`top -H`, perf and py-spy tell the library's threads apart from the
+    Python threads they would otherwise be named after."""
+    names = _thread_names()
+    for want in ("sg-lighthouse", "sg-mgr-loop", "sg-mgr-quorum", "sg-mgr-hbeat",
+                 "sg-rpc-client"):
+        assert want in names, names
+
+
 def test_quorum_result_defaults_match_torchft():
     r = QuorumResult()
     assert (r.quorum_id, r.replica_rank, r.replica_world_size) == (0, 0, 1)

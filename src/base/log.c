@@ -8,12 +8,21 @@
  * and emits it with one write(2), so lines from different threads do not
  * interleave.
  *
+ * The default sink never blocks: stderr is often a pipe, and a reader that
+ * stops reading (a launcher that captured the output and never drains it, a
+ * stalled log shipper) would otherwise stop the thread that logs, a server's
+ * event loop among them, once the pipe is full.  A line that stderr cannot
+ * take at once is dropped and counted; the next line that gets through is
+ * preceded by how many were lost.
+ *
  * Fork: a thread other than the forking one may hold the sink mutex at
  * fork() (a manager's heartbeat line, say); the child, which has only the
  * forking thread, would then block forever on its first line.  Handlers
  * registered once take the mutex before fork() and release it on both
  * sides, so the child always starts with it free.
  */
+#include <errno.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -30,6 +39,7 @@ static pthread_mutex_t sink_mu = PTHREAD_MUTEX_INITIALIZER;
 static sg_log_cb sink_cb;
 static void *sink_ud;
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+static unsigned long long dropped; /* lines stderr could not take (sink_mu) */
 
 static const char *const level_names[] = {"ERROR", "WARN", "INFO", "DEBUG",
                                           "TRACE"};
@@ -92,32 +102,62 @@ void sg_log_set_sink(sg_log_cb cb, void *ud) {
   pthread_mutex_unlock(&sink_mu);
 }
 
+/*
+ * stderr_put: write all of `p` to stderr if it can take it without
+ * blocking, else nothing (-1).  A pipe that polls writable has room for a
+ * whole page, and a write of up to PIPE_BUF bytes is all or nothing, so a
+ * line is never cut there; a file or terminal always polls writable.  A
+ * socket may take part of a line and then refuse the rest: the line is cut
+ * there (-1).
+ */
+static int stderr_put(const char *p, size_t n) {
+  size_t off = 0;
+  while (off < n) {
+    struct pollfd pfd = {.fd = STDERR_FILENO, .events = POLLOUT};
+    int r = poll(&pfd, 1, 0);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r <= 0 || !(pfd.revents & POLLOUT))
+      return -1;
+    ssize_t w = write(STDERR_FILENO, p + off, n - off);
+    if (w < 0 && errno == EINTR)
+      continue;
+    if (w <= 0)
+      return -1; /* nowhere to report a failing stderr */
+    off += (size_t)w;
+  }
+  return 0;
+}
+
 static void stderr_sink(sg_log_level_t level, const char *subsystem,
                         const char *msg) {
-  char line[1280];
+  char line[1400]; /* under PIPE_BUF: one write, all or nothing on a pipe */
+  int n = 0;
+  if (dropped > 0)
+    n = snprintf(line, sizeof(line),
+                 "[stepguard] %llu log line(s) dropped: stderr was full\n",
+                 dropped);
   struct timespec ts;
   struct tm tm;
   clock_gettime(CLOCK_REALTIME, &ts);
   gmtime_r(&ts.tv_sec, &tm);
-  int n = snprintf(line, sizeof(line),
+  int m = snprintf(line + n, sizeof(line) - (size_t)n,
                    "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ [%s] [stepguard::%s] "
                    "- %s\n",
                    tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour,
                    tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000,
                    level_names[level], subsystem, msg);
-  if (n < 0)
+  if (m < 0)
     return;
+  n += m;
   if ((size_t)n >= sizeof(line)) { /* truncated: keep the newline */
     n = sizeof(line) - 1;
     line[n - 1] = '\n';
   }
-  ssize_t off = 0;
-  while (off < n) {
-    ssize_t w = write(STDERR_FILENO, line + off, (size_t)(n - off));
-    if (w <= 0)
-      break; /* nowhere to report a failing stderr */
-    off += w;
-  }
+  if (stderr_put(line, (size_t)n) == 0)
+    dropped = 0;
+  else
+    dropped++;
 }
 
 void sg_logv(sg_log_level_t level, const char *subsystem, const char *fmt,

@@ -236,6 +236,49 @@ static void test_log_levels_and_sink(void **state) {
   assert_int_equal(sg_log_level_parse(NULL), -1);
 }
 
+/* The default sink never blocks on a full stderr (a pipe nobody reads
+ * would otherwise stop the thread that logs, a server's loop among them):
+ * the lines that do not fit are counted, and reported once stderr takes
+ * lines again. */
+static void test_log_to_full_stderr_never_blocks(void **state) {
+  (void)state;
+  int p[2];
+  assert_int_equal(pipe(p), 0);
+  int saved = dup(STDERR_FILENO);
+  assert_true(saved >= 0);
+  assert_true(dup2(p[1], STDERR_FILENO) >= 0);
+  /* fill the pipe, then make its write end blocking again, as stderr is */
+  int fl = fcntl(p[1], F_GETFL);
+  assert_int_equal(fcntl(p[1], F_SETFL, fl | O_NONBLOCK), 0);
+  char junk[512];
+  memset(junk, 'x', sizeof(junk));
+  while (write(p[1], junk, sizeof(junk)) > 0)
+    ;
+  assert_int_equal(fcntl(p[1], F_SETFL, fl & ~O_NONBLOCK), 0);
+
+  alarm(20); /* a blocked write would end the test here */
+  for (int i = 0; i < 200; i++)
+    sg_log(SG_LOG_WARN, "test", "line %d that does not fit", i);
+  alarm(0);
+
+  /* drain, then the next line gets through after the count */
+  assert_int_equal(fcntl(p[0], F_SETFL, fcntl(p[0], F_GETFL) | O_NONBLOCK), 0);
+  char buf[4096];
+  while (read(p[0], buf, sizeof(buf)) > 0)
+    ;
+  sg_log(SG_LOG_WARN, "test", "after the drain");
+  ssize_t n = read(p[0], buf, sizeof(buf) - 1);
+  assert_true(dup2(saved, STDERR_FILENO) >= 0);
+  close(saved);
+  close(p[0]);
+  close(p[1]);
+  assert_true(n > 0);
+  buf[n] = '\0';
+  assert_non_null(strstr(buf, "200 log line(s) dropped: stderr was full\n"));
+  assert_non_null(strstr(buf, "after the drain"));
+  assert_null(strstr(buf, "does not fit"));
+}
+
 static int is_cloexec(int fd) {
   int flags = fcntl(fd, F_GETFD);
   return flags >= 0 && (flags & FD_CLOEXEC);
@@ -550,6 +593,7 @@ int main(void) {
       cmocka_unit_test(test_buf_survives_allocation_failure),
       cmocka_unit_test(test_alloc_injection_counts),
       cmocka_unit_test(test_log_levels_and_sink),
+      cmocka_unit_test(test_log_to_full_stderr_never_blocks),
       cmocka_unit_test(test_sockets_are_cloexec_and_registered),
       cmocka_unit_test(test_connect_errors),
       cmocka_unit_test(test_map_put_get_del_iterate),

@@ -664,3 +664,58 @@ def test_cli_logs_quorum_status_only_on_change(procs):
     final = count(r"Quorum status:")
     time.sleep(0.5)
     assert count(r"Quorum status:") == final
+
+
+def test_output_nobody_reads_does_not_stop_the_lighthouse(procs):
+    """A launcher that keeps the lighthouse's output in a pipe and stops
+    reading it (here after the address line) must not stop the lighthouse
+    once the pipe is full: the lines that do not fit are dropped and
+    counted, not waited for.  At debug level each quorum logs a line of
+    ~130 bytes, so 1500 quorums overflow a 64 KiB pipe twice over; before,
+    the lighthouse blocked in write(2) a few hundred quorums in."""
+    import fcntl
+
+    from lighthouse_util import LISTEN_RE
+
+    env = dict(os.environ, STEPGUARD_LOG="debug")
+    p = procs.spawn(OURS_CODE, "--bind", "127.0.0.1:0", "--min_replicas", "1",
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    fd = p.stdout.fileno()
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
+
+    def read_some() -> bytes:
+        try:
+            return os.read(fd, 65536)
+        except BlockingIOError:
+            return b""
+
+    out = [b""]
+
+    def listening():
+        out[0] += read_some()
+        return LISTEN_RE.search(out[0].decode(errors="replace"))
+
+    m = wait_until(listening, 30, "the address line")
+    port = int(m.group(1).rsplit(":", 1)[1].rstrip("/"))
+    c = LighthouseClient(f"http://127.0.0.1:{port}", td(10), auth_token="")
+    try:
+        t0 = time.monotonic()
+        for _ in range(1500):
+            c.quorum("r0", td(10))  # a blocked lighthouse fails this in 10 s
+        assert time.monotonic() - t0 < 60
+        # drain; the next line says how many were lost
+        while read_some():
+            pass
+        c.quorum("r0", td(10))
+        tail = b""
+        deadline = time.monotonic() + 10
+        while b"dropped" not in tail and time.monotonic() < deadline:
+            tail += read_some()
+            time.sleep(0.01)
+    finally:
+        c.close()
+    text = tail.decode(errors="replace")
+    m = re.search(r"\[stepguard\] (\d+) log line\(s\) dropped: stderr was full", text)
+    assert m is not None, text[-2000:]
+    assert int(m.group(1)) > 0
+    assert p.poll() is None

@@ -148,8 +148,9 @@ struct job {
   size_t n_handles;
   int first_rc;        /* nonzero: attempt 0 was made asynchronously and
                           failed with this code (the quorum thread retries) */
-  int first_local;     /* ... on a local timeout (no grpc-status) */
+  int first_local;     /* ... on a local timeout (its deadline passed) */
   char first_msg[256]; /* ... and its message */
+  sg_deadline_t first_deadline; /* the asynchronous attempt's deadline */
 };
 
 static void job_clear(struct job *j) {
@@ -1656,6 +1657,17 @@ static int lh_quorum_decode(const uint8_t *resp, size_t resp_len,
   return 0;
 }
 
+/*
+ * local_timeout: whether a failed attempt is what torchft calls a local
+ * timeout (the attempt's own deadline ran out: retry after 100 ms) rather
+ * than an RPC error (retry after timeout / (retries + 1)).  A connect
+ * attempt that timed out before the deadline, as a silent lighthouse
+ * makes it, is an RPC error there: tonic reports it as a transport error.
+ */
+static int local_timeout(int rc, int grpc_status, sg_deadline_t deadline) {
+  return rc == SG_ETIMEDOUT && grpc_status < 0 && sg_deadline_passed(deadline);
+}
+
 /* lh_quorum_once: one LighthouseService/Quorum call. */
 static int lh_quorum_once(sg_mgr_server_t *s, const struct job *j,
                           int64_t timeout_ms,
@@ -1669,11 +1681,11 @@ static int lh_quorum_once(sg_mgr_server_t *s, const struct job *j,
   *local = 0;
   if (!req)
     return sg_err_set(err, SG_ENOMEM, "out of memory");
+  sg_deadline_t deadline = sg_deadline_in_ms(timeout_ms);
   rc = sg_rpc_channel_call(s->lh, "/torchft.LighthouseService/Quorum", req, len,
-                           sg_deadline_in_ms(timeout_ms), &resp, &resp_len,
-                           &status, err);
+                           deadline, &resp, &resp_len, &status, err);
   if (rc) {
-    *local = rc == SG_ETIMEDOUT && status < 0;
+    *local = local_timeout(rc, status, deadline);
     goto out;
   }
   rc = lh_quorum_decode(resp, resp_len, out, err);
@@ -1698,7 +1710,7 @@ static void on_lh_quorum(void *ud, int rc, int grpc_status, uint8_t *resp,
   Torchft__LighthouseQuorumResponse *out = NULL;
   sg_err_t e;
   sg_err_clear(&e);
-  int local = rc == SG_ETIMEDOUT && grpc_status < 0;
+  int call_rc = rc;
   if (!rc)
     rc = lh_quorum_decode(resp, resp_len, &out, &e);
   else
@@ -1711,7 +1723,7 @@ static void on_lh_quorum(void *ud, int rc, int grpc_status, uint8_t *resp,
   int stopping = s->stopping;
   if (rc && !stopping) {
     j.first_rc = rc;
-    j.first_local = local;
+    j.first_local = local_timeout(call_rc, grpc_status, j.first_deadline);
     snprintf(j.first_msg, sizeof(j.first_msg), "%s", e.msg);
     s->job = j;
     s->job_ready = 1;
@@ -1753,9 +1765,11 @@ static int lh_start_async(sg_mgr_server_t *s, struct job *j) {
   if (!req)
     return 0;
   pthread_mutex_lock(&s->mu);
+  sg_deadline_t deadline = sg_deadline_in_ms(j->timeout_ms);
   int busy = s->stopping || s->ajob_live;
   if (!busy) {
     s->ajob = *j;
+    s->ajob.first_deadline = deadline;
     s->ajob_live = 1;
   }
   pthread_mutex_unlock(&s->mu);
@@ -1764,9 +1778,9 @@ static int lh_start_async(sg_mgr_server_t *s, struct job *j) {
     return 0;
   }
   sg_err_t e;
-  int rc = sg__rpc_channel_call_start(
-      s->lh, "/torchft.LighthouseService/Quorum", req, len,
-      sg_deadline_in_ms(j->timeout_ms), on_lh_quorum, s, &e);
+  int rc =
+      sg__rpc_channel_call_start(s->lh, "/torchft.LighthouseService/Quorum",
+                                 req, len, deadline, on_lh_quorum, s, &e);
   sg_free(req);
   if (rc) { /* the callback never runs: the quorum thread takes the round */
     pthread_mutex_lock(&s->mu);

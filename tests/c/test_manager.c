@@ -856,6 +856,61 @@ static void test_quorum_retries(void **state) {
   group_stop(&g);
 }
 
+/* A listener on 127.0.0.1:port that completes TCP handshakes (the
+ * kernel does) but never says a word: an HTTP/2 client waiting for its
+ * SETTINGS gives up at its connect timeout. */
+static int silent_listener(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  assert_true(fd >= 0);
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port)};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+  assert_int_equal(listen(fd, 16), 0);
+  return fd;
+}
+
+/* A lighthouse that accepts connections and never answers fails each
+ * attempt at the connect timeout, long before the attempt's deadline:
+ * torchft counts that as an RPC error (tonic's transport error) and
+ * sleeps timeout / (retries + 1) before the next attempt, not the 100 ms
+ * of a local timeout. */
+static void test_connect_timeout_retry_sleeps_as_rpc_error(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
+  int port = sg_lh_server_port(lh);
+  char lh_addr[64];
+  snprintf(lh_addr, sizeof(lh_addr), "http://127.0.0.1:%d", port);
+  sg_mgr_server_opts_t o;
+  base_opts(&o, "a", lh_addr, "st:1");
+  o.world_size = 1;
+  o.quorum_retries = 2;
+  o.connect_timeout_ms = 300;
+  group_t g;
+  group_start_opts(&g, &o);
+  sg_lh_server_stop(lh);
+  int fd = silent_listener(port);
+  struct qreq q;
+  q_init(&q, &g, 0, 0);
+  /* 3 attempts of 300 ms and 2 sleeps of 6000 / 3 ms: about 4.9 s.  With
+   * the 100 ms sleep of a local timeout after (at least) the last attempt
+   * it took at most 2000 + 100 ms of sleep: under 3.2 s. */
+  q.timeout_ms = 6000;
+  int64_t t0 = sg_now_ns();
+  q_start(&q);
+  q_join(&q);
+  int64_t el = (sg_now_ns() - t0) / 1000000;
+  assert_true(q.rc < 0);
+  assert_non_null(strstr(q.err.msg, "after 2 retries"));
+  if (el < 4000)
+    fail_msg("failed after %lld ms: the retries slept as after a local "
+             "timeout: %s",
+             (long long)el, q.err.msg);
+  close(fd);
+  group_stop(&g);
+}
+
 /* A quorum attempt made just as the lighthouse goes (queued while the
  * manager's channel still counts the connection up, or after it saw the
  * close) fails within the connect timeout, not the 60 s quorum timeout. */
@@ -1598,6 +1653,7 @@ int main(void) {
       cmocka_unit_test(test_auth_token_required),
       cmocka_unit_test(test_lighthouse_down_then_back),
       cmocka_unit_test(test_quorum_retries),
+      cmocka_unit_test(test_connect_timeout_retry_sleeps_as_rpc_error),
       cmocka_unit_test(test_quorum_fails_fast_when_lighthouse_gone),
       cmocka_unit_test(test_async_attempt_fails_then_retry_succeeds),
       cmocka_unit_test(test_group_leaves_when_rank_disconnects),

@@ -13,7 +13,9 @@
  * stalled log shipper) would otherwise stop the thread that logs, a server's
  * event loop among them, once the pipe is full.  A line that stderr cannot
  * take at once is dropped and counted; the next line that gets through is
- * preceded by how many were lost.
+ * preceded by how many were lost.  A pipe or socket is written with
+ * RWF_NOWAIT (a per-call O_NONBLOCK: setting the flag on the descriptor
+ * would change it for everyone else who writes to stderr).
  *
  * Fork: a thread other than the forking one may hold the sink mutex at
  * fork() (a manager's heartbeat line, say); the child, which has only the
@@ -29,6 +31,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -104,26 +108,44 @@ void sg_log_set_sink(sg_log_cb cb, void *ud) {
 
 /*
  * stderr_put: write all of `p` to stderr if it can take it without
- * blocking, else nothing (-1).  A pipe that polls writable has room for a
- * whole page, and a write of up to PIPE_BUF bytes is all or nothing, so a
- * line is never cut there; a file or terminal always polls writable.  A
- * socket may take part of a line and then refuse the rest: the line is cut
- * there (-1).
+ * blocking, else nothing (-1).  A pipe or socket is written with
+ * RWF_NOWAIT: it takes what fits at once or refuses (a write of up to
+ * PIPE_BUF bytes to a pipe is all or nothing, so a line is never cut
+ * there), whoever else writes to it.  Where the kernel does not honour
+ * RWF_NOWAIT on it, a poll for POLLOUT comes first instead: a pipe that
+ * polls writable has a free page, but one whose last page has room polls
+ * full, so a line that would fit can be dropped.  A file or terminal
+ * always polls writable.  A socket may take part of a line and then
+ * refuse the rest: the line is cut there (-1).
  */
 static int stderr_put(const char *p, size_t n) {
+  struct stat st;
+  int nowait = fstat(STDERR_FILENO, &st) == 0 &&
+               (S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode));
   size_t off = 0;
   while (off < n) {
-    struct pollfd pfd = {.fd = STDERR_FILENO, .events = POLLOUT};
-    int r = poll(&pfd, 1, 0);
-    if (r < 0 && errno == EINTR)
-      continue;
-    if (r <= 0 || !(pfd.revents & POLLOUT))
-      return -1;
-    ssize_t w = write(STDERR_FILENO, p + off, n - off);
+    ssize_t w;
+    if (nowait) {
+      struct iovec v = {(void *)(p + off), n - off};
+      w = pwritev2(STDERR_FILENO, &v, 1, -1, RWF_NOWAIT);
+      if (w < 0 &&
+          (errno == EOPNOTSUPP || errno == EINVAL || errno == ENOSYS)) {
+        nowait = 0; /* an older kernel: poll first */
+        continue;
+      }
+    } else {
+      struct pollfd pfd = {.fd = STDERR_FILENO, .events = POLLOUT};
+      int r = poll(&pfd, 1, 0);
+      if (r < 0 && errno == EINTR)
+        continue;
+      if (r <= 0 || !(pfd.revents & POLLOUT))
+        return -1;
+      w = write(STDERR_FILENO, p + off, n - off);
+    }
     if (w < 0 && errno == EINTR)
       continue;
     if (w <= 0)
-      return -1; /* nowhere to report a failing stderr */
+      return -1; /* full, or nowhere to report a failing stderr */
     off += (size_t)w;
   }
   return 0;

@@ -279,6 +279,43 @@ static void test_log_to_full_stderr_never_blocks(void **state) {
   assert_null(strstr(buf, "does not fit"));
 }
 
+/* A line that fits in what is left of a pipe goes in, even when the pipe
+ * has no free page (a one-page pipe after its first line: it polls full),
+ * and stderr's descriptor stays as it was (blocking). */
+static void test_log_to_one_page_pipe_takes_what_fits(void **state) {
+  (void)state;
+  int p[2];
+  assert_int_equal(pipe(p), 0);
+  assert_true(fcntl(p[1], F_SETPIPE_SZ, 4096) >= 4096);
+  int saved = dup(STDERR_FILENO);
+  assert_true(saved >= 0);
+  assert_true(dup2(p[1], STDERR_FILENO) >= 0);
+  char word[1001];
+  memset(word, 'w', sizeof(word) - 1);
+  word[sizeof(word) - 1] = '\0';
+  alarm(20); /* a blocked write would end the test here */
+  sg_log(SG_LOG_WARN, "test", "first %s", word);
+  sg_log(SG_LOG_WARN, "test", "second %s", word);
+  alarm(0);
+  int fl = fcntl(STDERR_FILENO, F_GETFL);
+  assert_int_equal(fcntl(p[0], F_SETFL, fcntl(p[0], F_GETFL) | O_NONBLOCK), 0);
+  char buf[8192];
+  size_t got = 0;
+  ssize_t n;
+  while (got < sizeof(buf) - 1 &&
+         (n = read(p[0], buf + got, sizeof(buf) - 1 - got)) > 0)
+    got += (size_t)n;
+  buf[got] = '\0';
+  assert_true(dup2(saved, STDERR_FILENO) >= 0);
+  close(saved);
+  close(p[0]);
+  close(p[1]);
+  assert_false(fl & O_NONBLOCK);
+  assert_non_null(strstr(buf, "first www"));
+  assert_non_null(strstr(buf, "second www"));
+  assert_null(strstr(buf, "dropped"));
+}
+
 static int is_cloexec(int fd) {
   int flags = fcntl(fd, F_GETFD);
   return flags >= 0 && (flags & FD_CLOEXEC);
@@ -594,6 +631,7 @@ int main(void) {
       cmocka_unit_test(test_alloc_injection_counts),
       cmocka_unit_test(test_log_levels_and_sink),
       cmocka_unit_test(test_log_to_full_stderr_never_blocks),
+      cmocka_unit_test(test_log_to_one_page_pipe_takes_what_fits),
       cmocka_unit_test(test_sockets_are_cloexec_and_registered),
       cmocka_unit_test(test_connect_errors),
       cmocka_unit_test(test_map_put_get_del_iterate),

@@ -1764,8 +1764,8 @@ static int lh_start_async(sg_mgr_server_t *s, struct job *j) {
   uint8_t *req = lh_quorum_encode(s, j, &len);
   if (!req)
     return 0;
-  pthread_mutex_lock(&s->mu);
   sg_deadline_t deadline = sg_deadline_in_ms(j->timeout_ms);
+  pthread_mutex_lock(&s->mu);
   int busy = s->stopping || s->ajob_live;
   if (!busy) {
     s->ajob = *j;

@@ -856,19 +856,18 @@ static void test_quorum_retries(void **state) {
   group_stop(&g);
 }
 
-/* A listener on 127.0.0.1:port that completes TCP handshakes (the
- * kernel does) but never says a word: an HTTP/2 client waiting for its
- * SETTINGS gives up at its connect timeout. */
-static int silent_listener(int port) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  assert_true(fd >= 0);
-  int one = 1;
-  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port)};
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
-  assert_int_equal(listen(fd, 16), 0);
-  return fd;
+/* group_on_port: a group of one rank on the lighthouse at
+ * 127.0.0.1:`port` (so that a test can put another server there), with
+ * `retries` quorum retries and a 300 ms connect timeout. */
+static void group_on_port(group_t *g, int port, int64_t retries) {
+  char lh_addr[64];
+  snprintf(lh_addr, sizeof(lh_addr), "http://127.0.0.1:%d", port);
+  sg_mgr_server_opts_t o;
+  base_opts(&o, "a", lh_addr, "st:1");
+  o.world_size = 1;
+  o.quorum_retries = retries;
+  o.connect_timeout_ms = 300;
+  group_start_opts(g, &o);
 }
 
 /* A lighthouse that accepts connections and never answers fails each
@@ -880,17 +879,13 @@ static void test_connect_timeout_retry_sleeps_as_rpc_error(void **state) {
   (void)state;
   sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
   int port = sg_lh_server_port(lh);
-  char lh_addr[64];
-  snprintf(lh_addr, sizeof(lh_addr), "http://127.0.0.1:%d", port);
-  sg_mgr_server_opts_t o;
-  base_opts(&o, "a", lh_addr, "st:1");
-  o.world_size = 1;
-  o.quorum_retries = 2;
-  o.connect_timeout_ms = 300;
   group_t g;
-  group_start_opts(&g, &o);
+  group_on_port(&g, port, 2);
   sg_lh_server_stop(lh);
-  int fd = silent_listener(port);
+  /* the kernel completes the TCP handshakes; nobody sends SETTINGS */
+  int fd = -1, bound = 0;
+  sg_err_t e;
+  assert_int_equal(sg_sock_listen("127.0.0.1", port, 16, &fd, &bound, &e), 0);
   struct qreq q;
   q_init(&q, &g, 0, 0);
   /* 3 attempts of 300 ms and 2 sleeps of 6000 / 3 ms: about 4.9 s.  With
@@ -907,7 +902,7 @@ static void test_connect_timeout_retry_sleeps_as_rpc_error(void **state) {
     fail_msg("failed after %lld ms: the retries slept as after a local "
              "timeout: %s",
              (long long)el, q.err.msg);
-  close(fd);
+  sg_sock_close(fd);
   group_stop(&g);
 }
 
@@ -949,15 +944,8 @@ static void test_async_attempt_fails_then_retry_succeeds(void **state) {
   (void)state;
   sg_lh_server_t *lh = lh_start(0, 1, 100, 5000);
   int port = sg_lh_server_port(lh);
-  char lh_addr[64];
-  snprintf(lh_addr, sizeof(lh_addr), "http://127.0.0.1:%d", port);
-  sg_mgr_server_opts_t o;
-  base_opts(&o, "a", lh_addr, "st:1");
-  o.world_size = 1;
-  o.quorum_retries = 3;
-  o.connect_timeout_ms = 300;
   group_t g;
-  group_start_opts(&g, &o);
+  group_on_port(&g, port, 3);
   struct qreq q;
   q_init(&q, &g, 0, 4);
   q_start(&q);

@@ -51,9 +51,12 @@ KINDS = ("plain", "torchft", "stepguard")
 # each bucket on the process group's thread (STEPGUARD_DDP_COMPLETION=thread):
 # --kinds to add them
 # and stepguard over its own ProcessGroupTCP whatever --pg says
-# (stepguard-tcp: against plain DDP over Gloo in the same run)
+# (stepguard-tcp: against plain DDP over Gloo in the same run), and plain DDP
+# with torch's own Python allreduce comm hook (plain-python-hook: what a comm
+# hook written in Python costs by itself, the floor of any DDP that routes
+# its buckets through Python, as stepguard's and torchft's do)
 REFERENCE_KINDS = ("plain-unused", "stepguard-rebuilt-buckets", "stepguard-thread-completion",
-                   "stepguard-tcp")
+                   "stepguard-tcp", "plain-python-hook")
 # the environment each stepguard reference kind builds its DDP under
 KIND_ENV = {"stepguard-rebuilt-buckets": ("STEPGUARD_DDP_BUCKETS", "rebuilt"),
             "stepguard-thread-completion": ("STEPGUARD_DDP_COMPLETION", "thread")}
@@ -153,7 +156,7 @@ class Kind:
         inner = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         self.manager = None
         self.waited = [0.0]  # this step's time in manager.wait_quorum
-        if kind in ("plain", "plain-unused"):
+        if kind in ("plain", "plain-unused", "plain-python-hook"):
             if a.pg == "tcp":
                 importlib.import_module("stepguard.process_group_tcp")  # registers the backend
             if not dist.is_initialized():  # both plain kinds share the default group
@@ -172,6 +175,11 @@ class Kind:
                                         world_size=a.world, timeout=timedelta(seconds=60))
             self.ddp = torch.nn.parallel.DistributedDataParallel(
                 self.model, find_unused_parameters=kind == "plain-unused")
+            if kind == "plain-python-hook":
+                # divides the bucket, allreduces it and returns the result
+                # from a callback on the group's thread
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+                self.ddp.register_comm_hook(None, default_hooks.allreduce_hook)
             self.opt = inner
             return
         ft = importlib.import_module("stepguard" if kind.startswith("stepguard") else kind)
@@ -476,7 +484,9 @@ def summarize(kinds: list[str], results: list[list[dict]]) -> dict:
                                          ("stepguard-rebuilt-buckets", "stepguard"),
                                          ("stepguard-thread-completion", "plain"),
                                          ("stepguard", "stepguard-thread-completion"),
-                                         ("stepguard-tcp", "plain"))
+                                         ("stepguard-tcp", "plain"),
+                                         ("plain-python-hook", "plain"),
+                                         ("stepguard", "plain-python-hook"))
              if num in kinds and den in kinds]
     for num, den in pairs:
         wall = [statistics.median(x["times"]) / statistics.median(y["times"])

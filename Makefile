@@ -6,7 +6,7 @@ ASAN    := build/asan
 TSAN    := build/tsan
 FUZZ    := build/fuzz
 FUZZ_SECONDS ?= 30
-CFILES   = $(shell git ls-files '*.c' '*.h')
+CFILES   = $(shell git ls-files '*.c' '*.h' '*.cpp')
 
 .PHONY: all bootstrap build test test-c test-py demo demo-lighthouse bench sanitize fuzz format format-check clean
 

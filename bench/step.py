@@ -54,9 +54,13 @@ KINDS = ("plain", "torchft", "stepguard")
 # (stepguard-tcp: against plain DDP over Gloo in the same run), and plain DDP
 # with torch's own Python allreduce comm hook (plain-python-hook: what a comm
 # hook written in Python costs by itself, the floor of any DDP that routes
-# its buckets through Python, as stepguard's and torchft's do)
+# its buckets through Python, as stepguard's and torchft's do), and
+# stepguard's DDP with its buckets allreduced and divided by a comm hook in
+# C++ (stepguard-native-hook, bench/native_hook.cpp, compiled by this script
+# against the installed torch: what taking the per-bucket work out of Python
+# would gain; Gloo only)
 REFERENCE_KINDS = ("plain-unused", "stepguard-rebuilt-buckets", "stepguard-thread-completion",
-                   "stepguard-tcp", "plain-python-hook")
+                   "stepguard-tcp", "plain-python-hook", "stepguard-native-hook")
 # the environment each stepguard reference kind builds its DDP under
 KIND_ENV = {"stepguard-rebuilt-buckets": ("STEPGUARD_DDP_BUCKETS", "rebuilt"),
             "stepguard-thread-completion": ("STEPGUARD_DDP_COMPLETION", "thread")}
@@ -65,8 +69,77 @@ LISTEN_RE = re.compile(r"Lighthouse listening on:? http://\S+:(\d+)")
 PG_BACKEND = {"gloo": "gloo", "tcp": "stepguard_tcp"}
 PG_CLASS = {"gloo": "ProcessGroupGloo", "tcp": "ProcessGroupTCP"}
 PG_LABEL = {"gloo": "Gloo", "tcp": "stepguard's ProcessGroupTCP"}
+# where the compiled bench/native_hook.cpp is, for the workers
+NATIVE_HOOK_ENV = "SG_BENCH_NATIVE_HOOK_DIR"
+NATIVE_HOOK_MODULE = "sg_bench_native_hook"
 # what the stepguard kind needs from the package
 API = ("Manager", "DistributedDataParallel", "Optimizer", "ProcessGroupGloo")
+
+
+# ---- the C++ comm hook of stepguard-native-hook -----------------------
+
+
+def build_native_hook(out_dir: str) -> str | None:
+    """Compiles bench/native_hook.cpp into `out_dir` with g++ against the
+    installed torch; returns why it could not, or None."""
+    probe = subprocess.run(
+        [sys.executable, "-c",
+         "import json, sysconfig, torch\n"
+         "from torch.utils import cpp_extension as c\n"
+         "print(json.dumps({'inc': c.include_paths() + [sysconfig.get_paths()['include']],"
+         " 'lib': c.library_paths(), 'abi': int(torch._C._GLIBCXX_USE_CXX11_ABI),"
+         " 'suffix': sysconfig.get_config_var('EXT_SUFFIX')}))"],
+        capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0:
+        return f"torch's build flags: {probe.stderr.strip()[-300:]}"
+    cfg = json.loads(probe.stdout)
+    cmd = (["g++", "-O2", "-shared", "-fPIC", "-std=c++17",
+            f"-D_GLIBCXX_USE_CXX11_ABI={cfg['abi']}",
+            f"-DTORCH_EXTENSION_NAME={NATIVE_HOOK_MODULE}"]
+           + [f"-I{p}" for p in cfg["inc"]]
+           + [str(ROOT / "bench/native_hook.cpp"), "-o",
+              os.path.join(out_dir, NATIVE_HOOK_MODULE + cfg["suffix"])]
+           + [f"-L{p}" for p in cfg["lib"]]
+           + [f"-Wl,-rpath,{p}" for p in cfg["lib"]]
+           + ["-ltorch", "-ltorch_cpu", "-lc10", "-ltorch_python"])
+    try:
+        cc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"g++: {e}"
+    if cc.returncode != 0:
+        return f"g++ failed: {cc.stderr.strip()[-500:]}"
+    return None
+
+
+def native_hook_ddp(ft):
+    """stepguard's DistributedDataParallel with the C++ comm hook in
+    place of the Python one: the hook reads the step's group and
+    participants, set after the forward pass (the quorum the forward pass
+    overlapped), and a failure it recorded is reported before the vote."""
+    import weakref
+
+    sys.path.insert(0, os.environ[NATIVE_HOOK_ENV])
+    native = importlib.import_module(NATIVE_HOOK_MODULE)
+
+    class NativeHookDDP(ft.DistributedDataParallel):
+        def register_comm_hook(self, state, hook) -> None:
+            self._native = native.HookState()
+            native.register(self.reducer, self._native)
+            state.manager._commit_checks.append(weakref.WeakMethod(self._report))
+
+        def forward(self, *inputs, **kwargs):
+            out = super().forward(*inputs, **kwargs)
+            m = self._hook_state.manager
+            m.wait_quorum()
+            self._native.set(m._pg.parent, m.num_participants(), m.is_participating())
+            return out
+
+        def _report(self) -> None:
+            err = self._native.take_error()
+            if err is not None:
+                self._hook_state.manager.report_error(RuntimeError(err))
+
+    return NativeHookDDP
 
 
 # ---- worker: one replica ---------------------------------------------
@@ -201,7 +274,9 @@ class Kind:
         if env:
             os.environ[env[0]] = env[1]
         try:
-            self.ddp = ft.DistributedDataParallel(manager, self.model)
+            ddp_class = (native_hook_ddp(ft) if kind == "stepguard-native-hook"
+                         else ft.DistributedDataParallel)
+            self.ddp = ddp_class(manager, self.model)
         finally:
             if env:
                 os.environ.pop(env[0], None)
@@ -486,7 +561,9 @@ def summarize(kinds: list[str], results: list[list[dict]]) -> dict:
                                          ("stepguard", "stepguard-thread-completion"),
                                          ("stepguard-tcp", "plain"),
                                          ("plain-python-hook", "plain"),
-                                         ("stepguard", "plain-python-hook"))
+                                         ("stepguard", "plain-python-hook"),
+                                         ("stepguard-native-hook", "plain"),
+                                         ("stepguard-native-hook", "stepguard"))
              if num in kinds and den in kinds]
     for num, den in pairs:
         wall = [statistics.median(x["times"]) / statistics.median(y["times"])
@@ -545,6 +622,17 @@ def main() -> int:
     unavailable = {k: why for k in ("torchft", "stepguard") if k in wanted and (why := has_api(k))}
     if a.pg != "gloo" and "torchft" in wanted:
         unavailable["torchft"] = f"not run over {PG_LABEL[a.pg]}"
+    native_dir = None
+    if "stepguard-native-hook" in wanted and "stepguard-native-hook" not in unavailable:
+        if a.pg != "gloo":
+            unavailable["stepguard-native-hook"] = f"not built for {PG_LABEL[a.pg]}"
+        else:
+            native_dir = tempfile.TemporaryDirectory(prefix="sg-native-hook-")
+            why = build_native_hook(native_dir.name)
+            if why:
+                unavailable["stepguard-native-hook"] = why
+            else:
+                os.environ[NATIVE_HOOK_ENV] = native_dir.name
     kinds = [k for k in wanted if k not in unavailable]
     for k, why in unavailable.items():
         print(f"{k}: not measured ({why})")

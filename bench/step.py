@@ -232,7 +232,7 @@ class Kind:
         if kind in ("plain", "plain-unused", "plain-python-hook"):
             if a.pg == "tcp":
                 importlib.import_module("stepguard.process_group_tcp")  # registers the backend
-            if not dist.is_initialized():  # both plain kinds share the default group
+            if not dist.is_initialized():  # the plain kinds share the default group
                 port_file = os.path.join(a.dir, "plain.port")
                 if a.rank == 0:
                     self.store = dist.TCPStore("127.0.0.1", 0, a.world, is_master=True,
@@ -622,8 +622,8 @@ def main() -> int:
     unavailable = {k: why for k in ("torchft", "stepguard") if k in wanted and (why := has_api(k))}
     if a.pg != "gloo" and "torchft" in wanted:
         unavailable["torchft"] = f"not run over {PG_LABEL[a.pg]}"
-    native_dir = None
-    if "stepguard-native-hook" in wanted and "stepguard-native-hook" not in unavailable:
+    native_dir = None  # kept until the end: the workers import the module from it
+    if "stepguard-native-hook" in wanted:
         if a.pg != "gloo":
             unavailable["stepguard-native-hook"] = f"not built for {PG_LABEL[a.pg]}"
         else:

@@ -191,6 +191,16 @@ def ctx_switches() -> int:
     return total
 
 
+def params_digest(model) -> str:
+    """SHA-256 of the model's parameters, bit for bit."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 def make_model(torch, width: int):
     torch.manual_seed(0)
     return torch.nn.Sequential(
@@ -357,7 +367,10 @@ def worker(a: argparse.Namespace) -> int:
         import cProfile
 
         prof = {k.kind: cProfile.Profile() for k in kinds}
-    i = 0
+    # each kind takes the batches in the same order (from the first after
+    # the warm-up), so kinds that compute the same thing end with the same
+    # parameters
+    nth = {k.kind: a.warmup for k in kinds}
     for rnd in range(a.blocks):
         order = kinds[rnd % len(kinds):] + kinds[:rnd % len(kinds)]
         for k in order:
@@ -370,8 +383,8 @@ def worker(a: argparse.Namespace) -> int:
             if prof is not None:
                 prof[k.kind].enable()
             for _ in range(a.block):
-                committed[k.kind] += k.step(*data[i % len(data)], times, phases)
-                i += 1
+                committed[k.kind] += k.step(*data[nth[k.kind] % len(data)], times, phases)
+                nth[k.kind] += 1
             if prof is not None:
                 prof[k.kind].disable()
             cpu = time.process_time() - cpu0
@@ -395,6 +408,7 @@ def worker(a: argparse.Namespace) -> int:
         for name, p in prof.items():
             p.dump_stats(f"{a.profile}.{name}.{a.world}")
     result = {"rank": a.rank, "world": a.world, "blocks": blocks,
+              "digest": {k.kind: params_digest(k.model) for k in kinds},
               "committed": committed, "total": a.warmup + a.blocks * a.block,
               "participants": {k.kind: (k.manager.num_participants() if k.manager else a.world)
                                for k in kinds}}
@@ -503,6 +517,11 @@ def run_once(kinds: list[str], n: int, a: argparse.Namespace, blocks: int,
                 raise RuntimeError(f"{k} with {n} replicas: only {res['committed'][k]}/"
                                    f"{res['total']} steps committed, "
                                    f"{res['participants'][k]} participants")
+    for k in kinds:
+        # every kind keeps its replicas bit-identical, or it computed nothing
+        # worth timing
+        if len({res["digest"][k] for res in results}) != 1:
+            raise RuntimeError(f"{k} with {n} replicas: the replicas' parameters differ")
     return results
 
 
@@ -655,6 +674,15 @@ def main() -> int:
                              f"cs {v['ctx_switches_per_step']:.1f}"
                              for k, v in one["kinds"].items())
             print(f"run {rnd + 1}/{a.rounds} replicas {n}: {line}", flush=True)
+            # kinds that computed the same steps bit for bit (stepguard's
+            # DDP sums then divides as torchft's does; plain DDP divides
+            # first): the same parameters, if every step committed in both
+            same: dict[str, list[str]] = {}
+            for k in kinds:
+                same.setdefault(res[0]["digest"][k], []).append(k)
+            groups = [" = ".join(g) for g in same.values() if len(g) > 1]
+            if groups:
+                print(f"  same parameters at the end: {'; '.join(groups)}", flush=True)
 
     mode = "separate processes per kind" if a.separate else \
         f"kinds interleaved in blocks of {a.block} steps in the same processes"

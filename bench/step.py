@@ -664,7 +664,8 @@ def main() -> int:
                 order = kinds[rnd % len(kinds):] + kinds[:rnd % len(kinds)]
                 parts = [run_once([k], n, a, 1, a.blocks * a.block) for k in order]
                 res = [{"rank": r[0]["rank"],
-                        "blocks": {k: b for p in parts for k, b in p[i]["blocks"].items()}}
+                        "blocks": {k: b for p in parts for k, b in p[i]["blocks"].items()},
+                        "digest": {k: d for p in parts for k, d in p[i]["digest"].items()}}
                        for i, r in enumerate(zip(*parts))]
             else:
                 res = run_once(kinds, n, a, a.blocks, a.block)

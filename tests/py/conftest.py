@@ -26,6 +26,17 @@ class Procs:
     def track(self, pid: int) -> None:
         self.pids.append(pid)
 
+    @staticmethod
+    def rest_of_stdout(p: subprocess.Popen, timeout: float) -> str:
+        """What `p` writes to its stdout pipe after what was already read,
+        once it exits within `timeout`.  After a ``readline()``,
+        ``communicate(timeout=...)`` would lose whatever the readline's
+        buffer already took from the pipe (it reads the pipe itself).  For
+        short outputs only: `p` must not fill the pipe before it exits."""
+        p.wait(timeout=timeout)
+        assert p.stdout is not None
+        return p.stdout.read()
+
     def cleanup(self) -> None:
         for p in self.popens:
             if p.poll() is None:

@@ -83,7 +83,7 @@ def test_blocking_call_in_forked_child(procs) -> None:
     line = p.stdout.readline()
     assert line.strip().isdigit(), line
     procs.track(int(line))
-    rest, _ = p.communicate(timeout=60)
+    rest = procs.rest_of_stdout(p, timeout=60)
     assert p.returncode == 0
     assert rest.strip() == "0", "the forked child's call failed"
 
@@ -161,7 +161,7 @@ def test_quorum_started_before_fork_fails_in_the_child(procs) -> None:
     line = p.stdout.readline()
     assert line.strip().isdigit(), line
     procs.track(int(line))
-    rest, _ = p.communicate(timeout=60)
+    rest = procs.rest_of_stdout(p, timeout=60)
     assert p.returncode == 0
     assert rest.strip() == "0", f"child exit {rest.strip()}"
 

@@ -650,7 +650,7 @@ def test_ctrl_c_stops_a_fetch(procs) -> None:
     assert p.stdout.readline().strip() == "ready"
     time.sleep(0.5)
     p.send_signal(signal.SIGINT)
-    out, _ = p.communicate(timeout=30)
+    out = procs.rest_of_stdout(p, timeout=30)
     assert p.returncode == 0, out
     assert out.startswith("interrupted after"), out
     assert float(out.split()[-1]) < 10.0, out  # not the 600 s deadline

@@ -1,7 +1,7 @@
 // native_hook.cpp: a DDP comm hook in C++ for bench/step.py's reference
 // kind `stepguard-native-hook`, built by the bench against the installed
-// torch (g++ and torch's headers; the kind is skipped with the reason
-// where that fails).
+// torch with torch.utils.cpp_extension (the kind is skipped with the
+// reason where that fails).
 //
 // It measures what stepguard's DDP would gain if its per-bucket work left
 // Python: the hook starts the bucket's SUM allreduce on the c10d group the

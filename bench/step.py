@@ -80,34 +80,20 @@ API = ("Manager", "DistributedDataParallel", "Optimizer", "ProcessGroupGloo")
 
 
 def build_native_hook(out_dir: str) -> str | None:
-    """Compiles bench/native_hook.cpp into `out_dir` with g++ against the
-    installed torch; returns why it could not, or None."""
-    probe = subprocess.run(
-        [sys.executable, "-c",
-         "import json, sysconfig, torch\n"
-         "from torch.utils import cpp_extension as c\n"
-         "print(json.dumps({'inc': c.include_paths() + [sysconfig.get_paths()['include']],"
-         " 'lib': c.library_paths(), 'abi': int(torch._C._GLIBCXX_USE_CXX11_ABI),"
-         " 'suffix': sysconfig.get_config_var('EXT_SUFFIX')}))"],
-        capture_output=True, text=True, timeout=120)
-    if probe.returncode != 0:
-        return f"torch's build flags: {probe.stderr.strip()[-300:]}"
-    cfg = json.loads(probe.stdout)
-    cmd = (["g++", "-O2", "-shared", "-fPIC", "-std=c++17",
-            f"-D_GLIBCXX_USE_CXX11_ABI={cfg['abi']}",
-            f"-DTORCH_EXTENSION_NAME={NATIVE_HOOK_MODULE}"]
-           + [f"-I{p}" for p in cfg["inc"]]
-           + [str(ROOT / "bench/native_hook.cpp"), "-o",
-              os.path.join(out_dir, NATIVE_HOOK_MODULE + cfg["suffix"])]
-           + [f"-L{p}" for p in cfg["lib"]]
-           + [f"-Wl,-rpath,{p}" for p in cfg["lib"]]
-           + ["-ltorch", "-ltorch_cpu", "-lc10", "-ltorch_python"])
+    """Compiles bench/native_hook.cpp into `out_dir` with torch's own
+    extension builder (in a child process: this one does not import
+    torch); returns why it could not, or None."""
+    code = ("import sys\n"
+            "from torch.utils.cpp_extension import load\n"
+            "load(name=sys.argv[1], sources=[sys.argv[2]], build_directory=sys.argv[3])\n")
     try:
-        cc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        r = subprocess.run([sys.executable, "-c", code, NATIVE_HOOK_MODULE,
+                            str(ROOT / "bench/native_hook.cpp"), out_dir],
+                           capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.TimeoutExpired) as e:
-        return f"g++: {e}"
-    if cc.returncode != 0:
-        return f"g++ failed: {cc.stderr.strip()[-500:]}"
+        return f"building it: {e}"
+    if r.returncode != 0:
+        return f"building it failed: {(r.stdout + r.stderr).strip()[-500:]}"
     return None
 
 

@@ -44,6 +44,26 @@ _LAZY = {
     "ProcessGroupTCP": ("stepguard.process_group_tcp", "ProcessGroupTCP"),
 }
 
+# the submodules torchft's __init__ imports, so a bare ``import stepguard``
+# reaches them as attributes the way ``import torchft`` does
+_SUBMODULES = frozenset(
+    {
+        "checkpointing",
+        "coordination",
+        "data",
+        "ddp",
+        "futures",
+        "local_sgd",
+        "manager",
+        "optim",
+        "otel",
+        "process_group",
+        "work",
+    }
+)
+
+setup_logger = _otel.setup_logger
+
 __all__ = sorted(_LAZY) + ["Error", "__version__"]
 
 if TYPE_CHECKING:
@@ -62,9 +82,23 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"stepguard.{name}")
     try:
         module, attr = _LAZY[name]
     except KeyError:
+        # in torchft mode, `from torchft import _test_utils` looks the name
+        # up here (this module is torchft): torchft's helpers live in its
+        # wheel, under the torchft name
+        import sys
+
+        from stepguard.as_torchft import _from_wheel
+
+        if sys.modules.get("torchft") is sys.modules[__name__] and _from_wheel(name):
+            try:
+                return importlib.import_module(f"torchft.{name}")
+            except ImportError:
+                pass
         raise AttributeError(f"module 'stepguard' has no attribute {name!r}") from None
     value = getattr(importlib.import_module(module), attr)
     globals()[name] = value
@@ -72,4 +106,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | _SUBMODULES)

@@ -375,20 +375,24 @@ class ManagerClient:
             connection but without a network round trip or a thread hop.
     """
 
-    def __init__(
-        self,
+    # Built in __new__, like torchft's native class (whose __init__ is
+    # object's): mock.create_autospec of either then accepts the same calls.
+    def __new__(
+        cls,
         addr: str,
         connect_timeout: timedelta,
         *,
         auth_token: str | None = None,
         server: ManagerServer | None = None,
-    ) -> None:
+    ) -> "ManagerClient":
+        self = super().__new__(cls)
         self._client = _C.ManagerClient(
             addr,
             _seconds(connect_timeout),
             _env_token(auth_token),
             server=server._server if server is not None else None,
         )
+        return self
 
     def _quorum(
         self,
@@ -497,3 +501,7 @@ def lighthouse_main(argv: list[str] | None = None) -> int:
 
 def _console_main() -> None:
     sys.exit(lighthouse_main())
+
+
+if __name__ == "__main__":
+    _console_main()

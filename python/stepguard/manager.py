@@ -62,6 +62,7 @@ from torch.distributed.distributed_c10d import AllreduceOptions, Work
 
 from stepguard.checkpointing import CheckpointTransport, NativeTransport
 from stepguard.checkpointing._rwlock import RWLock
+from stepguard import coordination as _coordination
 from stepguard.coordination import ManagerClient, ManagerServer, QuorumResult
 from stepguard import futures as _futures
 from stepguard.futures import _call_later, future_timeout
@@ -705,7 +706,10 @@ class Manager:
 
         curr_device = torch.accelerator.current_device_index() if _accelerator() else -1
         quorum_timeout = timeout or self._quorum_timeout
-        if isinstance(self._client, ManagerClient):
+        # the class itself, not this module's name for it, which a test may
+        # have patched; and type(), not isinstance(), which a mock specced
+        # on the class passes (a mock takes the thread path, calling _quorum)
+        if issubclass(type(self._client), _coordination.ManagerClient):
             self._quorum_future = _NativeQuorum(
                 self, self._client, allow_heal, shrink_only, quorum_timeout, curr_device
             )

@@ -9,13 +9,16 @@ receives each storage in place into the tensor its ``state_dict()`` callable
 already has at the same key path (same device type and size), so healing
 needs no second copy of the model; otherwise it allocates one.
 
-Same constructor and behaviour as torchft's ``PGTransport`` (the bytes on
-the wire are not meant to interoperate: the description is a pickle of
-stepguard's classes).
+Same constructor, behaviour and bytes on the wire as torchft's
+``PGTransport``: the description pickles under torchft's class paths
+(``torchft.checkpointing.pg_transport._StateDictMeta`` and its parts) and
+those paths unpickle to this module's classes, so stepguard and torchft
+replicas heal each other over it, with or without torchft installed.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import pickle
 import time
@@ -86,6 +89,50 @@ class _StateDictMeta:
     non_tensor_leaves: List[Union[object, _TensorMeta, _DTensorMeta]]
 
 
+# the module torchft's replicas pickle these classes under, and expect back
+_WIRE_MODULE = "torchft.checkpointing.pg_transport"
+_WIRE_CLASSES = {"_TensorMeta", "_DTensorMeta", "_StateDictMeta"}
+
+
+class _WirePickler(pickle._Pickler):  # type: ignore[misc, name-defined]
+    """Writes this module's classes under torchft's module path.
+
+    The C pickler cannot rename a class reference (it checks that the name
+    imports back to the same object); the Python one lets save_global do
+    it.  The description is small (one entry per tensor), so its speed
+    does not matter.
+    """
+
+    def save_global(self, obj: object, name: Optional[str] = None) -> None:
+        qualname = getattr(obj, "__qualname__", None)
+        if getattr(obj, "__module__", None) == __name__ and qualname in _WIRE_CLASSES:
+            self.save(_WIRE_MODULE)
+            self.save(qualname)
+            self.write(pickle.STACK_GLOBAL)
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+
+class _WireUnpickler(pickle.Unpickler):
+    """Reads torchft's class paths as this module's classes."""
+
+    def find_class(self, module: str, name: str) -> object:
+        if module in (_WIRE_MODULE, __name__) and name in _WIRE_CLASSES:
+            return globals()[name]
+        return super().find_class(module, name)
+
+
+def _dumps(meta: "_StateDictMeta") -> bytes:
+    out = io.BytesIO()
+    _WirePickler(out, protocol=4).dump(meta)
+    return out.getvalue()
+
+
+def _loads(blob: bytes) -> "_StateDictMeta":
+    return cast(_StateDictMeta, _WireUnpickler(io.BytesIO(blob)).load())
+
+
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
     """The whole storage of ``t`` as a flat uint8 tensor (no copy)."""
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
@@ -137,8 +184,11 @@ class PGTransport(CheckpointTransport[T]):
 
     Args:
         pg: the process group (usually the Manager's).
-        timeout: deadline of the whole send or receive.
-        device: the device tensors travel on (e.g. ``cuda`` for NCCL).
+        timeout: the default for each wait of a send or receive; a
+            ``timeout`` passed to ``send_checkpoint`` or ``recv_checkpoint``
+            takes precedence.
+        device: the device tensors travel on (e.g. ``cuda`` for NCCL), a
+            :class:`torch.device` or its name.
         state_dict: returns this replica's current state dict; tensors in
             it are received in place.
     """
@@ -147,12 +197,12 @@ class PGTransport(CheckpointTransport[T]):
         self,
         pg: ProcessGroup,
         timeout: timedelta,
-        device: torch.device,
+        device: Union[torch.device, str],
         state_dict: Optional[Callable[[], object]] = None,
     ) -> None:
         self._pg = pg
         self._timeout = timeout
-        self._device = device
+        self._device = torch.device(device)
         self._state_dict = state_dict
 
     def metadata(self) -> str:
@@ -168,10 +218,10 @@ class PGTransport(CheckpointTransport[T]):
         state_dict: T,
         timeout: Optional[timedelta] = None,
     ) -> None:
-        timeout = timeout or self._timeout
+        timeout = self._timeout if timeout is None else timeout
         with _timeit("preparing state_dict"):
             meta, buffers = _prepare_state_dict(state_dict, step, self._device)
-        blob = pickle.dumps(meta)
+        blob = _dumps(meta)
         meta_t = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self._device)
         len_t = torch.tensor([len(blob)], dtype=torch.int64, device=self._device)
         works: List[Work] = []
@@ -197,7 +247,7 @@ class PGTransport(CheckpointTransport[T]):
         step: int,
         timeout: Optional[timedelta] = None,
     ) -> T:
-        timeout = timeout or self._timeout
+        timeout = self._timeout if timeout is None else timeout
         len_t = torch.zeros(1, dtype=torch.int64, device=self._device)
         self._pg.recv([len_t], src_rank, 1).wait(timeout)
         n = int(len_t.item())
@@ -205,7 +255,7 @@ class PGTransport(CheckpointTransport[T]):
             raise RuntimeError(f"bad checkpoint description length {n} from {src_rank}")
         meta_t = torch.empty(n, dtype=torch.uint8, device=self._device)
         self._pg.recv([meta_t], src_rank, 2).wait(timeout)
-        meta = cast(_StateDictMeta, pickle.loads(meta_t.cpu().numpy().tobytes()))
+        meta = _loads(meta_t.cpu().numpy().tobytes())
         if meta.step != step:
             raise RuntimeError(f"expected step {step}, got a checkpoint of step {meta.step}")
 
@@ -219,6 +269,9 @@ class PGTransport(CheckpointTransport[T]):
 
         values: List[object] = []
         works: List[Work] = []
+        # (index in values, received bytes, description): filled in once
+        # the bytes are here
+        pending: List[Tuple[int, torch.Tensor, object]] = []
         tag = 3
         for path, described in zip(meta.paths, meta.non_tensor_leaves):
             tmeta = described.local if isinstance(described, _DTensorMeta) else described
@@ -232,10 +285,24 @@ class PGTransport(CheckpointTransport[T]):
                 and own.untyped_storage().nbytes() == tmeta.nbytes
             ):
                 buf = _storage_bytes(own)
+                in_place = True
             else:
                 buf = torch.empty(tmeta.nbytes, dtype=torch.uint8, device=self._device)
+                in_place = False
             works.append(self._pg.recv([buf], src_rank, tag))
             tag += 1
+            pending.append((len(values), buf, described))
+            values.append(in_place)
+        for w in works:
+            w.wait(timeout)
+        for index, buf, described in pending:
+            if not values[index]:
+                # as torchft: a tensor with no place to land comes back on
+                # the CPU (the transport's device is only the wire's)
+                buf = buf.cpu()
+            tmeta = cast(
+                _TensorMeta, described.local if isinstance(described, _DTensorMeta) else described
+            )
             t = torch.as_strided(
                 _cast_tensor(buf, tmeta.dtype),
                 tmeta.shape,
@@ -245,7 +312,5 @@ class PGTransport(CheckpointTransport[T]):
             if isinstance(described, _DTensorMeta):
                 assert DTensor is not None
                 t = DTensor(t, described.spec, requires_grad=False)  # type: ignore[call-arg]
-            values.append(t)
-        for w in works:
-            w.wait(timeout)
+            values[index] = t
         return cast(T, tree_unflatten(values, meta.treespec))

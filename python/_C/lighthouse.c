@@ -300,7 +300,7 @@ static PyObject *client_quorum(PyObject *self_obj, PyObject *args,
   if (run_call(&c) < 0)
     return NULL;
   if (c.rc)
-    return sg_py_raise(sg_py_state_of_type(Py_TYPE(self)), c.rc, c.err.msg);
+    return sg_py_raise_rpc(sg_py_state_of_type(Py_TYPE(self)), c.rc, c.err.msg);
   PyObject *members = PyList_New((Py_ssize_t)c.q.n), *ret = NULL;
   if (!members)
     goto out;
@@ -343,7 +343,7 @@ static PyObject *client_heartbeat(PyObject *self_obj, PyObject *args,
   if (run_call(&c) < 0)
     return NULL;
   if (c.rc)
-    return sg_py_raise(sg_py_state_of_type(Py_TYPE(self)), c.rc, c.err.msg);
+    return sg_py_raise_rpc(sg_py_state_of_type(Py_TYPE(self)), c.rc, c.err.msg);
   Py_RETURN_NONE;
 }
 

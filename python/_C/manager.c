@@ -429,7 +429,7 @@ static int mcall_do(struct mcall *c, double timeout_s) {
   int rc = sg_py_blocking(mcall_run, mcall_abort, c);
   c->self->inflight--;
   if (rc == 0 && c->rc) {
-    sg_py_raise(sg_py_state_of_type(Py_TYPE(c->self)), c->rc, c->err.msg);
+    sg_py_raise_rpc(sg_py_state_of_type(Py_TYPE(c->self)), c->rc, c->err.msg);
     rc = -1;
   }
   if (rc < 0) {
@@ -514,7 +514,7 @@ static sg_mgr_local_t *local_start(mgr_client_obj *self, const struct mcall *c,
                                            c->commit_failures, c->handle,
                                            deadline, &lc, &err);
   if (rc) {
-    sg_py_raise(sg_py_state_of_type(Py_TYPE(self)), rc, err.msg);
+    sg_py_raise_rpc(sg_py_state_of_type(Py_TYPE(self)), rc, err.msg);
     return NULL;
   }
   return lc;
@@ -531,7 +531,7 @@ static PyObject *local_quorum_finish(mgr_client_obj *self, sg_mgr_local_t *lc) {
     sg_err_clear(&err);
     rc = sg_mgr_local_quorum_result(lc, &r, &err);
     if (rc)
-      sg_py_raise(sg_py_state_of_type(Py_TYPE(self)), rc, err.msg);
+      sg_py_raise_rpc(sg_py_state_of_type(Py_TYPE(self)), rc, err.msg);
     else
       d = result_dict(&r);
     sg_mgr_quorum_result_free(&r);
@@ -671,7 +671,7 @@ static PyObject *mclient_quorum_wait(PyObject *self_obj, PyObject *unused) {
   PyObject *d = NULL;
   if (rc == 0) {
     if (c->rc)
-      sg_py_raise(sg_py_state_of_type(Py_TYPE(self)), c->rc, c->err.msg);
+      sg_py_raise_rpc(sg_py_state_of_type(Py_TYPE(self)), c->rc, c->err.msg);
     else
       d = result_dict(&c->r);
   }
@@ -711,7 +711,7 @@ static PyObject *local_should_commit(mgr_client_obj *self,
     sg_err_t err;
     sg_err_clear(&err);
     int rc = sg_mgr_local_should_commit_result(lc, &decision, &err);
-    out = rc ? sg_py_raise(sg_py_state_of_type(Py_TYPE(self)), rc, err.msg)
+    out = rc ? sg_py_raise_rpc(sg_py_state_of_type(Py_TYPE(self)), rc, err.msg)
              : PyBool_FromLong(decision);
   }
   sg_mgr_local_free(lc);

@@ -74,6 +74,16 @@ int64_t sg_py_timeout_ms(double seconds) {
   return (int64_t)(seconds * 1000.0 + 0.5);
 }
 
+PyObject *sg_py_raise_rpc(sg_py_state *st, int code, const char *detail) {
+  if (code != SG_ETIMEDOUT)
+    return sg_py_raise(st, code, detail);
+  PyErr_Format(PyExc_TimeoutError,
+               "status: Cancelled, message: \"Timeout expired\", details: [] "
+               "(%s)",
+               detail && detail[0] ? detail : sg_strerror(code));
+  return NULL;
+}
+
 static PyObject *raise_sg(PyObject *module, int code, const char *detail) {
   return sg_py_raise(get_state(module), code, detail);
 }

@@ -44,6 +44,14 @@ sg_py_state *sg_py_state_of_type(PyTypeObject *tp);
  */
 PyObject *sg_py_raise(sg_py_state *st, int code, const char *detail);
 
+/*
+ * sg_py_raise_rpc: sg_py_raise for a lighthouse or manager call.  A missed
+ * deadline reads as torchft's does (its clients report the gRPC status:
+ * 'status: Cancelled, message: "Timeout expired", ...'), followed by
+ * stepguard's detail, so code matching torchft's message keeps working.
+ */
+PyObject *sg_py_raise_rpc(sg_py_state *st, int code, const char *detail);
+
 /* sg_py_timeout_ms: seconds (float) to whole ms; -1 with ValueError set. */
 int64_t sg_py_timeout_ms(double seconds);
 

@@ -230,8 +230,9 @@ class Manager:
     ) -> None:
         if not getattr(pg, "supports_reconfigure", False):
             raise ValueError(
-                "the Manager needs a reconfigurable process group "
-                "(stepguard.process_group.ProcessGroup)"
+                "the Manager needs a reconfigurable process group (a "
+                "stepguard.process_group.ProcessGroup, or a native torch group "
+                "created with enable_reconfigure=True)"
             )
 
         self.quorum_logger: logging.Logger = logging.getLogger("torchft_quorums")
@@ -345,6 +346,8 @@ class Manager:
         self._commit_checks: List["weakref.WeakMethod[Callable[[], None]]"] = []
         self._participating_replica_rank: Optional[int] = None
         self._participating_replica_world_size: int = 0
+        # the quorum being joined, while _reconfigure_pg runs
+        self._reconfiguring: Optional[QuorumResult] = None
         self._is_state_dict_read_allowed = True
         self._warned_quantize = False
         # the bucket allreduce's options (read by c10d at each call)
@@ -735,6 +738,30 @@ class Manager:
         self._quorum_future.result()
 
     def _reconfigure_pg(self, quorum_id: int, handles: List[str]) -> None:
+        """Joins the process group of quorum ``quorum_id``: over the handles
+        its members exchanged through the lighthouse, or, from a manager that
+        does not carry handles, on the quorum's store (one namespace per
+        quorum and group rank)."""
+        quorum = self._reconfiguring
+        if quorum is not None and not (
+            len(handles) == quorum.replica_world_size and all(handles)
+        ):
+            ranks_in_quorum = [
+                extract_trailing_digits(rid.split(":")[0]) * self._group_world_size
+                + self._group_rank
+                for rid in quorum.replica_ids
+            ]
+            self._pg.configure(  # type: ignore[attr-defined]
+                f"{quorum.store_address}/torchft/{quorum_id}/{self._group_rank}",
+                self._replica_id or "0",
+                quorum.replica_rank,
+                quorum.replica_world_size,
+                quorum_id,
+                self._group_rank,
+                self._group_world_size,
+                ranks_in_quorum,
+            )
+            return
         opts = ReconfigureOptions()
         opts.uuid = quorum_id
         opts.handles = handles
@@ -828,27 +855,11 @@ class Manager:
                 self._quorum_id = quorum_id
                 if _accelerator():
                     torch.accelerator.synchronize()
-                handles = list(quorum.reconfigure_handles)
-                if len(handles) == replica_world_size and all(handles):
-                    self._reconfigure_pg(quorum_id, handles)
-                else:
-                    # A manager that does not carry handles: meet on the
-                    # quorum's store, one namespace per quorum and group rank.
-                    ranks_in_quorum = [
-                        extract_trailing_digits(rid.split(":")[0]) * self._group_world_size
-                        + self._group_rank
-                        for rid in quorum.replica_ids
-                    ]
-                    self._pg.configure(  # type: ignore[attr-defined]
-                        f"{quorum.store_address}/torchft/{quorum_id}/{self._group_rank}",
-                        self._replica_id or "0",
-                        replica_rank,
-                        replica_world_size,
-                        quorum_id,
-                        self._group_rank,
-                        self._group_world_size,
-                        ranks_in_quorum,
-                    )
+                self._reconfiguring = quorum
+                try:
+                    self._reconfigure_pg(quorum_id, list(quorum.reconfigure_handles))
+                finally:
+                    self._reconfiguring = None
                 self._update_fr_path()
                 reset = getattr(torch._C._distributed_c10d, "_reset_fr_recording_nccl", None)
                 if reset is not None:
@@ -1400,25 +1411,43 @@ class _ManagedWork(dist._Work):
         self._built = False
 
     def _build(self) -> None:
+        """Links the recorded callbacks onto the operation's future.
+
+        As torchft's: each callback gets a future of the running value (the
+        value the work was made with, then each callback's result), not the
+        operation's own result; errors and the deadline come from
+        ``wrap_future`` around the first link (around the operation's future
+        itself when there is no callback)."""
         if self._built:
             return
         self._built = True
-        fut: torch.futures.Future[object] = self._manager.wrap_future(
-            self._work.get_future(), self._value
-        )
-        node: Optional[_ManagedFuture] = self._head
-        node._fut = fut  # type: ignore[union-attr]
         stream = self._stream
-        while node is not None and node._next is not None:
+        running = [self._value]
+        head = self._head
+        head._fut = self._work.get_future()
+        if head._next is None:
+            head._fut = self._manager.wrap_future(head._fut, running[0])
+            return
+        node: _ManagedFuture = head
+        wrapped = False
+        while node._next is not None:
             nxt = node._next
             cb = nxt._callback
-            assert cb is not None
+            assert cb is not None and node._fut is not None
 
-            def run(f: torch.futures.Future[object], cb: Callable[[_SimpleFuture], object] = cb) -> object:
+            def run(
+                f: torch.futures.Future[object],
+                cb: Callable[[_SimpleFuture], object] = cb,
+            ) -> object:
                 with _stream_context(stream):
-                    return cb(_SimpleFuture(f.value()))
+                    f.wait()
+                    running[0] = cb(_SimpleFuture(running[0]))
+                    return running[0]
 
-            fut = fut.then(run)
+            fut = node._fut.then(run)
+            if not wrapped:
+                fut = self._manager.wrap_future(fut, running[0])
+                wrapped = True
             nxt._fut = fut
             node = nxt
 
@@ -1433,11 +1462,14 @@ class _ManagedWork(dist._Work):
         marked failed) if anything went wrong."""
         self._assert_same_stream()
         try:
-            if self._stream is not None:
-                self._work.wait()
-            self._build()
-            assert self._tail._fut is not None
-            self._tail._fut.wait()
+            with _stream_context(self._stream):
+                if timeout is not None:
+                    self._work.wait(timeout)
+                else:
+                    self._work.wait()
+                self._build()
+                assert self._tail._fut is not None
+                self._tail._fut.wait()
             return True
         except Exception as e:  # noqa: BLE001 - a failed step, not a crash
             self._manager._logger.exception(f"exception waiting for work: {e}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+import urllib.error
 import urllib.parse
 from datetime import timedelta
 from typing import Callable, List
@@ -90,20 +91,53 @@ def test_http_metadata_format(transports) -> None:
 def test_http_wrong_step_is_a_clear_error(transports) -> None:
     src, dst = transports(), transports()
     src.send_checkpoint([1], 5, state(), TD)
-    with pytest.raises(RuntimeError, match="serving 5 but got step=6"):
+    with pytest.raises(urllib.error.HTTPError, match="Error 400.*serving 5 but got step=6") as e:
         dst.recv_checkpoint(0, src.metadata(), 6, TD)
+    # torchft's type and code, the server's message as reason, and the URL
+    assert e.value.code == 400
+    assert e.value.reason == "invalid checkpoint requested, serving 5 but got step=6"
+    assert f"{src.metadata()}6/full" in str(e.value)
+
+
+def test_http_unreachable_or_zero_timeout_is_a_urlerror(transports) -> None:
+    src, dst = transports(), transports()
+    src.send_checkpoint([1], 5, state(), TD)
+    with pytest.raises(urllib.error.URLError, match="urlopen error") as e:
+        dst.recv_checkpoint(0, src.metadata(), 5, timedelta(seconds=0))
+    assert not isinstance(e.value, urllib.error.HTTPError)
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    url = f"http://127.0.0.1:{port}/checkpoint/"
+    with pytest.raises(urllib.error.URLError, match="urlopen error") as e:
+        dst.recv_checkpoint(0, url, 5, TD)
+    assert isinstance(e.value.reason, ConnectionRefusedError)
+    assert f"{url}5/full" in str(e.value)
+
+
+def test_http_locking_bookkeeping(transports) -> None:
+    t = transports()
+    assert t._checkpoint_lock.w_locked() and t._disallowed and t._step == -1
+    t.allow_checkpoint(1)
+    assert not t._checkpoint_lock.w_locked() and not t._disallowed and t._step == 1
+    t.disallow_checkpoint()
+    t.disallow_checkpoint()
+    assert t._checkpoint_lock.w_locked() and t._disallowed and t._step == 1
+    t.send_checkpoint([1], 3, state(3), TD)
+    assert not t._checkpoint_lock.w_locked() and t._step == 3
 
 
 def test_http_nothing_served_before_send_or_after_disallow(transports) -> None:
     src = transports(timeout=timedelta(milliseconds=300))
     dst = transports(timeout=timedelta(seconds=5))
-    with pytest.raises(RuntimeError, match="503"):
+    with pytest.raises(urllib.error.HTTPError, match="Error 503"):
         dst.recv_checkpoint(0, src.metadata(), -1, timedelta(seconds=5))
     src.send_checkpoint([1], 2, state(2), TD)
     dst.recv_checkpoint(0, src.metadata(), 2, TD)
     src.disallow_checkpoint()
     src.disallow_checkpoint()  # idempotent
-    with pytest.raises(RuntimeError, match="503"):
+    with pytest.raises(urllib.error.HTTPError, match="Error 503"):
         dst.recv_checkpoint(0, src.metadata(), 2, timedelta(seconds=5))
 
 

@@ -124,6 +124,12 @@ class HTTPTransport(CheckpointTransport[T]):
         )
         # Nothing is served before the first send_checkpoint.
         self._server = _StateServer(timeout.total_seconds())
+        # torchft's bookkeeping, kept for code that inspects it: the step
+        # last passed to allow_checkpoint (-1 before any) and whether the
+        # caller has disallowed serving (True until the first allow).
+        self._step = -1
+        self._disallowed = True
+        self._checkpoint_lock = _GateView(self)
         logger.info("serving checkpoints on %s", self.address())
 
     @classmethod
@@ -131,8 +137,11 @@ class HTTPTransport(CheckpointTransport[T]):
         """Fetches and deserializes one object from ``address``.
 
         Raises:
-            RuntimeError: the peer answered with an error status.
-            OSError/TimeoutError: the peer is unreachable or too slow.
+            urllib.error.HTTPError: the peer answered with an error status
+                (its message is the reason; the text names the URL too).
+            urllib.error.URLError: the peer could not be reached (or the
+                timeout is 0).
+            TimeoutError/OSError: the peer went silent or away mid-transfer.
         """
         msg = f"fetching checkpoint from {address}"
         logger.info(msg)
@@ -143,9 +152,10 @@ class HTTPTransport(CheckpointTransport[T]):
                 # Non-tensor state (schedulers, ...) needs full unpickling.
                 return _streaming_load(f, weights_only=False)
         except urllib.error.HTTPError as e:
-            raise RuntimeError(
-                f"checkpoint fetch {address} failed: HTTP {e.code}: {e.reason}"
-            ) from None
+            # same code, reason, headers and body; the text adds the URL
+            raise _FetchHTTPError(address, e.code, e.msg, e.hdrs, e.fp) from None
+        except urllib.error.URLError as e:
+            raise _FetchURLError(e.reason, address) from None
 
     def address(self) -> str:
         """``http://{hostname}:{port}/checkpoint/``; append ``{step}/{key}``."""
@@ -158,11 +168,15 @@ class HTTPTransport(CheckpointTransport[T]):
         """Stops serving: new requests wait (up to the timeout) for the next
         ``allow_checkpoint``; those in flight are waited for up to the
         timeout, then cut."""
+        self._disallowed = True
         self._server.close_gate()
         self._server.wait_idle(self._timeout.total_seconds())
 
     def allow_checkpoint(self, step: int) -> None:
-        """Serves the last state sent as ``step``."""
+        """Serves the last state sent as ``step`` (before any was sent,
+        requests keep waiting for the first ``send_checkpoint``)."""
+        self._step = step
+        self._disallowed = False
         if self._values is not None and self._spec is not None:
             self._server.serve(_Staged(step, self._values, self._spec, {}, self._num_chunks))
 
@@ -193,6 +207,42 @@ class HTTPTransport(CheckpointTransport[T]):
     def shutdown(self, wait: bool = True) -> None:
         """Stops the server; ``wait`` joins its thread."""
         self._server.close(wait)
+
+
+class _GateView:
+    """Stands in for torchft's ``HTTPTransport._checkpoint_lock`` (a
+    readers-writer lock whose write side is held while serving is
+    disallowed): ``w_locked()`` is True from construction and after
+    ``disallow_checkpoint`` until the next ``allow_checkpoint``.  It
+    reports the caller's allow/disallow calls; the gate itself is the
+    server's, which stays shut until a state has been sent.  Only
+    ``w_locked`` is provided."""
+
+    def __init__(self, transport: "HTTPTransport[Any]") -> None:
+        self._transport = weakref.ref(transport)
+
+    def w_locked(self) -> bool:
+        t = self._transport()
+        return t is None or t._disallowed
+
+
+class _FetchHTTPError(urllib.error.HTTPError):
+    """urllib's HTTPError for a checkpoint fetch, whose text names the URL."""
+
+    def __str__(self) -> str:
+        return f"HTTP Error {self.code}: {self.msg} (GET {self.filename})"
+
+
+class _FetchURLError(urllib.error.URLError):
+    """urllib's URLError (same reason) for a checkpoint fetch, whose text
+    names the URL."""
+
+    def __init__(self, reason: Any, url: Optional[str] = None) -> None:
+        super().__init__(reason, url)
+
+    def __str__(self) -> str:
+        where = f" (GET {self.filename})" if self.filename else ""
+        return f"<urlopen error {self.reason}{where}>"
 
 
 def _to_cpu(values: List[object], stream: Optional[torch.Stream]) -> List[object]:

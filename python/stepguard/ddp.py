@@ -82,10 +82,11 @@ class _HookState:
     after the last bucket handed to it this step, and (where the buckets'
     completion is left to the end of backward) what completes them."""
 
-    __slots__ = ("manager", "next_bucket", "defer", "finishers")
+    __slots__ = ("manager", "native", "next_bucket", "defer", "finishers")
 
     def __init__(self, manager: "Manager") -> None:
         self.manager = manager
+        self.native = _has_bucket_allreduce(manager)
         self.next_bucket = 0
         # complete the buckets on backward's thread (only where DDP waits
         # for them in its own end-of-backward callback, queued after ours)
@@ -286,7 +287,7 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         state.next_bucket = bucket.index() + 1
         manager = state.manager
         buffer = bucket.buffer()
-        if not torch.accelerator.is_available():
+        if state.native and not torch.accelerator.is_available():
             # Nothing to order on a stream: one future that DDP waits for
             # at the end of backward, so this bucket's allreduce overlaps
             # the gradients of the next buckets.
@@ -313,7 +314,35 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
             return cast(torch.futures.Future[torch.Tensor], fut)
         # DDP needs the real torch future, not the lazy chain's handle.
         assert fut._fut is not None, "wait() succeeded but the chain was not built"
+        if not isinstance(fut._fut, torch.futures.Future):
+            # a manager whose wrap_future is not a real one (a mock): the
+            # chain has run, so the bucket holds its result in place
+            return _completed(buffer)
         return cast(torch.futures.Future[torch.Tensor], fut._fut)
+
+
+def _has_bucket_allreduce(manager: object) -> bool:
+    """Whether the comm hook may reduce ``manager``'s buckets with its
+    ``_bucket_allreduce`` (one future per bucket) instead of going through
+    ``allreduce``: only where that shortcut stands for the ``allreduce``
+    the manager would run, that is, both are defined by the same class of
+    the manager's own type and neither is replaced on the instance.  A
+    subclass that overrides ``allreduce``, an instance whose ``allreduce``
+    was replaced, or a mock (``create_autospec(Manager)`` answers every
+    method with a mock) gets the public path, as torchft's DDP does."""
+    cls = type(manager)
+    inst = getattr(manager, "__dict__", {})
+    if "allreduce" in inst or "_bucket_allreduce" in inst:
+        return False
+
+    def owner(name: str) -> Optional[type]:
+        for klass in cls.__mro__:
+            if name in vars(klass):
+                return klass
+        return None
+
+    bucket_owner = owner("_bucket_allreduce")
+    return bucket_owner is not None and bucket_owner is owner("allreduce")
 
 
 def _mark_ready(reducer: Any, params: List[torch.Tensor], order: List[int]) -> List[int]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from types import TracebackType
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Type, TypeVar, Union
 
@@ -194,9 +195,17 @@ class LocalSGD(_OptimizerHooks):
 
 
 class _Bucket:
-    """Pseudo-gradients packed into one flat buffer for one allreduce."""
+    """Pseudo-gradients packed into one flat buffer for one allreduce.
+
+    The averages are copied back into the pseudo-gradients once: by a
+    callback on the allreduce's future (as torchft's buckets are, so that
+    a work whose future is already done, or a managed work once waited,
+    leaves them unpacked), or by ``wait`` where that callback could not be
+    attached or has not run yet."""
 
     def __init__(self, names: List[str], grads: List[torch.Tensor]) -> None:
+        self._lock = threading.Lock()
+        self._unpacked = False
         self.names = names
         numel = sum(g.numel() for g in grads)
         self.buffer = torch.zeros(numel, dtype=grads[0].dtype, device=grads[0].device)
@@ -208,8 +217,26 @@ class _Bucket:
             offset += g.numel()
 
     def unpack(self, grads: Dict[str, torch.Tensor]) -> None:
-        for name, (offset, numel) in zip(self.names, self.spans):
-            grads[name].copy_(self.buffer[offset : offset + numel].view_as(grads[name]))
+        """Copies the buffer into ``grads`` (the first call only)."""
+        with self._lock:
+            if self._unpacked:
+                return
+            self._unpacked = True
+            with torch.no_grad():
+                for name, (offset, numel) in zip(self.names, self.spans):
+                    grads[name].copy_(self.buffer[offset : offset + numel].view_as(grads[name]))
+
+    def unpack_when_done(self, work: Work, grads: Dict[str, torch.Tensor]) -> None:
+        """Unpacks into ``grads`` when ``work``'s future completes."""
+
+        def done(_fut: object) -> List[torch.Tensor]:
+            self.unpack(grads)
+            return []
+
+        try:
+            work.get_future().then(done)
+        except (RuntimeError, NotImplementedError, AttributeError):
+            pass  # a work without a future: wait() unpacks
 
 
 class _StreamingDiLoCoFragment:
@@ -422,9 +449,9 @@ class _StreamingDiLoCoFragment:
     def _allreduce_bucketized(self) -> None:
         self._buckets = self._bucketize()
         for bucket in self._buckets:
-            self._allreduce_work.append(
-                self._manager.allreduce(bucket.buffer, should_quantize=self.should_quantize)
-            )
+            work = self._manager.allreduce(bucket.buffer, should_quantize=self.should_quantize)
+            bucket.unpack_when_done(work, self._grads)
+            self._allreduce_work.append(work)
 
     # torchft's name for the bucketized path
     _bucketize_and_allreduce = _allreduce_bucketized

@@ -60,7 +60,18 @@ class Timestamp:
 
 @dataclass
 class QuorumMember:
-    """One replica group in a quorum."""
+    """One replica group in a quorum.
+
+    Args:
+        replica_id: the replica group's id.
+        address: ``http://host:port`` of the group's manager.
+        store_address: ``host:port`` of the group's TCPStore.
+        step: the group's step when it asked to join.
+        world_size: number of group ranks.
+        shrink_only: the group asked for a quorum that only drops replicas.
+        data: the JSON-decodable data the group sent with its request.
+        commit_failures: the group's count of consecutive failed commits.
+    """
 
     replica_id: str
     address: str
@@ -74,7 +85,14 @@ class QuorumMember:
 
 @dataclass
 class Quorum:
-    """A quorum as issued by the lighthouse."""
+    """A quorum as issued by the lighthouse.
+
+    Args:
+        quorum_id: the quorum's id; it increases when the members change
+            or one of them reports failed commits.
+        participants: the members, ordered by ``replica_id``.
+        created: when the lighthouse formed the quorum.
+    """
 
     quorum_id: int
     participants: list[QuorumMember] = field(default_factory=list)

@@ -1106,8 +1106,10 @@ class ProcessGroupDummy(ProcessGroup):
     """A process group of one member: every operation finishes at once.
 
     Gathers and all-to-alls copy the input to the output; reductions and
-    broadcasts leave the tensors as they are.  Counts ``configure_count``,
-    ``wait_count`` and ``get_future_count`` for tests.
+    broadcasts leave the tensors as they are.  Counts for tests:
+    ``configure_count`` (``configure`` and ``reconfigure`` calls),
+    ``reconfigure_count`` (``reconfigure`` calls only, as torchft counts),
+    ``wait_count`` and ``get_future_count``.
     """
 
     def __init__(self, rank: int, world: int) -> None:
@@ -1119,6 +1121,7 @@ class ProcessGroupDummy(ProcessGroup):
         self.wait_count = 0
         self.get_future_count = 0
         self.configure_count = 0
+        self.reconfigure_count = 0
 
     def configure(
         self,
@@ -1135,6 +1138,7 @@ class ProcessGroupDummy(ProcessGroup):
 
     def reconfigure(self, opts: ReconfigureOptions) -> Work:
         self.configure_count += 1
+        self.reconfigure_count += 1
         return _DummyWork(None)
 
     def _done(self, result: object) -> Work:
@@ -1351,6 +1355,31 @@ class ManagedProcessGroup(ProcessGroupWrapper):
         return self._manager._pg.getBackendName()
 
 
+class _Generation:
+    """The lifetime of one configuration of a baby group: live from the
+    ``configure`` that built its c10d group until that group is dropped
+    (replaced by the next configuration, aborted or shut down)."""
+
+    __slots__ = ("_live",)
+
+    def __init__(self) -> None:
+        self._live = True
+
+    def end(self) -> None:
+        self._live = False
+
+    def is_alive(self) -> bool:
+        """True while this configuration's group is the current one."""
+        return self._live
+
+    def closed(self) -> bool:
+        """True once this configuration's group has been dropped."""
+        return not self._live
+
+    def __repr__(self) -> str:
+        return f"_Generation(live={self._live})"
+
+
 class ProcessGroupBaby(ProcessGroupWrapper):
     """torchft's "baby" process groups run the collective backend in a
     child process so that a hung NCCL call can be escaped by killing the
@@ -1360,14 +1389,107 @@ class ProcessGroupBaby(ProcessGroupWrapper):
     under torchft's names and backend names, accepting torchft's float
     timeout.
 
+    What a caller of torchft's baby groups sees is kept:
+
+    * a configuration that is not ready within the timeout raises
+      ``TimeoutError`` ("... timed out after <seconds> seconds");
+    * after ``shutdown()`` (until the next configuration) collectives raise
+      ``OSError("handle is closed")``;
+    * ``size()`` is the last configured world size (-1 before any);
+    * torchft's per-configuration child process, request pipe and future
+      thread (``_p``, ``_future_pipe``, ``_future_thread``) are all one
+      :class:`_Generation` here, with the ``is_alive()``/``closed()`` those
+      objects answer: each configuration gets a new one, and the previous
+      one ends when its c10d group is dropped.
+
     Args:
         timeout: seconds (float) or a timedelta.
     """
+
+    # class defaults: the NCCL and XCCL babies run their backend's __init__
+    # rather than this class's
+    _generation: Optional[_Generation] = None
+    _closed = False
 
     def __init__(self, timeout: Union[float, timedelta] = 60.0) -> None:
         if not isinstance(timeout, timedelta):
             timeout = timedelta(seconds=timeout)
         super().__init__(timeout)
+
+    # torchft's names for what a configuration owns (see the class doc)
+    @property
+    def _p(self) -> Optional[_Generation]:
+        return self._generation
+
+    @property
+    def _future_pipe(self) -> Optional[_Generation]:
+        return self._generation
+
+    @property
+    def _future_thread(self) -> Optional[_Generation]:
+        return self._generation
+
+    def _end_generation(self) -> None:
+        gen = self._generation
+        if gen is not None:
+            gen.end()
+
+    def configure(
+        self,
+        store_addr: str,
+        replica_id: str,
+        rank: int,
+        world_size: int,
+        quorum_id: Optional[int] = None,
+        group_rank: Optional[int] = None,
+        group_world_size: Optional[int] = None,
+        global_ranks: Optional[List[int]] = None,
+    ) -> None:
+        self._closed = False
+        limit = self._timeout.total_seconds()
+        started = time.monotonic()
+        try:
+            super().configure(
+                store_addr,
+                replica_id,
+                rank,
+                world_size,
+                quorum_id,
+                group_rank,
+                group_world_size,
+                global_ranks,
+            )
+        except Exception as e:
+            overran = time.monotonic() - started >= limit
+            if overran or isinstance(e, TimeoutError) or (
+                isinstance(e, dist.DistStoreError) and "timeout" in str(e)
+            ):
+                raise TimeoutError(
+                    f"process group configuration timed out after {limit} seconds"
+                ) from e
+            raise
+        self._generation = _Generation()
+
+    def abort(self, errored: bool = True) -> None:  # type: ignore[override]
+        self._end_generation()
+        super().abort(errored)  # type: ignore[call-arg]
+
+    def shutdown(self) -> None:
+        self._end_generation()
+        self._closed = True
+        super().shutdown()
+
+    @property
+    def parent(self) -> BaseProcessGroup:
+        if self._pg is None and self._closed:
+            raise OSError("handle is closed")
+        return super().parent
+
+    def size(self) -> int:
+        pg = self._pg
+        if pg is not None:
+            return pg.size()
+        return self._world_size if self._world_size is not None else -1
 
     def num_active_work(self) -> int:
         """Operations in flight in the group (0: they run in this process

@@ -8,7 +8,7 @@ FUZZ    := build/fuzz
 FUZZ_SECONDS ?= 30
 CFILES   = $(shell git ls-files '*.c' '*.h' '*.cpp')
 
-.PHONY: all bootstrap build test test-c test-py demo demo-lighthouse bench sanitize fuzz format format-check clean
+.PHONY: all bootstrap build test test-c test-py test-torchft demo demo-lighthouse bench sanitize fuzz format format-check clean
 
 all: build
 
@@ -34,6 +34,11 @@ test-py: build
 	$(PY) -m pytest tests/py
 
 test: format-check test-c test-py
+
+# torchft's own test files, from its pinned wheel, against stepguard (torchft
+# mode); its own CI step, as it takes most of the 20 minutes make test has
+test-torchft: build
+	scripts/torchft-suite
 
 # the main job: three replica groups train a small Llama for about three
 # minutes while one is killed every ~20 s; writes demo-out/

@@ -203,6 +203,11 @@ class Manager:
         quorum_retries: lighthouse quorum retries on failure.
     """
 
+    # The quorum being applied while _reconfigure_pg runs (a class default
+    # too, so that a Manager made without __init__, as torchft's tests make
+    # one to call _reconfigure_pg alone, takes the handles path).
+    _reconfiguring: Optional[QuorumResult] = None
+
     def __init__(
         self,
         pg: dist.ProcessGroup,

@@ -36,7 +36,8 @@ test-py: build
 test: format-check test-c test-py
 
 # torchft's own test files, from its pinned wheel, against stepguard (torchft
-# mode); its own CI step, as it takes most of the 20 minutes make test has
+# mode); its own target (about 4 minutes here); docs/training-api.md says
+# where it stands
 test-torchft: build
 	scripts/torchft-suite
 

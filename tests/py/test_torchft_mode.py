@@ -202,20 +202,22 @@ def test_mode_holds_in_subprocess_and_multiprocessing_children(tmp_path):
 def test_mode_holds_in_torchrun_workers(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(
-        "import json, os, torchft, stepguard\n"
-        "print(json.dumps({'rank': os.environ['RANK'], 'same': torchft is stepguard}),"
-        " flush=True)\n"
+        "import json, os, sys, torchft, stepguard\n"
+        "path = os.path.join(sys.argv[1], 'rank%s.json' % os.environ['RANK'])\n"
+        "open(path, 'w').write(json.dumps({'rank': os.environ['RANK'],"
+        " 'same': torchft is stepguard}))\n"
     )
     p = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         "--nproc_per_node=2", str(script)],
+         "--nproc_per_node=2", str(script), str(tmp_path)],
         env=_env(True),
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
     )
     assert p.returncode == 0, p.stderr
-    seen = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    # one file per rank: the two workers share torchrun's stdout
+    seen = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(d["rank"] for d in seen) == ["0", "1"]
     assert all(d["same"] for d in seen), seen
 

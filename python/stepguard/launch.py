@@ -861,6 +861,16 @@ class Launcher:
         """No further failure injections (hung groups are still resumed)."""
         self._injecting = False
 
+    def inject(self, spec: FailureSpec) -> None:
+        """Injects ``spec`` once, at the next tick, ignoring its schedule
+        fields (``every``, ``start``, ``stop``, ``count``): for a failure a
+        driver times to a point of the run (a group has trained, a heal has
+        begun) rather than to the clock.  Like scheduled ones, it is not
+        injected once :meth:`stop_injecting` or :meth:`finish` was called."""
+        one = FailureSpec(**{**spec.__dict__, "every": None, "start": 0.0, "stop": None,
+                             "count": 1})
+        self.injectors.append(_Injector(one, len(self.injectors)))
+
     def finish(self, step: int | None = None) -> None:
         """No more restarts; :meth:`run` returns once every group exits.
 

@@ -285,6 +285,34 @@ def test_kill_injection_on_schedule(tmp_path: Path) -> None:
     assert _of(tl, "quorum_change")
 
 
+def test_inject_on_demand(tmp_path: Path) -> None:
+    """Launcher.inject kills at the point the driver picks (here: group 1's
+    tenth step), once, whatever the spec's own schedule says; a spec with
+    a schedule in the config would never have fired this early."""
+    state = {"asked": False}
+
+    def on_event(rec: dict) -> None:
+        if (rec["event"] == "commit" and rec["group"] == 1 and rec["incarnation"] == 0
+                and rec["step"] == 10 and not state["asked"]):
+            state["asked"] = True
+            launcher.inject(parse_failure_spec("kill:start=1000s,every=1s,group=1,rank=0"))
+        if rec["event"] == "restart" and rec["group"] == 1 and not launcher._finishing:
+            launcher.finish(step=0)
+
+    cfg = _config(tmp_path, groups=2, stop_file=str(tmp_path / "stop"))
+    launcher = Launcher(cfg, on_event=on_event)
+    assert launcher.run() == 0
+    tl = _timeline(tmp_path / "tl.jsonl")
+    injected = _of(tl, "inject", kind="kill")
+    assert len(injected) == 1
+    assert injected[0]["group"] == 1 and injected[0]["incarnation"] == 0
+    assert injected[0]["elapsed"] < 100  # not at the spec's start=1000s
+    # the kill came after the step that asked for it
+    asked = _of(tl, "commit", group=1, incarnation=0, step=10)[0]
+    assert injected[0]["t"] >= asked["t"]
+    assert _of(tl, "exit", pid=injected[0]["pid"])[0]["signal"] == "SIGKILL"
+
+
 def test_hang_then_kill(tmp_path: Path) -> None:
     """hang stops a group (state T in /proc), then kills it; it restarts."""
     spec = parse_failure_spec("hang:start=0.5s,duration=3s,then=kill,count=1,group=0")

@@ -22,6 +22,7 @@ import io
 import logging
 import pickle
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -130,7 +131,13 @@ def _dumps(meta: "_StateDictMeta") -> bytes:
 
 
 def _loads(blob: bytes) -> "_StateDictMeta":
-    return cast(_StateDictMeta, _WireUnpickler(io.BytesIO(blob)).load())
+    # Unpickling a pytree TreeSpec goes through torch's deprecated LeafSpec
+    # constructor, which warns at every heal; the warning is torch's, not
+    # the caller's to act on.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)`",
+                                category=FutureWarning)
+        return cast(_StateDictMeta, _WireUnpickler(io.BytesIO(blob)).load())
 
 
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -440,30 +440,44 @@ def test_quorum_logs(lighthouse, caplog) -> None:
         lh1.shutdown()
 
 
+@pytest.mark.parametrize("transport", ["http", "pg"])
 @pytest.mark.parametrize("torchft_index", [0, 1])
-def test_mixed_job_with_a_torchft_manager(lighthouse, torchft_index: int) -> None:
-    """A torchft Manager (its own process group and HTTP transport) and a
+def test_mixed_job_with_a_torchft_manager(lighthouse, torchft_index: int, transport: str) -> None:
+    """A torchft Manager (its own process group and transport) and a
     stepguard Manager train in one quorum: they rebuild one Gloo group from
     the handles the lighthouse carries, and the one that is behind heals
-    from the other (index 0 is the source: replica ranks follow ids)."""
+    from the other (index 0 is the source: replica ranks follow ids), both
+    ways, over HTTP or over each side's PGTransport on its own group."""
     tfm = pytest.importorskip("torchft.manager")
     tfp = pytest.importorskip("torchft.process_group")
+    tft = pytest.importorskip("torchft.checkpointing.pg_transport")
+    import stepguard.checkpointing.pg_transport as sgt
     import stepguard.manager as sgm
     import stepguard.process_group as sgp
 
-    kinds = [(sgm, sgp), (sgm, sgp)]
-    kinds[torchft_index] = (tfm, tfp)
+    kinds = [(sgm, sgp, sgt), (sgm, sgp, sgt)]
+    kinds[torchft_index] = (tfm, tfp, tft)
     stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(2)]
     ws = [torch.full((3,), float(10 * i)) for i in range(2)]
     managers: List[object] = [None, None]
+    received: List[int] = []
 
     def make(i: int) -> None:
-        mod, pgmod = kinds[i]
-        # torchft heals over HTTP in its own format: a stepguard replica in a
-        # mixed job serves that format too.
-        extra = {} if mod is tfm else {"checkpoint_transport": HTTPTransport(TD, 0)}
+        mod, pgmod, tmod = kinds[i]
+        pg = pgmod.ProcessGroupGloo(timeout=TD)
+        if transport == "pg":
+            class Counted(tmod.PGTransport):  # type: ignore[name-defined, misc]
+                def recv_checkpoint(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+                    received.append(i)
+                    return super().recv_checkpoint(*args, **kwargs)
+
+            extra = {"checkpoint_transport": Counted(pg, timeout=TD, device="cpu")}
+        else:
+            # torchft heals over HTTP in its own format: a stepguard replica
+            # in a mixed job serves that format too.
+            extra = {} if mod is tfm else {"checkpoint_transport": HTTPTransport(TD, 0)}
         managers[i] = mod.Manager(
-            pgmod.ProcessGroupGloo(timeout=TD), lambda sd, i=i: ws[i].copy_(sd["w"]),
+            pg, lambda sd, i=i: ws[i].copy_(sd["w"]),
             lambda i=i: {"w": ws[i]}, min_replica_size=1, rank=0, world_size=1,
             store_addr="127.0.0.1", store_port=stores[i].port,
             lighthouse_addr=lighthouse.address(), replica_id=f"mixed_{i}", timeout=TD,
@@ -487,6 +501,8 @@ def test_mixed_job_with_a_torchft_manager(lighthouse, torchft_index: int) -> Non
         got = run_threads([lambda i=i: train(i) for i in range(2)])
         assert got[0] == got[1] == [(True, 0.5), (True, 1.5), (True, 1.5)]
         assert torch.equal(ws[0], ws[1]) and ws[0][0].item() == pytest.approx(3.5)
+        if transport == "pg":
+            assert received == [1]  # replica 1 healed, once, over PGTransport
     finally:
         for m in managers:
             if m is not None:

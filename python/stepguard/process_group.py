@@ -480,16 +480,24 @@ class ProcessGroup(BaseProcessGroup):
             A finished work (the group is ready when this returns).
         """
         r = _rendezvous(opts, self._handle_id())
-        self.configure(
-            r.store_addr,
-            self._replica_id or "0",
-            r.rank,
-            r.world_size,
-            quorum_id=r.uuid,
-            group_rank=self._group_rank,
-            group_world_size=self._group_world_size,
-            global_ranks=r.global_ranks,
-        )
+        # The reconfigure's own timeout bounds the set-up (a group whose
+        # operations time out in 1 s still gets that long to connect on a
+        # loaded host); the operations keep the group's timeout.
+        setup = getattr(opts, "timeout", None)
+        self._setup_timeout = setup if isinstance(setup, timedelta) else None
+        try:
+            self.configure(
+                r.store_addr,
+                self._replica_id or "0",
+                r.rank,
+                r.world_size,
+                quorum_id=r.uuid,
+                group_rank=self._group_rank,
+                group_world_size=self._group_world_size,
+                global_ranks=r.global_ranks,
+            )
+        finally:
+            self._setup_timeout = None
         return _DummyWork(None)
 
     # -- registration with c10d -------------------------------------------------
@@ -587,6 +595,9 @@ class ProcessGroupWrapper(ProcessGroup):
         self._quorum_id: Optional[int] = None
         self._world_size: Optional[int] = None
         self._global_ranks: Optional[List[int]] = None
+        # the deadline of the group's set-up while a reconfigure runs (its
+        # options' timeout), when longer than the operations' own
+        self._setup_timeout: Optional[timedelta] = None
         self.errors_logger: logging.Logger = logging.getLogger("torchft_errors")
 
     # True where _run_context, _opts_hook and _wrap_work are this class's
@@ -903,7 +914,10 @@ class ProcessGroupGloo(ProcessGroupWrapper):
 
         pg = BaseProcessGroup(store, rank, world_size)
         pg._set_default_backend(BaseProcessGroup.BackendType.GLOO)
-        backend = BaseProcessGroupGloo(store, rank, world_size, self._timeout)
+        setup = max(self._timeout, self._setup_timeout or self._timeout)
+        backend = BaseProcessGroupGloo(store, rank, world_size, setup)
+        if setup != self._timeout:
+            backend._set_default_timeout(self._timeout)
         backend._set_sequence_number_for_group()
         if self._global_ranks:
             backend.options.global_ranks_in_group = self._global_ranks

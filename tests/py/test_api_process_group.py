@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from datetime import timedelta
 from typing import Callable, List
 
@@ -130,6 +131,39 @@ def test_reconfigure_with_store_uses_handles(store) -> None:
 
     assert run_threads([lambda r=r: rank(r) for r in range(2)]) == [3.0, 3.0]
     assert pgs[1]._global_ranks == [0, 1] and pgs[1]._rank == 1
+
+
+class _SlowSetupGloo(ProcessGroupGloo):
+    """A Gloo group whose set-up starts `delay_s` late (a loaded host)."""
+
+    delay_s = 0.0
+
+    def _create_pg(self, store, rank, world_size):  # type: ignore[no-untyped-def]
+        time.sleep(self.delay_s)
+        return super()._create_pg(store, rank, world_size)
+
+
+def test_reconfigure_gives_setup_its_own_timeout(store) -> None:
+    # Operations time out in 1 s, and one rank starts connecting 3 s late:
+    # the set-up is bounded by the reconfigure's timeout (20 s), not by the
+    # operations' 1 s, and the operations still time out at 1 s after it.
+    pgs = [_SlowSetupGloo(timeout=timedelta(seconds=1)) for _ in range(2)]
+    pgs[1].delay_s = 3.0
+
+    def rank(r: int) -> float:
+        reconfigure_with_store(pgs[r], f"127.0.0.1:{store.port}/slow", r, 2, TD)
+        t = torch.tensor([float(r + 1)])
+        pgs[r].allreduce([t], ReduceOp.SUM).wait()
+        return t.item()
+
+    assert run_threads([lambda r=r: rank(r) for r in range(2)]) == [3.0, 3.0]
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match="[Tt]imed out"):
+        pgs[0].allreduce([torch.ones(1)], ReduceOp.SUM).wait()
+    # 1 s plus scheduling: far below the 20 s the set-up was given
+    assert time.monotonic() - t0 < 10
+    for p in pgs:
+        p.shutdown()
 
 
 def test_rendezvous_rejects_bad_handles() -> None:

@@ -36,8 +36,8 @@ test-py: build
 test: format-check test-c test-py
 
 # torchft's own test files, from its pinned wheel, against stepguard (torchft
-# mode); its own target (about 4 minutes here); docs/training-api.md says
-# where it stands
+# mode); CI runs it after make test (about 4.5 minutes here);
+# docs/training-api.md says where it stands and what is left out
 test-torchft: build
 	scripts/torchft-suite
 

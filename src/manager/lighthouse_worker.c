@@ -1,0 +1,355 @@
+/*
+ * lighthouse_worker.c: the ManagerServer's side of the lighthouse: the
+ * quorum thread (a round's LighthouseService/Quorum call with torchft's
+ * retry rule), the asynchronous first attempt of a round (answered on the
+ * lighthouse channel's I/O thread), and the heartbeat thread.  Both threads
+ * and the attempt share one channel (s->lh).  See manager_int.h for the
+ * threads and their hand-off under `mu`.
+ *
+ *   jobs        sg__mgr_job_clear; the response's string checks
+ *   one call    lh_heartbeat, lh_quorum_encode, lh_quorum_decode,
+ *               local_timeout, lh_quorum_once
+ *   async       on_lh_quorum, sg__mgr_lh_start_async
+ *   threads     quorum_with_retries, sg__mgr_quorum_main,
+ *               sg__mgr_heartbeat_main
+ */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "manager/manager_int.h"
+#include "rpc/client_async.h"
+#include "rpc/grpc.h"
+#include "rpc/pb.h"
+
+#define LOG "manager"
+#define MIN_RETRY_SLEEP_MS 100 /* torchft _quorum_with_retries */
+
+void sg__mgr_job_clear(sg__mgr_job_t *j) {
+  for (size_t i = 0; i < j->n_handles; i++)
+    sg_free(j->handles[i]);
+  sg_free(j->handles);
+  j->handles = NULL;
+  j->n_handles = 0;
+}
+
+/* LighthouseQuorumResponse -> Quorum (field 1) -> QuorumMember (field 2) */
+static const uint32_t member_strings[] = {1, 2, 3, 7, 9};
+static const sg__pb_spec_t member_spec = {member_strings, 5, NULL, 0};
+static const sg__pb_nested_t quorum_nested[] = {{2, &member_spec}};
+static const sg__pb_spec_t quorum_spec = {NULL, 0, quorum_nested, 1};
+static const sg__pb_nested_t lhresp_nested[] = {{1, &quorum_spec}};
+static const sg__pb_spec_t lhresp_spec = {NULL, 0, lhresp_nested, 1};
+
+/* ---- lighthouse workers ------------------------------------------------- */
+
+/* wait_ms: sleep on cv until `ms` passed, stop or leave; returns nonzero
+ * when the worker must quit.  Caller holds mu. */
+static int wait_ms(sg_mgr_server_t *s, int64_t ms) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  int64_t ns = (int64_t)ts.tv_nsec + sg__mgr_ms_to_ns(ms);
+  ts.tv_sec += (time_t)(ns / 1000000000);
+  ts.tv_nsec = (long)(ns % 1000000000);
+  while (!s->stopping && !atomic_load(&s->left))
+    if (pthread_cond_timedwait(&s->cv, &s->mu, &ts) != 0)
+      break;
+  return s->stopping || atomic_load(&s->left);
+}
+
+/* lh_heartbeat: one Heartbeat call (the request is encoded at start). */
+static int lh_heartbeat(sg_mgr_server_t *s, sg_deadline_t deadline,
+                        sg_err_t *err) {
+  uint8_t *resp = NULL;
+  size_t resp_len = 0;
+  int rc = sg_rpc_channel_call(s->lh, "/torchft.LighthouseService/Heartbeat",
+                               s->hb_req, s->hb_req_len, deadline, &resp,
+                               &resp_len, NULL, err);
+  sg_free(resp);
+  return rc;
+}
+
+/* lh_quorum_encode: the LighthouseQuorumRequest of round `j`
+ * (sg_malloc'd, *len bytes), or NULL when out of memory. */
+static uint8_t *lh_quorum_encode(const sg_mgr_server_t *s,
+                                 const sg__mgr_job_t *j, size_t *len) {
+  Torchft__QuorumMember m = TORCHFT__QUORUM_MEMBER__INIT;
+  m.replica_id = s->replica_id;
+  m.address = s->address;
+  m.store_address = s->store_addr;
+  m.step = j->step;
+  m.world_size = (uint64_t)s->world_size;
+  m.shrink_only = j->shrink_only;
+  m.commit_failures = j->commit_failures;
+  m.n_reconfigure_handles = j->n_handles;
+  m.reconfigure_handles = j->handles;
+  Torchft__LighthouseQuorumRequest q = TORCHFT__LIGHTHOUSE_QUORUM_REQUEST__INIT;
+  q.requester = &m;
+  *len = torchft__lighthouse_quorum_request__get_packed_size(&q);
+  uint8_t *req = sg_malloc(*len ? *len : 1);
+  if (req)
+    torchft__lighthouse_quorum_request__pack(&q, req);
+  return req;
+}
+
+/* lh_quorum_decode: check and unpack a LighthouseQuorumResponse into *out
+ * (NULL on error); 0 or SG_EPROTO. */
+static int lh_quorum_decode(const uint8_t *resp, size_t resp_len,
+                            Torchft__LighthouseQuorumResponse **out,
+                            sg_err_t *err) {
+  uint32_t field = 0;
+  *out = NULL;
+  if (sg__pb_check_strings(resp, resp_len, &lhresp_spec, &field) != 0)
+    return sg_err_set(err, SG_EPROTO, "malformed LighthouseQuorumResponse");
+  *out = torchft__lighthouse_quorum_response__unpack(&sg__pb_allocator,
+                                                     resp_len, resp);
+  if (!*out || !(*out)->quorum) {
+    if (*out)
+      torchft__lighthouse_quorum_response__free_unpacked(*out,
+                                                         &sg__pb_allocator);
+    *out = NULL;
+    return sg_err_set(err, SG_EPROTO, "lighthouse returned no quorum");
+  }
+  return 0;
+}
+
+/*
+ * local_timeout: whether a failed attempt is what torchft calls a local
+ * timeout (the attempt's own deadline ran out: retry after 100 ms) rather
+ * than an RPC error (retry after timeout / (retries + 1)).  A connect
+ * attempt that timed out before the deadline, as a silent lighthouse
+ * makes it, is an RPC error there: tonic reports it as a transport error.
+ */
+static int local_timeout(int rc, int grpc_status, sg_deadline_t deadline) {
+  return rc == SG_ETIMEDOUT && grpc_status < 0 && sg_deadline_passed(deadline);
+}
+
+/* lh_quorum_once: one LighthouseService/Quorum call. */
+static int lh_quorum_once(sg_mgr_server_t *s, const sg__mgr_job_t *j,
+                          int64_t timeout_ms,
+                          Torchft__LighthouseQuorumResponse **out, int *local,
+                          sg_err_t *err) {
+  size_t len = 0;
+  uint8_t *req = lh_quorum_encode(s, j, &len), *resp = NULL;
+  size_t resp_len = 0;
+  int status = -1, rc;
+  *out = NULL;
+  *local = 0;
+  if (!req)
+    return sg_err_set(err, SG_ENOMEM, "out of memory");
+  sg_deadline_t deadline = sg_deadline_in_ms(timeout_ms);
+  rc = sg_rpc_channel_call(s->lh, "/torchft.LighthouseService/Quorum", req, len,
+                           deadline, &resp, &resp_len, &status, err);
+  if (rc) {
+    *local = local_timeout(rc, status, deadline);
+    goto out;
+  }
+  rc = lh_quorum_decode(resp, resp_len, out, err);
+out:
+  sg_free(resp);
+  sg_free(req);
+  return rc;
+}
+
+/*
+ * on_lh_quorum: the outcome of a round's asynchronous first attempt (the
+ * lighthouse channel's I/O thread).  An answer is delivered here when only
+ * in-process calls wait, else posted to the loop, as the quorum thread
+ * does; a failure goes to the quorum thread, which applies torchft's retry
+ * rule from there.  While the server stops, a failure is delivered here
+ * (or left to the stop, which fails every waiting call) and nothing is
+ * posted: the loop and the workers may be gone.
+ */
+static void on_lh_quorum(void *ud, int rc, int grpc_status, uint8_t *resp,
+                         size_t resp_len, const char *msg) {
+  sg_mgr_server_t *s = ud;
+  Torchft__LighthouseQuorumResponse *out = NULL;
+  sg_err_t e;
+  sg_err_clear(&e);
+  int call_rc = rc;
+  if (!rc)
+    rc = lh_quorum_decode(resp, resp_len, &out, &e);
+  else
+    sg_err_set(&e, rc, "%s", msg && msg[0] ? msg : sg_strerror(rc));
+  sg_free(resp);
+  pthread_mutex_lock(&s->mu);
+  sg__mgr_job_t j = s->ajob;
+  memset(&s->ajob, 0, sizeof(s->ajob));
+  s->ajob_live = 0;
+  int stopping = s->stopping;
+  if (rc && !stopping) {
+    j.first_rc = rc;
+    j.first_local = local_timeout(call_rc, grpc_status, j.first_deadline);
+    snprintf(j.first_msg, sizeof(j.first_msg), "%s", e.msg);
+    s->job = j;
+    s->job_ready = 1;
+    pthread_mutex_unlock(&s->mu);
+    pthread_cond_signal(&s->job_cv);
+    return;
+  }
+  pthread_mutex_unlock(&s->mu);
+  sg__mgr_job_clear(&j);
+  if (sg__mgr_deliver_here(s, rc, rc ? e.msg : "", out))
+    return;
+  if (stopping) { /* a call from the wire waits: the stop answers it */
+    if (out)
+      torchft__lighthouse_quorum_response__free_unpacked(out,
+                                                         &sg__pb_allocator);
+    return;
+  }
+  pthread_mutex_lock(&s->mu);
+  s->result = out;
+  s->result_rc = rc;
+  snprintf(s->result_msg, sizeof(s->result_msg), "%s", rc ? e.msg : "");
+  s->result_ready = 1;
+  uv_async_send(&s->result_async);
+  pthread_mutex_unlock(&s->mu);
+}
+
+/*
+ * sg__mgr_lh_start_async: send round `j`'s first attempt as an asynchronous
+ * call while the lighthouse connection is up (else the quorum thread makes it:
+ * a reconnect is on its way, and a failure takes it there anyway).  Returns 1
+ * if it did (the server owns the job from here; *j is emptied), 0 to leave the
+ * round to the quorum thread.  quorum_mu held.
+ */
+int sg__mgr_lh_start_async(sg_mgr_server_t *s, sg__mgr_job_t *j) {
+  if (!sg_rpc_channel_connected(s->lh))
+    return 0;
+  size_t len = 0;
+  uint8_t *req = lh_quorum_encode(s, j, &len);
+  if (!req)
+    return 0;
+  sg_deadline_t deadline = sg_deadline_in_ms(j->timeout_ms);
+  pthread_mutex_lock(&s->mu);
+  int busy = s->stopping || s->ajob_live;
+  if (!busy) {
+    s->ajob = *j;
+    s->ajob.first_deadline = deadline;
+    s->ajob_live = 1;
+  }
+  pthread_mutex_unlock(&s->mu);
+  if (busy) {
+    sg_free(req);
+    return 0;
+  }
+  sg_err_t e;
+  int rc =
+      sg__rpc_channel_call_start(s->lh, "/torchft.LighthouseService/Quorum",
+                                 req, len, deadline, on_lh_quorum, s, &e);
+  sg_free(req);
+  if (rc) { /* the callback never runs: the quorum thread takes the round */
+    pthread_mutex_lock(&s->mu);
+    *j = s->ajob;
+    memset(&s->ajob, 0, sizeof(s->ajob));
+    s->ajob_live = 0;
+    pthread_mutex_unlock(&s->mu);
+    return 0;
+  }
+  memset(j, 0, sizeof(*j));
+  return 1;
+}
+
+/*
+ * quorum_with_retries: torchft's _quorum_with_retries.  Attempts are
+ * numbered from 0; after a failed attempt n == quorum_retries the round
+ * fails; otherwise sleep max(100 ms, timeout / (retries + 1)) after an RPC
+ * error, 100 ms after a local timeout, and try again on the same channel
+ * (it reconnects by itself).  Called without mu.
+ */
+static int quorum_with_retries(sg_mgr_server_t *s, const sg__mgr_job_t *j,
+                               Torchft__LighthouseQuorumResponse **out,
+                               sg_err_t *err) {
+  for (int64_t retry = 0;; retry++) {
+    int local = 0, rc;
+    sg_err_t e;
+    sg_err_clear(&e);
+    if (retry == 0 && j->first_rc) { /* made asynchronously (on_lh_quorum) */
+      rc = sg_err_set(&e, j->first_rc, "%s", j->first_msg);
+      local = j->first_local;
+    } else {
+      rc = lh_quorum_once(s, j, j->timeout_ms, out, &local, &e);
+    }
+    if (rc == 0)
+      return 0;
+    sg_log(SG_LOG_WARN, LOG, "[Replica %s] lighthouse quorum attempt %lld: %s",
+           s->name, (long long)retry, e.msg[0] ? e.msg : sg_strerror(rc));
+    if (rc == SG_EABORTED || rc == SG_ECLOSED)
+      return sg_err_set(err, rc, "lighthouse channel closed: %s",
+                        e.msg[0] ? e.msg : sg_strerror(rc));
+    if (retry >= s->quorum_retries)
+      return sg_err_set(err, rc,
+                        "lighthouse quorum failed after %lld retries: %s",
+                        (long long)retry, e.msg[0] ? e.msg : sg_strerror(rc));
+    int64_t div = s->quorum_retries + 1;
+    int64_t sleep_ms = local ? MIN_RETRY_SLEEP_MS : j->timeout_ms / div;
+    if (sleep_ms < MIN_RETRY_SLEEP_MS)
+      sleep_ms = MIN_RETRY_SLEEP_MS;
+    pthread_mutex_lock(&s->mu);
+    int quit = wait_ms(s, sleep_ms);
+    pthread_mutex_unlock(&s->mu);
+    if (quit)
+      return sg_err_set(err, SG_ECANCELED, "manager stopping");
+  }
+}
+
+void *sg__mgr_quorum_main(void *arg) {
+  sg_mgr_server_t *s = arg;
+  sg_thread_name("sg-mgr-quorum");
+  pthread_mutex_lock(&s->mu);
+  for (;;) {
+    while (!s->job_ready && !s->stopping)
+      pthread_cond_wait(&s->job_cv, &s->mu);
+    if (s->stopping)
+      break;
+    sg__mgr_job_t j = s->job;
+    s->job_ready = 0;
+    pthread_mutex_unlock(&s->mu);
+    Torchft__LighthouseQuorumResponse *resp = NULL;
+    sg_err_t e;
+    sg_err_clear(&e);
+    int rc = quorum_with_retries(s, &j, &resp, &e);
+    sg__mgr_job_clear(&j);
+    if (rc != SG_ECANCELED &&
+        sg__mgr_deliver_here(s, rc, e.msg[0] ? e.msg : sg_strerror(rc), resp)) {
+      pthread_mutex_lock(&s->mu);
+      continue;
+    }
+    pthread_mutex_lock(&s->mu);
+    s->result = resp;
+    s->result_rc = rc;
+    snprintf(s->result_msg, sizeof(s->result_msg), "%s",
+             e.msg[0] ? e.msg : sg_strerror(rc));
+    s->result_ready = 1;
+    uv_async_send(&s->result_async);
+  }
+  pthread_mutex_unlock(&s->mu);
+  return NULL;
+}
+
+void *sg__mgr_heartbeat_main(void *arg) {
+  sg_mgr_server_t *s = arg;
+  sg_thread_name("sg-mgr-hbeat");
+  int failing = 0;
+  pthread_mutex_lock(&s->mu);
+  while (!s->stopping && !atomic_load(&s->left)) {
+    pthread_mutex_unlock(&s->mu);
+    sg_err_t e;
+    sg_err_clear(&e);
+    int rc = lh_heartbeat(s, sg_deadline_in_ms(s->connect_timeout_ms), &e);
+    if (rc && !failing && rc != SG_EABORTED)
+      sg_log(SG_LOG_WARN, LOG, "[Replica %s] heartbeat failed: %s", s->name,
+             e.msg[0] ? e.msg : sg_strerror(rc));
+    else if (!rc && failing)
+      sg_log(SG_LOG_INFO, LOG, "[Replica %s] heartbeats to %s resumed", s->name,
+             s->lighthouse_addr);
+    failing = rc != 0;
+    pthread_mutex_lock(&s->mu);
+    if (wait_ms(s, s->hb_interval_ms))
+      break;
+  }
+  pthread_mutex_unlock(&s->mu);
+  return NULL;
+}

@@ -1,0 +1,336 @@
+/*
+ * manager_int.h: what the files of the ManagerServer (src/manager) share and
+ * nothing else does: the server's state and the calls between its files.
+ * The server is torchft.ManagerService of one replica group,
+ * reference/torchft-semantics.md section 3, with the differences listed in
+ * include/stepguard/manager.h.
+ *
+ *   files     server.c             RPC handlers, waiters, liveness, the
+ *                                  loop, start and stop
+ *             local.c              in-process calls (sg_mgr_local_*)
+ *             lighthouse_worker.c  the quorum and heartbeat threads and the
+ *                                  asynchronous first attempt of a round
+ *             round.c (round.h)    the rounds' decisions, pure
+ *             results.c (results.h) each rank's view of a quorum, pure
+ *   threads   loop     libuv loop running the gRPC server, every handler,
+ *                      the liveness timer and the delivery of quorum results;
+ *                      owns the liveness state; the quorum round's state
+ *                      is under quorum_mu and the commit round's under
+ *                      commit_mu (below)
+ *             quorum   makes the blocking lighthouse Quorum call of a round
+ *                      (with torchft's retry rule) and posts the outcome to
+ *                      the loop through an async handle.  While the
+ *                      lighthouse connection is up, a round's first attempt
+ *                      is sent without it instead (an asynchronous call
+ *                      from the thread that starts the round, answered on
+ *                      the channel's I/O thread, which delivers as the
+ *                      quorum thread would); only a failed attempt wakes
+ *                      the quorum thread, to retry by the same rule
+ *             heartbeat sends Heartbeat every interval
+ *             Both workers share one lighthouse channel (one connection, so
+ *             the lighthouse sees one liveness signal).  `mu` guards only the
+ *             hand-off between the loop and the workers, and the queues of
+ *             in-process calls.
+ *   rounds    a Quorum round starts when every group rank has a waiting
+ *             call; its outcome answers every Quorum call waiting when it
+ *             arrives, each with that rank's own view (results.c).  While
+ *             only in-process calls wait (a group of one), a call arrives
+ *             on its caller's thread and the quorum thread answers it, so
+ *             neither wakes the loop; a call from the wire is answered on
+ *             the loop only
+ *   commit    ShouldCommit votes are ANDed per round; the round's state is
+ *             the loop's but guarded by commit_mu, so that an in-process
+ *             vote that ends a round nobody waits in is answered right on
+ *             its caller's thread
+ *   liveness  which group ranks spoke on which connection; a rank whose
+ *             connections all closed and who stays silent past the grace
+ *             makes the group leave for good (manager.h)
+ *   local     in-process calls (sg_mgr_local_*, manager.h): a caller in this
+ *             process queues its call and wakes the loop (local_async),
+ *             which runs it through the same handlers as a call from the
+ *             wire, answering with the same bytes; a caller that gives up
+ *             queues a cancellation the same way
+ */
+#ifndef SG_MANAGER_INT_H
+#define SG_MANAGER_INT_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "manager/round.h"
+#include "stepguard/base.h"
+#include "stepguard/manager.h"
+#include "stepguard/rpc.h"
+#include "stepguard/rpc_client.h"
+#include "torchft.pb-c.h"
+
+typedef struct sg__mgr_waiter_s sg__mgr_waiter_t;
+typedef struct sg__mgr_rank_s sg__mgr_rank_t;
+typedef struct sg__mgr_job_s sg__mgr_job_t;
+typedef struct sg__mgr_qargs_s sg__mgr_qargs_t;
+
+/* The two kinds of call that wait: for a quorum round, or for the group's
+ * votes (ShouldCommit). */
+typedef enum sg__mgr_kind_e {
+  SG__MGR_QUORUM = 1,
+  SG__MGR_COMMIT = 2
+} sg__mgr_kind_t;
+
+/* Where an answer goes: a call from the wire, or one from this process
+ * (sg_mgr_local_*); exactly one of the two is set. */
+typedef struct sg__mgr_reply_s {
+  sg_rpc_call_t *call;
+  sg_mgr_local_t *local;
+} sg__mgr_reply_t;
+
+/* A call waiting for a round (Quorum) or for the group's votes (commit). */
+struct sg__mgr_waiter_s {
+  sg__mgr_kind_t kind;
+  sg__mgr_reply_t to;
+  int64_t group_rank;
+  int init_sync;
+  int in_round; /* Quorum: its round's lighthouse call is under way */
+  sg__mgr_waiter_t *prev, *next;
+};
+
+/*
+ * An in-process call (manager.h).  References: the caller's, the server's
+ * while the call is in the inbox or has a waiter, and one per posted
+ * cancellation.  Whoever completes it first (the loop with an answer, the
+ * caller with a deadline or an abort) sets `done`; the other finds it set.
+ */
+struct sg_mgr_local_s {
+  /* the request: set at start, then read by the loop thread only */
+  sg__mgr_kind_t kind;
+  int64_t group_rank, step, commit_failures;
+  int shrink_only, init_sync, vote;
+  char *metadata, *handle; /* owned (Quorum) */
+  sg_deadline_t deadline;
+  sg_mgr_local_t *next;  /* in the server's inbox (s->mu) */
+  sg_mgr_local_t *cnext; /* in the cancel list (s->mu) */
+  unsigned forks;        /* sg_sock_fork_count() where it started */
+  sg__mgr_waiter_t *w;   /* its waiter while it has one (its round's lock) */
+  int had_waiter;        /* a waiter took the server's reference (set by the
+                            thread that ran it, under its round's lock) */
+  pthread_mutex_t mu;    /* guards everything below */
+  pthread_cond_t cv;     /* signalled on completion (CLOCK_MONOTONIC) */
+  sg_mgr_server_t *srv;  /* NULL once done: nobody posts to it then */
+  int refs;
+  int done, taken;
+  int rc;        /* 0 or the SG_E* code the caller gets */
+  char msg[600]; /* detail of rc */
+  uint8_t *resp; /* the encoded answer (rc == 0) */
+  size_t resp_len;
+};
+
+/* Per group rank state; loop thread only. */
+struct sg__mgr_rank_s {
+  char *metadata;   /* last checkpoint_metadata; NULL: never sent */
+  char *handle;     /* last reconfigure_handle; NULL: never sent */
+  unsigned waiting; /* Quorum waiters not yet in a round */
+  int64_t step;     /* from its latest such call */
+  int64_t commit_failures;
+  sg__mgr_ballot_t ballot; /* ShouldCommit in the current round */
+  unsigned nconns;         /* open connections it spoke on */
+  int64_t grace_deadline;  /* 0: none */
+};
+
+/* The lighthouse round handed to the quorum thread (or to the
+ * asynchronous first attempt). */
+struct sg__mgr_job_s {
+  int64_t step, commit_failures, timeout_ms;
+  int shrink_only;
+  char **handles; /* owned: one reconfigure handle per group rank, or NULL */
+  size_t n_handles;
+  int first_rc;        /* nonzero: attempt 0 was made asynchronously and
+                          failed with this code (the quorum thread retries) */
+  int first_local;     /* ... on a local timeout (its deadline passed) */
+  char first_msg[256]; /* ... and its message */
+  sg_deadline_t first_deadline; /* the asynchronous attempt's deadline */
+};
+
+struct sg_mgr_server_s {
+  /* options (strings owned) */
+  char *replica_id, *name, *lighthouse_addr, *store_addr, *auth_token, *bind;
+  int64_t logged_qid; /* quorum id last logged at info (quorum_mu) */
+  char *address;
+  int64_t world_size, hb_interval_ms, connect_timeout_ms, quorum_retries,
+      grace_ms;
+  sg_mgr_kill_cb kill;
+  void *kill_ud;
+
+  uv_loop_t loop;
+  uv_thread_t thread;
+  uv_async_t stop_async, result_async, local_async;
+  uv_timer_t grace_timer, kill_timer;
+  sg_rpc_server_t *rpc;
+  int port;
+  int handles_open;
+
+  /* the commit round: loop thread, and in-process votes, under commit_mu
+     (ranks[].ballot, tally, commit_waiters) */
+  pthread_mutex_t commit_mu;
+  /* the quorum round: loop thread, in-process arrivals and the quorum
+     thread's answers, under quorum_mu (ranks[].metadata, .handle, .waiting,
+     .step, .commit_failures, n_arrived, last_*, quorum_waiters,
+     round_in_flight, logged_qid, q_closed).  Order: quorum_mu, then
+     commit_mu or mu or a call's mu. */
+  pthread_mutex_t quorum_mu;
+  int q_closed; /* the server is stopping: no round starts, none waits */
+
+  /* loop thread only */
+  int closing;
+  sg__mgr_rank_t *ranks; /* world_size entries */
+  size_t n_arrived;      /* ranks with waiting > 0 */
+  sg__mgr_tally_t tally; /* the commit round's count */
+  int last_shrink_only;
+  int64_t last_timeout_ms;
+  sg__mgr_waiter_t *quorum_waiters, *commit_waiters;
+  sg_map_t conns; /* "%llu" conn id -> struct conn * */
+  int round_in_flight;
+  char *kill_msg;
+
+  /* shared: guarded by mu */
+  pthread_mutex_t mu;
+  pthread_cond_t cv;     /* stop or leave (CLOCK_MONOTONIC) */
+  pthread_cond_t job_cv; /* job posted, or stop: the quorum worker only, so
+                            posting a job does not wake the heartbeat one */
+  int stopping;
+  int job_ready;
+  sg__mgr_job_t job;
+  sg__mgr_job_t ajob; /* the round whose first attempt runs asynchronously */
+  int ajob_live;
+  int result_ready, result_rc;
+  char result_msg[256];
+  Torchft__LighthouseQuorumResponse *result;
+  sg_mgr_local_t *inbox, *inbox_tail; /* started in-process calls, in order */
+  sg_mgr_local_t *cancels;            /* in-process calls that ended early */
+  unsigned forks; /* sg_sock_fork_count() where the server started (its
+                     sockets are registered, so a fork() counts) */
+
+  atomic_int left; /* the group left the job (never cleared) */
+  uint8_t *hb_req; /* encoded LighthouseHeartbeatRequest */
+  size_t hb_req_len;
+  sg_rpc_channel_t *lh;
+  pthread_t hb_thread, q_thread;
+  int hb_started, q_started, loop_started;
+};
+
+/* A Quorum request, from the wire or from this process. */
+struct sg__mgr_qargs_s {
+  int64_t group_rank, step, commit_failures;
+  int shrink_only, init_sync;
+  const char *metadata, *handle; /* borrowed */
+  sg_deadline_t deadline;
+  int has_conn; /* from the wire: conn_id counts for group liveness */
+  uint64_t conn_id;
+};
+
+/* sg__mgr_ms_to_ns: milliseconds to nanoseconds, saturating. */
+static inline int64_t sg__mgr_ms_to_ns(int64_t ms) {
+  return ms > INT64_MAX / 1000000 ? INT64_MAX : ms * 1000000;
+}
+
+/* ---- server.c: answers, waiters, rounds --------------------------------- */
+
+/* sg__mgr_respond_err: answer `to` with gRPC `status` and a printf-style
+ * message (logged at debug).  Any thread that may answer `to`. */
+void sg__mgr_respond_err(sg__mgr_reply_t to, int status, const char *fmt, ...)
+    SG_PRINTF(3, 4);
+
+/* sg__mgr_all_local: every call in the list starting at `w` is an
+ * in-process one (quorum_mu held). */
+int sg__mgr_all_local(const sg__mgr_waiter_t *w);
+
+/*
+ * sg__mgr_deliver_here: the quorum thread (or the I/O thread, for an
+ * asynchronous attempt) answers the round itself when only in-process calls
+ * wait, so the loop is not woken.  Takes quorum_mu.  Returns 1 if it did
+ * (`resp`, owned by the caller until then, is consumed and freed); 0 leaves
+ * it to the loop (the caller keeps `resp`).
+ */
+int sg__mgr_deliver_here(sg_mgr_server_t *s, int rc, const char *msg,
+                         Torchft__LighthouseQuorumResponse *resp);
+
+/* sg__mgr_round_mu: the lock the round of calls of `kind` is under. */
+pthread_mutex_t *sg__mgr_round_mu(sg_mgr_server_t *s, sg__mgr_kind_t kind);
+
+/* sg__mgr_waiter_drop: the caller of w's call gave up (its round's lock
+ * held); w is freed.  A Quorum call not yet in a round no longer counts as
+ * arrived; a vote stays counted (torchft).  Drops an in-process call's
+ * server reference. */
+void sg__mgr_waiter_drop(sg_mgr_server_t *s, sg__mgr_waiter_t *w);
+
+/* sg__mgr_quorum_arrive_locked: group rank a->group_rank waits for this
+ * step's quorum, or `to` is answered with the refusal (quorum_mu held; the
+ * strings of `a` are borrowed for the call).  May start the round. */
+void sg__mgr_quorum_arrive_locked(sg_mgr_server_t *s, sg__mgr_reply_t to,
+                                  const sg__mgr_qargs_t *a);
+
+/* sg__mgr_quorum_arrive: sg__mgr_quorum_arrive_locked from the loop (takes
+ * quorum_mu), and the speaker noted for liveness.  Loop thread. */
+void sg__mgr_quorum_arrive(sg_mgr_server_t *s, sg__mgr_reply_t to,
+                           const sg__mgr_qargs_t *a);
+
+/* sg__mgr_encode_decision: a ShouldCommitResponse into buf (16 bytes);
+ * returns its length. */
+size_t sg__mgr_encode_decision(int decision, uint8_t *buf);
+
+/* sg__mgr_commit_round_end: the commit round decided `decision`: log it
+ * and forget the round's votes (commit_mu held). */
+void sg__mgr_commit_round_end(sg_mgr_server_t *s, int decision);
+
+/* sg__mgr_commit_vote: group rank g votes `vote` (answered through `to`
+ * when the round ends, or at once with a refusal); has_conn and conn_id
+ * name the wire connection it spoke on.  Loop thread; takes commit_mu. */
+void sg__mgr_commit_vote(sg_mgr_server_t *s, sg__mgr_reply_t to, int64_t g,
+                         int vote, int has_conn, uint64_t conn_id);
+
+/* ---- local.c: in-process calls ------------------------------------------ */
+
+/* sg__mgr_local_unref: drop one reference to `c`; the last frees it. */
+void sg__mgr_local_unref(sg_mgr_local_t *c);
+
+/*
+ * sg__mgr_local_complete: the server's answer to an in-process call, turned
+ * into what the wire client would return for the same answer (`body` is
+ * copied).  Whoever answers calls of its kind; `c` stays alive (the caller
+ * holds the server's reference to it).
+ */
+void sg__mgr_local_complete(sg_mgr_local_t *c, int status, const char *msg,
+                            const uint8_t *body, size_t len);
+
+/* sg__mgr_on_local: local_async's callback: run the calls started since
+ * the last wakeup, in order, then forget those whose callers gave up.  Loop
+ * thread. */
+void sg__mgr_on_local(uv_async_t *a);
+
+/* sg__mgr_local_drain: once the loop has ended, fail what is left of the
+ * inbox and drop the cancellations (sg_mgr_server_stop). */
+void sg__mgr_local_drain(sg_mgr_server_t *s);
+
+/* ---- lighthouse_worker.c: the lighthouse side --------------------------- */
+
+/* sg__mgr_job_clear: free the handles of `j` and empty them. */
+void sg__mgr_job_clear(sg__mgr_job_t *j);
+
+/*
+ * sg__mgr_lh_start_async: send round `j`'s first attempt as an asynchronous
+ * call while the lighthouse connection is up.  Returns 1 if it did (the
+ * server owns the job from here; *j is emptied), 0 to leave the round to
+ * the quorum thread (*j unchanged).  quorum_mu held.
+ */
+int sg__mgr_lh_start_async(sg_mgr_server_t *s, sg__mgr_job_t *j);
+
+/* sg__mgr_quorum_main, sg__mgr_heartbeat_main: the bodies of the quorum
+ * and heartbeat threads (pthread_create with the server as argument); each
+ * returns NULL once the server stops (and the heartbeat one when the group
+ * leaves). */
+void *sg__mgr_quorum_main(void *arg);
+void *sg__mgr_heartbeat_main(void *arg);
+
+#endif /* SG_MANAGER_INT_H */

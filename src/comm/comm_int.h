@@ -1,14 +1,21 @@
 /*
- * comm_int.h: the pure parts of the collectives, shared by comm.c, the unit
- * tests and the fuzzer.
+ * comm_int.h: what the files of src/comm share and nothing else does: the
+ * pure parts of the collectives (also used by the unit tests and the
+ * fuzzer) and the communicator's state.
  *
  *   proto.c    handshake and frame encoders and parsers (no I/O)
  *   plan.c     chunk plans and ring schedules
  *   kernels.c  reduction kernels and half-precision conversions
+ *   comm.c     the queue, the progress thread, abort and teardown
+ *   setup.c    listen, dial lower ranks, accept higher ones, same-host probe
+ *   engine.c   the transfer engine (sg__comm_xfer_run)
+ *   algo.c     the collective algorithms over the engine
  */
 #ifndef SG_COMM_INT_H
 #define SG_COMM_INT_H
 
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -183,5 +190,171 @@ float sg__comm_f16_to_f32(uint16_t h);
 uint16_t sg__comm_f32_to_f16(float f);
 float sg__comm_bf16_to_f32(uint16_t h);
 uint16_t sg__comm_f32_to_bf16(float f);
+
+/* ---- the communicator (comm.c, setup.c, engine.c, algo.c) -------------- */
+
+typedef struct sg__comm_op_s sg__comm_op_t;
+typedef struct sg__comm_peer_s sg__comm_peer_t;
+typedef struct sg__comm_seg_s sg__comm_seg_t;
+typedef struct sg__comm_xfer_s sg__comm_xfer_t;
+
+/* Operation kinds, as OP frames carry them. */
+typedef enum sg__comm_kind_e {
+  SG__COMM_KIND_ALLREDUCE = 1,
+  SG__COMM_KIND_BROADCAST = 2,
+  SG__COMM_KIND_ALLGATHER = 3,
+  SG__COMM_KIND_REDUCE_SCATTER = 4,
+  SG__COMM_KIND_ALLTOALL = 5,
+  SG__COMM_KIND_SEND = 6,
+  SG__COMM_KIND_RECV = 7,
+  SG__COMM_KIND_BARRIER = 8,
+} sg__comm_kind_t;
+
+/* A queued operation (a request object): the arguments of one collective. */
+struct sg__comm_op_s {
+  sg__comm_op_t *next;
+  int kind;
+  sg_deadline_t deadline;
+  sg_comm_done_cb cb;
+  void *ud;
+  uint8_t *buf;      /* allreduce, broadcast, send/recv, reduce_scatter out */
+  const uint8_t *in; /* allgather input */
+  size_t count;      /* elements (allreduce, reduce_scatter) */
+  size_t nbytes;     /* bytes (broadcast, allgather, send/recv) */
+  sg_comm_dtype_t dtype;
+  sg_comm_redop_t redop;
+  int peer;            /* root, dst or src */
+  uint8_t **outs;      /* world pointers, owned (allgather, alltoall) */
+  const uint8_t **ins; /* world pointers, owned (reduce_scatter, alltoall) */
+  size_t *in_bytes, *out_bytes; /* world sizes, owned (alltoall) */
+};
+
+/* One connection of the mesh. */
+struct sg__comm_peer_s {
+  int fd;
+  int unwatched;    /* crash watch off: seen gone, said BYE or has data */
+  uint64_t gone_at; /* order in which it was seen gone; 0 = not seen */
+  uint64_t tx_seq;  /* transfers sent on this connection */
+  uint64_t rx_seq;  /* transfers received on this connection */
+  int pull_from;    /* we read this peer's memory (same host, probed) */
+  int pull_to;      /* this peer reads ours */
+  uint32_t pid;     /* the peer's pid (pull_from) */
+};
+
+/* The communicator's life: new, connecting (sg_comm_connect), ready or
+ * failed. */
+typedef enum sg__comm_state_e {
+  SG__COMM_ST_NEW,
+  SG__COMM_ST_CONNECTING,
+  SG__COMM_ST_READY,
+  SG__COMM_ST_FAILED
+} sg__comm_state_t;
+
+/* The communicator (stepguard/comm.h). */
+struct sg_comm_s {
+  int rank, world;
+  uint64_t generation;
+  char *job, *token;
+  size_t small_max;
+  int same_host;   /* opts.same_host */
+  size_t pull_min; /* same-host path for transfers of at least this */
+  uint8_t probe[SG__COMM_PROBE_LEN]; /* what peers read to prove the path */
+  int listen_fd, port;
+  int wake_fd; /* eventfd: readable once aborted or closing */
+  sg__comm_peer_t *peers;
+
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  sg__comm_op_t *head, *tail; /* queue (mu) */
+  sg__comm_state_t state;     /* (mu) */
+  int closing;                /* sg_comm_free started (mu) */
+  int running;                /* an operation is on the progress thread (mu) */
+  int err_code;               /* sticky error (mu) */
+  char err_msg[256];          /* (mu) */
+  atomic_int aborted;
+  atomic_int stop; /* abort or close: running work ends now */
+  pthread_t thread;
+  int thread_started;
+  uint64_t gone_count; /* progress thread: peers seen gone so far */
+  int clean;           /* progress thread ended with no error: BYE on close */
+  unsigned fork_gen;   /* sg_sock_fork_count() at creation */
+
+  uint8_t *stage; /* progress thread only */
+  size_t stage_cap;
+};
+
+/* One segment of a transfer's send or receive stream. */
+struct sg__comm_seg_s {
+  uint8_t *p;         /* where bytes are read from (send) or land (recv) */
+  size_t len;         /* bytes */
+  const uint8_t *src; /* reduce segments: the local operand */
+};
+
+/* One transfer: a send stream to one peer and a receive stream from one
+ * (either may be idle), run by sg__comm_xfer_run. */
+struct sg__comm_xfer_s {
+  sg_comm_t *c;
+  sg__comm_op_t *op;
+  int send_peer, recv_peer; /* -1 when that side is idle */
+  sg__comm_seg_t *ss, *rs;
+  int ns, nr;
+  int nreduce; /* receive segments [0, nreduce) are reduced */
+  int link;    /* send seg j waits for receive seg j - link; -1 never */
+  size_t esize;
+  int spull; /* send_peer reads the payload: send DESC frames, await ACK */
+  int rpull; /* read recv_peer's payload as its DESC frames say, then ACK */
+  /* progress */
+  uint8_t shdr[SG__COMM_FRAME_LEN], rhdr[SG__COMM_FRAME_LEN];
+  size_t shdr_off, rhdr_off;
+  uint8_t sdesc[SG__COMM_FRAME_LEN], rdesc[SG__COMM_FRAME_LEN];
+  size_t sdesc_off; /* SG__COMM_FRAME_LEN: no DESC going out */
+  size_t rdesc_off; /* bytes of the next incoming DESC */
+  uint64_t raddr;   /* the current incoming DESC: where its rest is */
+  size_t rleft;     /* and how many bytes are left of it */
+  uint8_t ack_out[SG__COMM_FRAME_LEN], ack_in[SG__COMM_FRAME_LEN];
+  size_t ack_out_off, ack_in_off; /* SG__COMM_FRAME_LEN: done or none */
+  int sk, rk;
+  size_t soff, roff, rdone;
+  uint64_t stotal, rtotal, sent, rcvd;
+  char *msg; /* error detail, 256 bytes */
+};
+
+/* sg__comm_kind_name: "allreduce", ... for an operation kind; "?" else. */
+const char *sg__comm_kind_name(int k);
+
+/* sg__comm_wake: make the wake fd readable (abort or close); any thread. */
+void sg__comm_wake(sg_comm_t *c);
+
+/* sg__comm_stop_code, sg__comm_stop_msg: the error, and its message, of
+ * work cut by a stop: SG_EABORTED after an abort, else SG_ECANCELED. */
+int sg__comm_stop_code(sg_comm_t *c);
+const char *sg__comm_stop_msg(sg_comm_t *c);
+
+/* sg__comm_forked: whether this is a child forked after c was created; its
+ * copy of c has no progress thread and its descriptors point to /dev/null. */
+int sg__comm_forked(const sg_comm_t *c);
+
+/* sg__comm_progress_main: the progress thread's body (argument: the
+ * communicator), started by sg_comm_connect once the mesh is complete;
+ * runs queued operations in order until close or abort. */
+void *sg__comm_progress_main(void *arg);
+
+/*
+ * sg__comm_xfer_run: run transfer `x` to completion, failure, its op's
+ * deadline (or a queued op's, if sooner) or a stop.  Progress thread only.
+ * Returns 0 or a negative SG_E* code with detail in x->msg (256 bytes).
+ */
+int sg__comm_xfer_run(sg__comm_xfer_t *x);
+
+/* sg__comm_exchange: send one buffer to `sp` while receiving one from `rp`
+ * (either may be -1; they may be the same rank); as sg__comm_xfer_run,
+ * with detail in `msg` (256 bytes). */
+int sg__comm_exchange(sg_comm_t *c, sg__comm_op_t *op, int sp, const void *sbuf,
+                      size_t slen, int rp, void *rbuf, size_t rlen, char *msg);
+
+/* sg__comm_run_op: run one operation with the algorithm that fits it;
+ * 0 or a negative SG_E* code with detail in `msg` (256 bytes).  Progress
+ * thread only. */
+int sg__comm_run_op(sg_comm_t *c, sg__comm_op_t *op, char *msg);
 
 #endif

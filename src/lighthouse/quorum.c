@@ -248,6 +248,12 @@ struct sg__lh_state_s {
   sg__lh_quorum_t retired; /* owned: the quorum prev replaced, to free */
   int64_t quorum_id;       /* last issued id, or the restored floor */
   size_t pruned_total;     /* heartbeat records dropped by prune */
+  /* the members of the newest quorum issued before this lighthouse started
+   * (sg__lh_expect), waited for until the first quorum here */
+  char **expect; /* owned, n_expect ids */
+  size_t n_expect;
+  int64_t expect_qid;      /* that quorum's id (0: none known) */
+  int64_t expect_since_ns; /* monotonic time of the first report */
 };
 
 static void quorum_clear(sg__lh_quorum_t *q) {
@@ -285,6 +291,9 @@ void sg__lh_state_free(sg__lh_state_t *st) {
   idmap_free(&st->prev_map);
   quorum_clear(&st->prev);
   quorum_clear(&st->retired);
+  for (size_t i = 0; i < st->n_expect; i++)
+    sg_free(st->expect[i]);
+  sg_free(st->expect);
   sg_free(st);
 }
 
@@ -546,6 +555,79 @@ int sg__lh_mark_dead(sg__lh_state_t *st, const char *replica_id) {
   return 0;
 }
 
+/*
+ * sg__lh_expect: keeps the newest report only; the ids are copied into one
+ * array before the old one is dropped, so a failure changes nothing.
+ */
+int sg__lh_expect(sg__lh_state_t *st, int64_t qid, const char *const *ids,
+                  size_t n, int64_t now_ns) {
+  if (!st || (n && !ids) || qid < 0)
+    return SG_EINVAL;
+  if (n > st->max_replicas)
+    return SG_ETOOBIG;
+  sg__lh_set_quorum_id_floor(st, qid);
+  if (st->has_prev || qid <= st->expect_qid || n == 0)
+    return 0;
+  char **copy = sg_calloc(n, sizeof(*copy));
+  if (!copy)
+    return SG_ENOMEM;
+  for (size_t i = 0; i < n; i++) {
+    copy[i] = ids[i] ? sg_strdup(ids[i]) : NULL;
+    if (!copy[i]) {
+      for (size_t k = 0; k < i; k++)
+        sg_free(copy[k]);
+      sg_free(copy);
+      return ids[i] ? SG_ENOMEM : SG_EINVAL;
+    }
+  }
+  for (size_t i = 0; i < st->n_expect; i++)
+    sg_free(st->expect[i]);
+  sg_free(st->expect);
+  st->expect = copy;
+  st->n_expect = n;
+  if (st->expect_qid == 0)
+    st->expect_since_ns = now_ns;
+  st->expect_qid = qid;
+  return 0;
+}
+
+static int part_healthy(const sg__lh_state_t *st, size_t i, int64_t now,
+                        uint64_t hb_ns);
+
+/* expect_last_seen: when expected member `id` was last heard of: its
+ * heartbeat, or the first report of the quorum when it has none since. */
+static int64_t expect_last_seen(const sg__lh_state_t *st, const char *id) {
+  long hi = idmap_find(&st->hb_map, id, hash_id(id));
+  int64_t t = st->expect_since_ns;
+  if (hi >= 0 && st->hb[hi].last_ns > t)
+    t = st->hb[hi].last_ns;
+  return t;
+}
+
+/*
+ * expect_missing: how many expected members are neither healthy
+ * participants nor silent for the heartbeat timeout; 0 once a quorum was
+ * issued here, or when the hold (heartbeat + join timeout from the first
+ * report) is over.
+ */
+static size_t expect_missing(const sg__lh_state_t *st, int64_t now_ns,
+                             uint64_t hb_ns, uint64_t join_ns) {
+  if (st->has_prev || st->n_expect == 0 ||
+      age_ns(now_ns, st->expect_since_ns) >= hb_ns + join_ns)
+    return 0;
+  size_t missing = 0;
+  for (size_t k = 0; k < st->n_expect; k++) {
+    const char *id = st->expect[k];
+    long pi = idmap_find(&st->part_map, id, hash_id(id));
+    if (pi >= 0 && part_healthy(st, (size_t)pi, now_ns, hb_ns))
+      continue;
+    if (age_ns(now_ns, expect_last_seen(st, id)) >= hb_ns)
+      continue; /* silent: it is not coming back soon */
+    missing++;
+  }
+  return missing;
+}
+
 /* ---- decision ------------------------------------------------------------ */
 
 /* part_healthy: participant `i` has a heartbeat younger than hb_ns. */
@@ -646,6 +728,18 @@ int sg__lh_decide(const sg__lh_state_t *st, int64_t now_ns,
   " [%zu/%zu participants healthy][%zu heartbeating][shrink_only=%s]"
 #define META_ARGS                                                              \
   healthy, st->part_map.n, healthy_replicas, shrink_only ? "true" : "false"
+
+  /* stepguard: after a restart, the members of the last quorum issued
+   * before it come back (or fall silent) before a first quorum here, so
+   * the first to return cannot train on without the others */
+  size_t missing = expect_missing(st, now_ns, hb_ns, join_ns);
+  if (missing) {
+    snprintf(out->reason, sizeof(out->reason),
+             "Waiting for %zu of %zu members of quorum %" PRId64
+             " from before a lighthouse restart" META_FMT,
+             missing, st->n_expect, st->expect_qid, META_ARGS);
+    return 0;
+  }
 
   /* step 6: fast quorum, when every previous member is a healthy
    * participant; it skips the checks below */
@@ -867,6 +961,17 @@ int64_t sg__lh_next_deadline(const sg__lh_state_t *st, int64_t now_ns,
     int64_t t = add_ns(first, join_ns);
     if (t > now_ns && t < best)
       best = t;
+  }
+  if (expect_missing(st, now_ns, hb_ns, join_ns)) {
+    /* the hold ends, or an expected member falls silent */
+    int64_t t = add_ns(st->expect_since_ns, hb_ns + join_ns);
+    if (t > now_ns && t < best)
+      best = t;
+    for (size_t k = 0; k < st->n_expect; k++) {
+      t = add_ns(expect_last_seen(st, st->expect[k]), hb_ns);
+      if (t > now_ns && t < best)
+        best = t;
+    }
   }
   return best;
 }

@@ -196,6 +196,24 @@ size_t sg__lh_prune(sg__lh_state_t *st, int64_t now_ns, int64_t older_than_ms);
  */
 void sg__lh_set_quorum_id_floor(sg__lh_state_t *st, int64_t id);
 
+/*
+ * sg__lh_expect: quorum `qid` with members `ids` (n of them) was issued
+ * before this lighthouse started: read from its id file, or reported by a
+ * client with its quorum request.  The id is a floor for the ids
+ * (sg__lh_set_quorum_id_floor).  Until this lighthouse issues its first
+ * quorum, it issues none while a member of the newest such quorum is
+ * neither a healthy participant nor silent (no heartbeat, counted from the
+ * first report) for the heartbeat timeout, and for at most heartbeat + join
+ * timeout after the first report: the first replica back after a restart
+ * cannot go on alone while the others reconnect.  A stepguard difference
+ * from torchft.  Older or equal reports, and reports after the first
+ * quorum, change nothing but the floor.  Copies `ids`.  0, SG_EINVAL,
+ * SG_ETOOBIG (more than max_replicas ids) or SG_ENOMEM (nothing changed
+ * but the floor).
+ */
+int sg__lh_expect(sg__lh_state_t *st, int64_t qid, const char *const *ids,
+                  size_t n, int64_t now_ns);
+
 /* sg__lh_quorum_id: the id of the last issued quorum (or the floor); 0. */
 int64_t sg__lh_quorum_id(const sg__lh_state_t *st);
 

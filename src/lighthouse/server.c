@@ -166,7 +166,8 @@ static const sg__pb_spec_t hb_spec = {hb_strings, 1, NULL, 0};
 static const uint32_t member_strings[] = {1, 2, 3, 7, 9};
 static const sg__pb_spec_t member_spec = {member_strings, 5, NULL, 0};
 static const sg__pb_nested_t quorum_nested[] = {{1, &member_spec}};
-static const sg__pb_spec_t quorum_spec = {NULL, 0, quorum_nested, 1};
+static const uint32_t quorum_strings[] = {101}; /* last_quorum_members */
+static const sg__pb_spec_t quorum_spec = {quorum_strings, 1, quorum_nested, 1};
 
 /* check_wire: 0, or answers INVALID_ARGUMENT and returns nonzero. */
 static int reject(sg_lh_server_t *s, sg_rpc_call_t *call, int status,
@@ -194,7 +195,16 @@ static int check_wire(sg_lh_server_t *s, sg_rpc_call_t *call,
 
 /* ---- quorum id persistence ----------------------------------------------- */
 
-static int64_t load_id_floor(const sg_lh_server_t *s) {
+/*
+ * The id file holds the last issued quorum: its id on the first line, then
+ * one member replica id a line.  A file of the id alone (older versions)
+ * still reads.
+ */
+#define ID_FILE_MAX (64 * 1024 * 1024)
+
+/* load_last_quorum: the id floor, and the members of the last quorum
+ * handed to sg__lh_expect so a restart waits for them. */
+static int64_t load_last_quorum(sg_lh_server_t *s) {
   if (!s->o.quorum_id_file) {
     /* No file: the floor is the wall clock in microseconds.  Ids grow by
      * one per quorum, and a quorum takes far longer than a microsecond, so
@@ -208,27 +218,63 @@ static int64_t load_id_floor(const sg_lh_server_t *s) {
   long long id = 0;
   if (fscanf(f, "%lld", &id) != 1 || id < 0)
     id = 0;
+  char **ids = NULL;
+  size_t n = 0, cap = 0;
+  char line[MAX_ID_LEN + 2];
+  int nomem = 0;
+  while (id > 0 && !nomem && fgets(line, sizeof(line), f)) {
+    size_t len = strcspn(line, "\r\n");
+    line[len] = '\0';
+    if (len == 0)
+      continue;
+    if (n == cap) {
+      size_t ncap = cap ? cap * 2 : 16;
+      if (ncap > s->o.max_replicas)
+        ncap = s->o.max_replicas;
+      char **grown = ncap > cap ? sg_realloc(ids, ncap * sizeof(*ids)) : NULL;
+      if (!grown)
+        break; /* more members than this lighthouse accepts */
+      ids = grown;
+      cap = ncap;
+    }
+    ids[n] = sg_strdup(line);
+    nomem = !ids[n];
+    n += !nomem;
+  }
   fclose(f);
+  if (n > 0 && !nomem &&
+      sg__lh_expect(s->st, id, (const char *const *)ids, n, sg_now_ns()) == 0)
+    sg_log(SG_LOG_INFO, LOG,
+           "last quorum %lld had %zu members: waiting for them (or their "
+           "silence) before the first quorum",
+           id, n);
+  for (size_t i = 0; i < n; i++)
+    sg_free(ids[i]);
+  sg_free(ids);
   return id;
 }
 
-/* persist_id: write the id to quorum_id_file atomically (tmp + rename). */
-static void persist_id(sg_lh_server_t *s, int64_t id) {
-  if (!s->o.quorum_id_file || id == s->persisted_id)
+/* persist_quorum: write quorum `q` to quorum_id_file atomically (tmp +
+ * rename). */
+static void persist_quorum(sg_lh_server_t *s, const sg__lh_quorum_t *q) {
+  if (!s->o.quorum_id_file || q->quorum_id == s->persisted_id)
     return;
   char tmp[4200];
   snprintf(tmp, sizeof(tmp), "%s.tmp", s->o.quorum_id_file);
+  FILE *f = NULL;
   int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) {
+  if (fd >= 0 && !(f = fdopen(fd, "w")))
+    close(fd);
+  if (!f) {
     sg_log(SG_LOG_WARN, LOG, "cannot write %s: %s", tmp, strerror(errno));
     return;
   }
-  char buf[32];
-  int n = snprintf(buf, sizeof(buf), "%lld\n", (long long)id);
-  int ok = write(fd, buf, (size_t)n) == n;
-  close(fd);
+  int ok = fprintf(f, "%lld\n", (long long)q->quorum_id) > 0;
+  for (size_t i = 0; ok && i < q->n; i++)
+    ok = fprintf(f, "%s\n", q->members[i].replica_id) > 0;
+  ok = fclose(f) == 0 && ok;
   if (ok && rename(tmp, s->o.quorum_id_file) == 0)
-    s->persisted_id = id;
+    s->persisted_id = q->quorum_id;
   else
     sg_log(SG_LOG_WARN, LOG, "cannot persist quorum id to %s",
            s->o.quorum_id_file);
@@ -485,7 +531,7 @@ static void process(sg_lh_server_t *s, int64_t event_ns, int join) {
     if (rc == 1 && q) {
       s->quorums_issued++;
       /* before any answer: ids must not repeat after a crash */
-      persist_id(s, q->quorum_id);
+      persist_quorum(s, q);
       answer_quorum(s, q, event_ns);
       if (q->quorum_id != before)
         sg_log(SG_LOG_INFO, LOG,
@@ -703,6 +749,20 @@ static void handle_quorum(sg_lh_server_t *s, sg_rpc_call_t *call,
       .reconfigure_handles = r->reconfigure_handles,
       .n_reconfigure_handles = r->n_reconfigure_handles,
   };
+  if (req->n_last_quorum_members > s->o.max_replicas ||
+      req->last_quorum_id < 0) {
+    reject(s, call, SG_GRPC_INVALID_ARGUMENT, "%s",
+           "last_quorum: too many members or a negative id");
+    goto out;
+  }
+  for (size_t i = 0; i < req->n_last_quorum_members; i++) {
+    if ((bad = check_str(req->last_quorum_members[i], MAX_ID_LEN)) ||
+        !req->last_quorum_members[i][0]) {
+      reject(s, call, SG_GRPC_INVALID_ARGUMENT, "last_quorum_members %s",
+             bad ? bad : "has an empty id");
+      goto out;
+    }
+  }
   if (r->base.n_unknown_fields > MAX_UNKNOWN) {
     reject(s, call, SG_GRPC_INVALID_ARGUMENT, "%s",
            "requester has too many unknown fields");
@@ -723,6 +783,10 @@ static void handle_quorum(sg_lh_server_t *s, sg_rpc_call_t *call,
     memcpy(p->replica_id, r->replica_id, id_len + 1);
   if (!rc && !p)
     rc = SG_ENOMEM;
+  if (!rc)
+    rc = sg__lh_expect(s->st, req->last_quorum_id,
+                       (const char *const *)req->last_quorum_members,
+                       req->n_last_quorum_members, sg_now_ns());
   if (!rc)
     rc = sg__lh_join(s->st, &m, sg_now_ns());
   sg_free(wire); /* the state keeps its own copy */
@@ -1108,7 +1172,7 @@ int sg_lh_server_start(const sg_lh_opts_t *o, sg_lh_server_t **out,
     sg_err_set(err, rc, "quorum state: %s", sg_strerror(rc));
     goto fail;
   }
-  int64_t floor = load_id_floor(s);
+  int64_t floor = load_last_quorum(s);
   sg__lh_set_quorum_id_floor(s->st, floor);
   s->persisted_id = floor;
   s->next_prune_ns = sg_now_ns() + ms_to_ns(o->prune_after_ms / 10 + 1);

@@ -27,12 +27,40 @@
 #define LOG "manager"
 #define MIN_RETRY_SLEEP_MS 100 /* torchft _quorum_with_retries */
 
+#define MAX_OUTAGE_SLEEP_MS 1000 /* backoff cap while unreachable */
+/* an outage round answers this long before its deadline, which is also its
+ * callers' own: the answer must reach them before they give up */
+#define OUTAGE_ANSWER_MARGIN_MS 250
+
 void sg__mgr_job_clear(sg__mgr_job_t *j) {
   for (size_t i = 0; i < j->n_handles; i++)
     sg_free(j->handles[i]);
   sg_free(j->handles);
   j->handles = NULL;
   j->n_handles = 0;
+  sg__mgr_free_ids(j->last_members, j->n_last);
+  j->last_members = NULL;
+  j->n_last = 0;
+}
+
+void sg__mgr_free_ids(char **ids, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    sg_free(ids[i]);
+  sg_free(ids);
+}
+
+char **sg__mgr_dup_ids(char *const *ids, size_t n) {
+  char **out = n ? sg_calloc(n, sizeof(*out)) : NULL;
+  if (!out)
+    return NULL;
+  for (size_t i = 0; i < n; i++) {
+    out[i] = sg_strdup(ids[i]);
+    if (!out[i]) {
+      sg__mgr_free_ids(out, i);
+      return NULL;
+    }
+  }
+  return out;
 }
 
 /* LighthouseQuorumResponse -> Quorum (field 1) -> QuorumMember (field 2) */
@@ -87,6 +115,9 @@ static uint8_t *lh_quorum_encode(const sg_mgr_server_t *s,
   m.reconfigure_handles = j->handles;
   Torchft__LighthouseQuorumRequest q = TORCHFT__LIGHTHOUSE_QUORUM_REQUEST__INIT;
   q.requester = &m;
+  q.last_quorum_id = j->last_qid;
+  q.n_last_quorum_members = j->n_last;
+  q.last_quorum_members = j->last_members;
   *len = torchft__lighthouse_quorum_request__get_packed_size(&q);
   uint8_t *req = sg_malloc(*len ? *len : 1);
   if (req)
@@ -126,24 +157,37 @@ static int local_timeout(int rc, int grpc_status, sg_deadline_t deadline) {
   return rc == SG_ETIMEDOUT && grpc_status < 0 && sg_deadline_passed(deadline);
 }
 
+/*
+ * unreachable: whether a failed call never reached a lighthouse (refused,
+ * reset, a connect that timed out): no gRPC status came back, and neither
+ * the attempt's deadline nor this side's channel ended it.  Such a failure
+ * is an outage, retried within the round's deadline without counting
+ * against quorum_retries (stepguard; torchft fails the round).
+ */
+static int unreachable(int rc, int grpc_status, int local) {
+  return rc != 0 && grpc_status < 0 && !local && rc != SG_EABORTED &&
+         rc != SG_ECLOSED && rc != SG_ECANCELED && rc != SG_ENOMEM;
+}
+
 /* lh_quorum_once: one LighthouseService/Quorum call. */
 static int lh_quorum_once(sg_mgr_server_t *s, const sg__mgr_job_t *j,
-                          int64_t timeout_ms,
+                          sg_deadline_t deadline,
                           Torchft__LighthouseQuorumResponse **out, int *local,
-                          sg_err_t *err) {
+                          int *gone, sg_err_t *err) {
   size_t len = 0;
   uint8_t *req = lh_quorum_encode(s, j, &len), *resp = NULL;
   size_t resp_len = 0;
   int status = -1, rc;
   *out = NULL;
   *local = 0;
+  *gone = 0;
   if (!req)
     return sg_err_set(err, SG_ENOMEM, "out of memory");
-  sg_deadline_t deadline = sg_deadline_in_ms(timeout_ms);
   rc = sg_rpc_channel_call(s->lh, "/torchft.LighthouseService/Quorum", req, len,
                            deadline, &resp, &resp_len, &status, err);
   if (rc) {
     *local = local_timeout(rc, status, deadline);
+    *gone = unreachable(rc, status, *local);
     goto out;
   }
   rc = lh_quorum_decode(resp, resp_len, out, err);
@@ -182,6 +226,7 @@ static void on_lh_quorum(void *ud, int rc, int grpc_status, uint8_t *resp,
   if (rc && !stopping) {
     j.first_rc = rc;
     j.first_local = local_timeout(call_rc, grpc_status, j.first_deadline);
+    j.first_unreachable = unreachable(call_rc, grpc_status, j.first_local);
     snprintf(j.first_msg, sizeof(j.first_msg), "%s", e.msg);
     s->job = j;
     s->job_ready = 1;
@@ -257,32 +302,75 @@ int sg__mgr_lh_start_async(sg_mgr_server_t *s, sg__mgr_job_t *j) {
  * numbered from 0; after a failed attempt n == quorum_retries the round
  * fails; otherwise sleep max(100 ms, timeout / (retries + 1)) after an RPC
  * error, 100 ms after a local timeout, and try again on the same channel
- * (it reconnects by itself).  Called without mu.
+ * (it reconnects by itself).
+ *
+ * stepguard: a call that never reached a lighthouse (unreachable()) is an
+ * outage, not an attempt: it is retried with backoff (100 ms doubling to
+ * 1 s) until the round's deadline, and then the round fails with
+ * "lighthouse unreachable", which the Python Manager retries up to its
+ * outage deadline, so a lighthouse restart costs no trainer.  Called
+ * without mu.
  */
 static int quorum_with_retries(sg_mgr_server_t *s, const sg__mgr_job_t *j,
                                Torchft__LighthouseQuorumResponse **out,
                                sg_err_t *err) {
-  for (int64_t retry = 0;; retry++) {
-    int local = 0, rc;
+  sg_deadline_t round_end =
+      j->first_rc ? j->first_deadline : sg_deadline_in_ms(j->timeout_ms);
+  sg_deadline_t answer_by =
+      round_end - (sg_deadline_t)OUTAGE_ANSWER_MARGIN_MS * 1000000;
+  int64_t outage_sleep_ms = MIN_RETRY_SLEEP_MS, outages = 0;
+  for (int64_t retry = 0, attempt = 0;; attempt++) {
+    int local = 0, gone = 0, rc;
     sg_err_t e;
     sg_err_clear(&e);
-    if (retry == 0 && j->first_rc) { /* made asynchronously (on_lh_quorum) */
+    if (attempt == 0 && j->first_rc) { /* made asynchronously */
       rc = sg_err_set(&e, j->first_rc, "%s", j->first_msg);
       local = j->first_local;
+      gone = j->first_unreachable;
     } else {
-      rc = lh_quorum_once(s, j, j->timeout_ms, out, &local, &e);
+      /* an attempt after an outage gets what is left of the round */
+      sg_deadline_t d = outages ? answer_by : sg_deadline_in_ms(j->timeout_ms);
+      rc = lh_quorum_once(s, j, d, out, &local, &gone, &e);
     }
-    if (rc == 0)
+    if (rc == 0) {
+      if (outages)
+        sg_log(SG_LOG_INFO, LOG, "[Replica %s] lighthouse %s reachable again",
+               s->name, s->lighthouse_addr);
       return 0;
+    }
+    const char *why = e.msg[0] ? e.msg : sg_strerror(rc);
+    /* during an outage an attempt gets only what is left of the round: its
+     * deadline passing without an answer is the outage going on */
+    gone = gone || (outages > 0 && local);
+    if (gone) {
+      int64_t left_ms = sg_deadline_left_ms(answer_by);
+      if (outages++ == 0)
+        sg_log(SG_LOG_WARN, LOG,
+               "[Replica %s] lighthouse %s unreachable (%s): retrying", s->name,
+               s->lighthouse_addr, why);
+      if (left_ms <= 0)
+        return sg_err_set(err, SG_ECONNREFUSED, "lighthouse unreachable: %s",
+                          why);
+      int64_t sleep_ms = outage_sleep_ms < left_ms ? outage_sleep_ms : left_ms;
+      outage_sleep_ms = outage_sleep_ms * 2 > MAX_OUTAGE_SLEEP_MS
+                            ? MAX_OUTAGE_SLEEP_MS
+                            : outage_sleep_ms * 2;
+      pthread_mutex_lock(&s->mu);
+      int quit = wait_ms(s, sleep_ms);
+      pthread_mutex_unlock(&s->mu);
+      if (quit)
+        return sg_err_set(err, SG_ECANCELED, "manager stopping");
+      continue;
+    }
     sg_log(SG_LOG_WARN, LOG, "[Replica %s] lighthouse quorum attempt %lld: %s",
-           s->name, (long long)retry, e.msg[0] ? e.msg : sg_strerror(rc));
+           s->name, (long long)retry, why);
     if (rc == SG_EABORTED || rc == SG_ECLOSED)
-      return sg_err_set(err, rc, "lighthouse channel closed: %s",
-                        e.msg[0] ? e.msg : sg_strerror(rc));
+      return sg_err_set(err, rc, "lighthouse channel closed: %s", why);
     if (retry >= s->quorum_retries)
       return sg_err_set(err, rc,
                         "lighthouse quorum failed after %lld retries: %s",
-                        (long long)retry, e.msg[0] ? e.msg : sg_strerror(rc));
+                        (long long)retry, why);
+    retry++;
     int64_t div = s->quorum_retries + 1;
     int64_t sleep_ms = local ? MIN_RETRY_SLEEP_MS : j->timeout_ms / div;
     if (sleep_ms < MIN_RETRY_SLEEP_MS)

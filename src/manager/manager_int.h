@@ -151,6 +151,10 @@ struct sg__mgr_job_s {
   int first_local;     /* ... on a local timeout (its deadline passed) */
   char first_msg[256]; /* ... and its message */
   sg_deadline_t first_deadline; /* the asynchronous attempt's deadline */
+  int first_unreachable;        /* ... the lighthouse did not answer at all */
+  int64_t last_qid;             /* the last quorum this manager was answered */
+  char **last_members;          /* owned: its members' replica ids, n_last */
+  size_t n_last;
 };
 
 struct sg_mgr_server_s {
@@ -180,7 +184,10 @@ struct sg_mgr_server_s {
      round_in_flight, logged_qid, q_closed).  Order: quorum_mu, then
      commit_mu or mu or a call's mu. */
   pthread_mutex_t quorum_mu;
-  int q_closed; /* the server is stopping: no round starts, none waits */
+  int q_closed;        /* the server is stopping: no round starts, none waits */
+  int64_t last_qid;    /* the last quorum answered (0: none yet) */
+  char **last_members; /* owned: its members' replica ids */
+  size_t n_last;
 
   /* loop thread only */
   int closing;
@@ -317,6 +324,10 @@ void sg__mgr_local_drain(sg_mgr_server_t *s);
 
 /* sg__mgr_job_clear: free the handles of `j` and empty them. */
 void sg__mgr_job_clear(sg__mgr_job_t *j);
+/* sg__mgr_dup_ids: a copy of n strings (sg_malloc'd), NULL when n == 0 or
+ * out of memory; sg__mgr_free_ids frees such a copy. */
+char **sg__mgr_dup_ids(char *const *ids, size_t n);
+void sg__mgr_free_ids(char **ids, size_t n);
 
 /*
  * sg__mgr_lh_start_async: send round `j`'s first attempt as an asynchronous

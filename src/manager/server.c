@@ -391,6 +391,11 @@ static void maybe_start_round(sg_mgr_server_t *s) {
   /* torchft takes shrink_only and the timeout from the last-arriving rank */
   j.shrink_only = s->last_shrink_only;
   j.timeout_ms = s->last_timeout_ms;
+  /* what a restarted lighthouse learns from us (optional: a copy that
+   * fails leaves it out) */
+  j.last_members = sg__mgr_dup_ids(s->last_members, s->n_last);
+  j.n_last = j.last_members ? s->n_last : 0;
+  j.last_qid = j.last_members ? s->last_qid : 0;
   for (sg__mgr_waiter_t *w = s->quorum_waiters; w; w = w->next)
     w->in_round = 1;
   for (int64_t g = 0; g < s->world_size; g++)
@@ -468,6 +473,27 @@ static void encode_results(sg__mgr_reply_t to, const sg__mgr_results_t *r,
   respond_msg(to, &m.base);
 }
 
+/* remember_quorum: keep quorum `q`'s id and members for the next rounds'
+ * requests (quorum_mu held); out of memory keeps the one before. */
+static void remember_quorum(sg_mgr_server_t *s, const Torchft__Quorum *q) {
+  if (q->quorum_id == s->last_qid && q->n_participants == s->n_last)
+    return;
+  char **ids =
+      q->n_participants ? sg_calloc(q->n_participants, sizeof(*ids)) : NULL;
+  size_t n = 0;
+  for (; ids && n < q->n_participants; n++)
+    if (!(ids[n] = sg_strdup(q->participants[n]->replica_id)))
+      break;
+  if (!ids || n < q->n_participants) {
+    sg__mgr_free_ids(ids, n);
+    return;
+  }
+  sg__mgr_free_ids(s->last_members, s->n_last);
+  s->last_members = ids;
+  s->n_last = n;
+  s->last_qid = q->quorum_id;
+}
+
 /* deliver: answer every waiting Quorum call with the round's outcome
  * (quorum_mu held; on the loop, or where every waiter is in-process). */
 static void deliver(sg_mgr_server_t *s, int rc, const char *msg,
@@ -506,7 +532,9 @@ static void deliver(sg_mgr_server_t *s, int rc, const char *msg,
       waiter_unlink(&s->quorum_waiters, w);
       quorum_waiter_gone(s, w);
       respond(w->to,
-              rc == SG_ENOMEM ? SG_GRPC_RESOURCE_EXHAUSTED : SG_GRPC_INTERNAL,
+              rc == SG_ENOMEM         ? SG_GRPC_RESOURCE_EXHAUSTED
+              : rc == SG_ECONNREFUSED ? SG_GRPC_UNAVAILABLE
+                                      : SG_GRPC_INTERNAL,
               msg, NULL, 0);
       waiter_free(w);
     }
@@ -514,6 +542,7 @@ static void deliver(sg_mgr_server_t *s, int rc, const char *msg,
     sg_free(scratch);
     return;
   }
+  remember_quorum(s, resp->quorum);
   int logged = 0;
   while (s->quorum_waiters) {
     sg__mgr_waiter_t *w = s->quorum_waiters;
@@ -1003,6 +1032,7 @@ static void server_free(sg_mgr_server_t *s) {
   sg_free(s->ranks);
   if (s->job_ready)
     sg__mgr_job_clear(&s->job);
+  sg__mgr_free_ids(s->last_members, s->n_last);
   if (s->ajob_live) /* not reached: the channel's free ran its callback */
     sg__mgr_job_clear(&s->ajob);
   if (s->result)

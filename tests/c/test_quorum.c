@@ -737,6 +737,94 @@ static void test_quorum_id_floor(void **state) {
   sg__lh_state_free(st);
 }
 
+/* After a restart the first quorum waits for the members of the last one
+ * issued before it: each comes back or falls silent (heartbeat timeout
+ * from the first report), within heartbeat + join timeout at most. */
+static void test_restart_waits_for_last_quorum_members(void **state) {
+  (void)state;
+  const char *last[] = {"a", "b", "c"};
+  sg__lh_state_t *st = new_state(16);
+  assert_int_equal(sg__lh_expect(st, 70, last, 3, T0), 0);
+  assert_int_equal(sg__lh_quorum_id(st), 70); /* a floor for the ids */
+  join(st, "a", T0 + MS(1));
+  expect_reason(st, T0 + MS(2), &DEFAULT_OPTS, 0,
+                "Waiting for 2 of 3 members of quorum 70 from before a "
+                "lighthouse restart [1/1 participants healthy][1 "
+                "heartbeating][shrink_only=false]");
+  /* b comes back; c heartbeats (alive: still waited for) */
+  join(st, "b", T0 + MS(3));
+  hb(st, "c", T0 + MS(3));
+  expect_reason(st, T0 + MS(4), &DEFAULT_OPTS, 0,
+                "Waiting for 1 of 3 members of quorum 70 from before a "
+                "lighthouse restart [2/2 participants healthy][3 "
+                "heartbeating][shrink_only=false]");
+  assert_int_equal(sg__lh_next_deadline(st, T0 + MS(4), &DEFAULT_OPTS),
+                   T0 + MS(101)); /* the join timeout from a joining */
+  join(st, "c", T0 + MS(5));
+  expect_quorum(tick(st, T0 + MS(5), &DEFAULT_OPTS, NULL, 0), 71, "a,b,c");
+  /* reports after the first quorum change nothing but the floor */
+  assert_int_equal(sg__lh_expect(st, 90, last, 1, T0 + MS(6)), 0);
+  join(st, "a", T0 + MS(7));
+  join(st, "b", T0 + MS(7));
+  assert_int_equal(sg__lh_quorum_id(st), 90);
+  sg__lh_mark_dead(st, "c");
+  expect_quorum(tick(st, T0 + MS(7), &DEFAULT_OPTS, NULL, 0), 91, "a,b");
+  sg__lh_state_free(st);
+
+  /* a member never heard of again is excused after the heartbeat timeout
+   * from the first report; a newer report replaces an older one, an older
+   * one is ignored */
+  st = new_state(16);
+  const char *older[] = {"a", "z"};
+  assert_int_equal(sg__lh_expect(st, 5, older, 2, T0), 0);
+  assert_int_equal(sg__lh_expect(st, 6, last, 2, T0 + MS(10)), 0);
+  assert_int_equal(sg__lh_expect(st, 4, older, 2, T0 + MS(10)), 0);
+  join(st, "a", T0 + MS(20));
+  expect_reason(st, T0 + MS(4999), &DEFAULT_OPTS, 0,
+                "Waiting for 1 of 2 members of quorum 6 from before a "
+                "lighthouse restart [1/1 participants healthy][1 "
+                "heartbeating][shrink_only=false]");
+  assert_int_equal(sg__lh_next_deadline(st, T0 + MS(4999), &DEFAULT_OPTS),
+                   T0 + MS(5000));
+  expect_quorum(tick(st, T0 + MS(5000), &DEFAULT_OPTS, NULL, 0), 7, "a");
+  sg__lh_state_free(st);
+
+  /* a member that heartbeats but never asks holds the first quorum for at
+   * most heartbeat + join timeout */
+  st = new_state(16);
+  assert_int_equal(sg__lh_expect(st, 9, last, 2, T0), 0);
+  join(st, "a", T0);
+  for (int64_t t = 0; t <= 5000; t += 1000) {
+    hb(st, "a", T0 + MS(t));
+    hb(st, "b", T0 + MS(t));
+  }
+  expect_reason(st, T0 + MS(5099), &DEFAULT_OPTS, 0,
+                "Waiting for 1 of 2 members of quorum 9 from before a "
+                "lighthouse restart [1/1 participants healthy][2 "
+                "heartbeating][shrink_only=false]");
+  /* then torchft's own rules decide (here: its split-brain check) */
+  hb(st, "a", T0 + MS(5100));
+  expect_reason(st, T0 + MS(5100), &DEFAULT_OPTS, 0,
+                "New quorum not ready, only have 1 participants, need at "
+                "least half of 2 healthy workers [1/1 participants "
+                "healthy][2 heartbeating][shrink_only=false]");
+  sg__lh_state_free(st);
+
+  /* bad arguments and limits */
+  st = new_state(2);
+  assert_int_equal(sg__lh_expect(NULL, 1, last, 1, T0), SG_EINVAL);
+  assert_int_equal(sg__lh_expect(st, -1, last, 1, T0), SG_EINVAL);
+  assert_int_equal(sg__lh_expect(st, 1, NULL, 1, T0), SG_EINVAL);
+  assert_int_equal(sg__lh_expect(st, 1, last, 3, T0), SG_ETOOBIG);
+  sg_test_fail_alloc(1, 0);
+  assert_int_equal(sg__lh_expect(st, 3, last, 2, T0), SG_ENOMEM);
+  sg_test_fail_alloc(0, 0);
+  assert_int_equal(sg__lh_quorum_id(st), 3); /* the floor still moved */
+  join(st, "a", T0);
+  expect_ids(st, T0, &DEFAULT_OPTS, "a"); /* nothing expected */
+  sg__lh_state_free(st);
+}
+
 static void test_ids_sort_in_byte_order(void **state) {
   (void)state;
   sg__lh_state_t *st = new_state(16);
@@ -1492,6 +1580,7 @@ int main(void) {
       cmocka_unit_test(test_shrink_only_can_issue_an_empty_quorum),
       cmocka_unit_test(test_quorum_id_bump_rules),
       cmocka_unit_test(test_quorum_id_floor),
+      cmocka_unit_test(test_restart_waits_for_last_quorum_members),
       cmocka_unit_test(test_ids_sort_in_byte_order),
       cmocka_unit_test(test_leave),
       cmocka_unit_test(test_mark_dead_and_rejoin),

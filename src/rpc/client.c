@@ -5,11 +5,13 @@
  *   lists, calls      intrusive lists; the call request object and its refs
  *   target parsing    "http://host:port" -> host, port, :authority
  *   completion        finish_locked / io_finish / io_release
- *   connection        conn_t: one socket + one nghttp2 client session,
- *                     watched by a uv_poll_t; read, flush, drop
+ *   connection        conn_t: one socket + one HTTP/2 client engine
+ *                     (rpc/h2c.h, which does no I/O), watched by a
+ *                     uv_poll_t; read, flush, drop
+ *   engine operations a stream closed (its result, sg__h2c_result), was
+ *                     not sent, or the keepalive PING was acknowledged
  *   connect machine   IDLE -> CONNECTING -> HANDSHAKE -> CONNECTED
  *                     (-> DRAINING after GOAWAY), BACKOFF between attempts
- *   nghttp2 callbacks collect :status, grpc-status, grpc-message, the body
  *   I/O thread        wake_cb (submissions, cancels, abort, disconnect),
  *                     drive (the one place that decides what happens next)
  *   deadlines         the timer that ends asynchronous calls on time
@@ -17,9 +19,10 @@
  *                     free
  *
  * Threading.  One I/O thread per channel runs a private uv loop; only it
- * touches sockets, timers and the nghttp2 session.  Caller threads share
- * with it a mutex `mu` that protects the submission queue, every call's
- * completion fields and a few channel flags.  Condition variables
+ * touches sockets, timers and the HTTP/2 engine, which never sees `mu`:
+ * the engine's operations run on the I/O thread without it held.  Caller
+ * threads share with it a mutex `mu` that protects the submission queue, every
+ * call's completion fields and a few channel flags.  Condition variables
  * (CLOCK_MONOTONIC): the channel's is broadcast when the connection comes
  * up; each call has its own, signalled when it completes, so a response
  * wakes its own caller only.  A call has two references: the caller's and
@@ -46,7 +49,6 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <nghttp2/nghttp2.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -59,6 +61,7 @@
 
 #include "rpc/client_async.h"
 #include "rpc/grpc.h"
+#include "rpc/h2c.h"
 
 #define LOG "rpc_client"
 
@@ -74,18 +77,9 @@
 #define GATHER_MAX 32768           /* frame bytes gathered per send */
 #define READ_CHUNK 32768           /* bytes per read */
 #define WBUF_MAX ((size_t)4 << 20) /* unsent bytes held for one conn */
-#define STREAM_WINDOW (1 << 20)    /* our SETTINGS_INITIAL_WINDOW_SIZE */
-#define CONN_WINDOW (16 << 20)     /* our connection receive window */
 #define MAX_PATH_LEN 1024
-#define MAX_RESP_HEADERS                                                       \
-  16384 /* response header bytes per stream (RFC 7540                          \
-           accounting: name + value + 32 each) */
 #define MAX_TOKEN_LEN 4096
 #define DISCONNECT_WAIT_MS 1000
-#ifndef SG_VERSION_STRING
-#define SG_VERSION_STRING "0.1.0"
-#endif
-#define USER_AGENT "grpc-c-stepguard/" SG_VERSION_STRING
 
 /* ---- intrusive lists ----------------------------------------------------- */
 
@@ -153,38 +147,25 @@ typedef struct call_s {
   pthread_cond_t cv; /* its caller waits here; signalled when it completes */
   int cv_init;       /* cv was initialised */
   int grpc_status;   /* -1 when none came */
-  char msg[256];     /* error detail */
-  uint8_t *resp;     /* response message (owned until the caller takes it) */
+  char msg[SG__H2C_MSG_MAX]; /* error detail */
+  uint8_t *resp; /* response message (owned until the caller takes it) */
   size_t resp_len;
 
   /* I/O thread only. */
-  link_t io;            /* in ch->pending or conn->streams */
-  int32_t stream_id;    /* > 0 once submitted */
-  size_t body_off;      /* bytes of body handed to nghttp2 */
-  int rst_sent;         /* we reset the stream */
-  int http_status;      /* :status, 0 until received */
-  int status_hdr;       /* grpc-status header, -1 until received */
-  int local_rc;         /* an error we decided while receiving (ETOOBIG) */
-  int prefix_checked;   /* the response message prefix was validated */
-  size_t hdr_bytes;     /* response header bytes so far */
-  char status_msg[200]; /* decoded grpc-message */
-  sg_buf_t rbuf;        /* response body (prefix + message) */
+  link_t io;           /* in ch->pending (or a private list) until submitted */
+  sg__h2c_stream_t st; /* its stream: in conn->h2's list while open */
 } call_t;
 
-/* One TCP connection with its HTTP/2 session.  Freed in its close callback.
+/* One TCP connection with its HTTP/2 engine.  Freed in its close callback.
  */
 struct conn_s {
   uv_poll_t poll;
   sg_rpc_channel_t *ch;
   int fd;
-  nghttp2_session *h2;      /* NULL while TCP connects and after drop */
-  unsigned events;          /* uv_poll events currently requested */
-  link_t streams;           /* calls with an open (or pending) stream */
-  sg_buf_t wbuf;            /* gathered frames; what the socket refused */
-  int got_settings;         /* the server's first SETTINGS frame arrived */
-  int goaway;               /* the server sent GOAWAY */
-  uint32_t sent_goaway_err; /* our GOAWAY's error code (protocol error) */
-  int ping_outstanding;     /* a keepalive PING awaits its ACK */
+  sg__h2c_t h2;    /* its streams are the calls on this connection */
+  int h2_live;     /* h2 is set up: not while TCP connects, nor after drop */
+  unsigned events; /* uv_poll events currently requested */
+  sg_buf_t wbuf;   /* gathered frames; what the socket refused */
   uint8_t rdbuf[READ_CHUNK];
 };
 
@@ -203,7 +184,6 @@ struct sg_rpc_channel_s {
   unsigned fork_count;    /* sg_sock_fork_count() at creation */
   pthread_t thread;
   int thread_started;
-  nghttp2_mem mem;
 
   /* Protected by mu. */
   pthread_mutex_t mu;
@@ -257,23 +237,6 @@ static uint64_t rng_next(sg_rpc_channel_t *ch) {
   x ^= x >> 27;
   ch->rng = x;
   return x * 0x2545F4914F6CDD1DULL;
-}
-
-static void *h2_malloc(size_t n, void *ud) {
-  (void)ud;
-  return sg_malloc(n);
-}
-static void h2_free(void *p, void *ud) {
-  (void)ud;
-  sg_free(p);
-}
-static void *h2_calloc(size_t n, size_t size, void *ud) {
-  (void)ud;
-  return sg_calloc(n, size);
-}
-static void *h2_realloc(void *p, size_t n, void *ud) {
-  (void)ud;
-  return sg_realloc(p, n);
 }
 
 static struct timespec deadline_ts(sg_deadline_t d) {
@@ -365,7 +328,7 @@ static int parse_target(sg_rpc_channel_t *ch, const char *t, sg_err_t *err) {
 static void call_free(call_t *c) {
   if (!c)
     return;
-  sg_buf_free(&c->rbuf);
+  sg__h2c_stream_fini(&c->st);
   sg_free(c->resp);
   sg_free(c->body);
   sg_free(c->path);
@@ -440,10 +403,11 @@ static void io_finish(sg_rpc_channel_t *ch, call_t *c, int rc, int grpc_status,
     pthread_cond_signal(&c->cv);
 }
 
-/* I/O thread: unlink `c` from its I/O list and drop the I/O reference. */
+/* I/O thread: unlink `c` from its I/O list (its stream has left the engine
+ * already) and drop the I/O reference. */
 static void io_release(sg_rpc_channel_t *ch, call_t *c) {
   link_del(&c->io);
-  sg_buf_free(&c->rbuf);
+  sg__h2c_stream_fini(&c->st);
   pthread_mutex_lock(&ch->mu);
   int last = unref_locked(c);
   pthread_mutex_unlock(&ch->mu);
@@ -478,7 +442,7 @@ static void conn_close_cb(uv_handle_t *h) {
  * conn_drop: tear down ch->conn: every call on it completes with rc/msg,
  * the session is deleted, the socket is shut down at once (the peer sees it
  * close) and closed in the poll handle's close callback.  Never called from
- * inside an nghttp2 callback.
+ * inside an engine operation.
  */
 static void conn_drop(sg_rpc_channel_t *ch, int rc, const char *msg) {
   conn_t *conn = ch->conn;
@@ -491,10 +455,15 @@ static void conn_drop(sg_rpc_channel_t *ch, int rc, const char *msg) {
   pthread_mutex_lock(&ch->mu);
   ch->conn_up = 0;
   pthread_mutex_unlock(&ch->mu);
-  io_fail_list(ch, &conn->streams, rc, msg);
-  if (conn->h2) {
-    nghttp2_session_del(conn->h2);
-    conn->h2 = NULL;
+  if (conn->h2_live) {
+    sg__h2c_stream_t *s;
+    while ((s = sg__h2c_take(&conn->h2)) != NULL) {
+      call_t *c = CONTAINER(s, call_t, st);
+      io_finish(ch, c, rc, -1, NULL, 0, msg);
+      io_release(ch, c);
+    }
+    sg__h2c_free(&conn->h2);
+    conn->h2_live = 0;
   }
   shutdown(conn->fd, SHUT_RDWR);
   uv_poll_stop(&conn->poll);
@@ -511,8 +480,8 @@ static int conn_set_events(conn_t *conn, unsigned events) {
 }
 
 /*
- * conn_flush: write what nghttp2 has to send.  Frames from
- * nghttp2_session_mem_send are gathered into the connection's buffer (up to
+ * conn_flush: write what the engine has to send.  Frames from
+ * sg__h2c_send are gathered into the connection's buffer (up to
  * GATHER_MAX bytes) and go out with one send(), so a request's HEADERS and
  * DATA leave as one segment and wake the server once; repeats until the
  * socket is full, nothing is left, or WRITE_BUDGET sends went out.  Waits
@@ -523,11 +492,11 @@ static int conn_flush(conn_t *conn) {
   int more = 0;
   for (int i = 0; i < WRITE_BUDGET; i++) {
     int drained = 0;
-    while (conn->h2 && conn->wbuf.len < GATHER_MAX) {
+    while (conn->h2_live && conn->wbuf.len < GATHER_MAX) {
       const uint8_t *p;
-      ssize_t len = nghttp2_session_mem_send(conn->h2, &p);
+      ssize_t len = sg__h2c_send(&conn->h2, &p);
       if (len < 0)
-        return len == NGHTTP2_ERR_NOMEM ? SG_ENOMEM : SG_EPROTO;
+        return (int)len;
       if (len == 0) {
         drained = 1;
         break;
@@ -554,7 +523,7 @@ static int conn_flush(conn_t *conn) {
       more = 1;
       break;
     }
-    if (drained || !conn->h2)
+    if (drained || !conn->h2_live)
       break;
     if (i == WRITE_BUDGET - 1)
       more = 1; /* budget spent: come back when writable */
@@ -569,7 +538,7 @@ static int conn_flush(conn_t *conn) {
  */
 static void conn_after_io(sg_rpc_channel_t *ch) {
   conn_t *conn = ch->conn;
-  if (!conn || !conn->h2)
+  if (!conn || !conn->h2_live)
     return;
   int rc = conn_flush(conn);
   if (rc) {
@@ -578,25 +547,25 @@ static void conn_after_io(sg_rpc_channel_t *ch) {
     conn_fail(ch, rc == SG_EPROTO ? SG_EPROTO : SG_ECONNRESET, m);
     return;
   }
-  if (ch->state == ST_CONNECTED && conn->goaway)
+  if (ch->state == ST_CONNECTED && conn->h2.goaway)
     set_state(ch, ST_DRAINING);
-  int finished = !nghttp2_session_want_read(conn->h2) &&
-                 !nghttp2_session_want_write(conn->h2) && conn->wbuf.len == 0;
-  if (ch->state == ST_DRAINING && link_empty(&conn->streams))
+  int finished = !sg__h2c_want_io(&conn->h2) && conn->wbuf.len == 0;
+  if (ch->state == ST_DRAINING && sg__h2c_idle(&conn->h2))
     finished = 1;
   if (finished) {
     char m[160];
-    if (conn->sent_goaway_err)
+    uint32_t sent = conn->h2.sent_goaway_err;
+    if (sent)
       snprintf(m, sizeof(m), "HTTP/2 protocol error from %s (%s)", ch->target,
-               nghttp2_http2_strerror(conn->sent_goaway_err));
+               nghttp2_http2_strerror(sent));
     else
       snprintf(m, sizeof(m), "connection to %s closed by the server",
                ch->target);
-    conn_fail(ch, conn->sent_goaway_err ? SG_EPROTO : SG_ECONNRESET, m);
+    conn_fail(ch, sent ? SG_EPROTO : SG_ECONNRESET, m);
   }
 }
 
-/* Reads up to READ_BUDGET chunks and feeds them to nghttp2. */
+/* Reads up to READ_BUDGET chunks and feeds them to the engine. */
 static void conn_read(sg_rpc_channel_t *ch, conn_t *conn) {
   for (int i = 0; i < READ_BUDGET; i++) {
     ssize_t n = recv(conn->fd, conn->rdbuf, sizeof(conn->rdbuf), 0);
@@ -618,12 +587,12 @@ static void conn_read(sg_rpc_channel_t *ch, conn_t *conn) {
       conn_fail(ch, SG_ECONNRESET, m);
       return;
     }
-    ssize_t rv = nghttp2_session_mem_recv(conn->h2, conn->rdbuf, (size_t)n);
-    if (rv < 0) {
+    int rv = sg__h2c_recv(&conn->h2, conn->rdbuf, (size_t)n);
+    if (rv) {
       char m[160];
       snprintf(m, sizeof(m), "HTTP/2 error from %s: %s", ch->target,
-               nghttp2_strerror((int)rv));
-      conn_fail(ch, rv == NGHTTP2_ERR_NOMEM ? SG_ENOMEM : SG_EPROTO, m);
+               sg__h2c_error(&conn->h2));
+      conn_fail(ch, rv, m);
       return;
     }
     if ((size_t)n < sizeof(conn->rdbuf))
@@ -631,255 +600,58 @@ static void conn_read(sg_rpc_channel_t *ch, conn_t *conn) {
   }
 }
 
-/* ---- nghttp2 callbacks (never drop the connection; they only record) ----- */
+/* ---- engine operations (never drop the connection; they only complete) --- */
 
 static void ka_cb(uv_timer_t *t);
 
-static call_t *find_stream(conn_t *conn, int32_t stream_id) {
-  for (link_t *l = conn->streams.next; l != &conn->streams; l = l->next) {
-    call_t *c = CONTAINER(l, call_t, io);
-    if (c->stream_id == stream_id)
-      return c;
-  }
-  return NULL;
-}
-
-static int parse_small_int(const uint8_t *v, size_t n, int max) {
-  if (n == 0 || n > 4)
-    return -1;
-  int x = 0;
-  for (size_t i = 0; i < n; i++) {
-    if (v[i] < '0' || v[i] > '9')
-      return -1;
-    x = x * 10 + (v[i] - '0');
-  }
-  return x <= max ? x : -1;
-}
-
-static int on_header_cb(nghttp2_session *s, const nghttp2_frame *frame,
-                        const uint8_t *name, size_t namelen,
-                        const uint8_t *value, size_t valuelen, uint8_t flags,
-                        void *ud) {
-  (void)s;
-  (void)flags;
-  conn_t *conn = ud;
-  if (frame->hd.type != NGHTTP2_HEADERS)
-    return 0;
-  call_t *c = find_stream(conn, frame->hd.stream_id);
-  if (!c)
-    return 0;
-  c->hdr_bytes += namelen + valuelen + 32;
-  if (c->hdr_bytes > MAX_RESP_HEADERS) {
-    /* Resets the stream; complete_stream() reports SG_ETOOBIG. */
-    c->local_rc = SG_ETOOBIG;
-    c->rst_sent = 1;
-    return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE;
-  }
-  if (namelen == 7 && memcmp(name, ":status", 7) == 0) {
-    c->http_status = parse_small_int(value, valuelen, 999);
-  } else if (namelen == 11 && memcmp(name, "grpc-status", 11) == 0) {
-    int st = parse_small_int(value, valuelen, 9999);
-    c->status_hdr = st < 0 ? SG_GRPC_UNKNOWN : st;
-  } else if (namelen == 12 && memcmp(name, "grpc-message", 12) == 0) {
-    sg__grpc_message_decode((const char *)value, valuelen, c->status_msg,
-                            sizeof(c->status_msg));
-  }
-  return 0;
-}
-
-static int on_data_cb(nghttp2_session *s, uint8_t flags, int32_t stream_id,
-                      const uint8_t *data, size_t len, void *ud) {
-  (void)flags;
-  conn_t *conn = ud;
-  call_t *c = find_stream(conn, stream_id);
-  if (!c || c->local_rc || c->rst_sent)
-    return 0;
-  int rc = sg_buf_append(&c->rbuf, data, len);
-  if (rc == 0 && !c->prefix_checked && c->rbuf.len >= SG_GRPC_PREFIX_LEN) {
-    uint32_t mlen;
-    int compressed;
-    rc = sg__grpc_prefix_parse(sg_buf_head(&c->rbuf), c->rbuf.len,
-                               conn->ch->max_message, &mlen, &compressed);
-    if (rc == 0 && compressed)
-      rc = SG_EPROTO;
-    c->prefix_checked = 1;
-  }
-  if (rc) {
-    c->local_rc = rc;
-    sg_buf_free(&c->rbuf);
-    c->rst_sent = 1;
-    nghttp2_submit_rst_stream(s, NGHTTP2_FLAG_NONE, stream_id, NGHTTP2_CANCEL);
-  }
-  return 0;
-}
-
-static int http_to_grpc(int http) {
-  switch (http) {
-  case 400:
-    return SG_GRPC_INTERNAL;
-  case 401:
-    return SG_GRPC_UNAUTHENTICATED;
-  case 403:
-    return SG_GRPC_PERMISSION_DENIED;
-  case 404:
-    return SG_GRPC_UNIMPLEMENTED;
-  case 429:
-  case 502:
-  case 503:
-  case 504:
-    return SG_GRPC_UNAVAILABLE;
-  default:
-    return SG_GRPC_UNKNOWN;
-  }
-}
-
 /*
- * complete_stream: turn what the stream delivered into the call's result.
- * Pure over the call's received fields, apart from the completion itself.
+ * complete_stream: the call's result from what its stream delivered
+ * (sg__h2c_result, pure) plus a copy of the response message.
  */
 static void complete_stream(sg_rpc_channel_t *ch, call_t *c,
                             uint32_t error_code) {
-  char m[sizeof(c->msg)];
-  int rc = 0, gs = -1;
+  sg__h2c_result_t r;
   uint8_t *resp = NULL;
-  size_t resp_len = 0;
-  m[0] = '\0';
-  if (c->local_rc == SG_ETOOBIG) {
-    rc = SG_ETOOBIG;
-    if (c->hdr_bytes > MAX_RESP_HEADERS)
-      snprintf(m, sizeof(m), "%.100s: response headers exceed %d bytes",
-               c->path, MAX_RESP_HEADERS);
-    else
-      snprintf(m, sizeof(m), "%.100s: response exceeds max_message %zu",
-               c->path, ch->max_message);
-  } else if (c->local_rc) {
-    rc = c->local_rc;
-    snprintf(m, sizeof(m), "%s: bad response message (%s)", c->path,
-             sg_strerror(rc));
-  } else if (c->status_hdr >= 0) {
-    gs = c->status_hdr;
-    if (gs != SG_GRPC_OK) {
-      rc = sg__grpc_status_to_err(gs);
-      snprintf(m, sizeof(m), "status: %s, message: \"%s\"",
-               sg__grpc_status_name(gs), c->status_msg);
+  sg__h2c_result(&c->st, error_code, ch->max_message, &r);
+  if (r.rc == 0 && r.resp_len > 0) {
+    resp = sg_malloc(r.resp_len);
+    if (!resp) {
+      r.rc = SG_ENOMEM;
+      r.resp_len = 0;
+      snprintf(r.msg, sizeof(r.msg), "out of memory");
     } else {
-      uint32_t mlen = 0;
-      int compressed = 0;
-      rc = c->rbuf.len < SG_GRPC_PREFIX_LEN
-               ? SG_EAGAIN
-               : sg__grpc_prefix_parse(sg_buf_head(&c->rbuf), c->rbuf.len,
-                                       ch->max_message, &mlen, &compressed);
-      if (rc == SG_EAGAIN ||
-          (rc == 0 &&
-           (compressed || c->rbuf.len != SG_GRPC_PREFIX_LEN + mlen))) {
-        rc = SG_EPROTO;
-        snprintf(m, sizeof(m),
-                 "%s: status OK but %zu body bytes are not one message",
-                 c->path, c->rbuf.len);
-      } else if (rc) {
-        snprintf(m, sizeof(m), "%s: bad response message (%s)", c->path,
-                 sg_strerror(rc));
-      } else if (mlen > 0) {
-        resp = sg_malloc(mlen);
-        if (!resp) {
-          rc = SG_ENOMEM;
-          snprintf(m, sizeof(m), "out of memory");
-        } else {
-          memcpy(resp, sg_buf_head(&c->rbuf) + SG_GRPC_PREFIX_LEN, mlen);
-          resp_len = mlen;
-        }
-      }
+      memcpy(resp, r.resp, r.resp_len);
     }
-  } else if (error_code != NGHTTP2_NO_ERROR) {
-    rc = error_code == NGHTTP2_PROTOCOL_ERROR ? SG_EPROTO : SG_ECONNRESET;
-    snprintf(m, sizeof(m), "%s: stream reset (%s)", c->path,
-             nghttp2_http2_strerror(error_code));
-  } else if (c->http_status != 200) {
-    gs = http_to_grpc(c->http_status);
-    rc = sg__grpc_status_to_err(gs);
-    snprintf(m, sizeof(m), "status: %s, message: \"HTTP status %d\"",
-             sg__grpc_status_name(gs), c->http_status);
-  } else {
-    rc = SG_EPROTO;
-    snprintf(m, sizeof(m), "%s: response without grpc-status", c->path);
   }
-  io_finish(ch, c, rc, gs, resp, resp_len, m);
+  io_finish(ch, c, r.rc, r.grpc_status, resp, r.resp_len, r.msg);
 }
 
-static int on_stream_close_cb(nghttp2_session *s, int32_t stream_id,
-                              uint32_t error_code, void *ud) {
-  (void)s;
-  conn_t *conn = ud;
-  call_t *c = find_stream(conn, stream_id);
-  if (!c)
-    return 0;
+/* The stream of a call closed: complete the call and release it. */
+static void h2_closed(void *owner, sg__h2c_stream_t *s, uint32_t error_code) {
+  conn_t *conn = owner;
+  call_t *c = CONTAINER(s, call_t, st);
   complete_stream(conn->ch, c, error_code);
   io_release(conn->ch, c);
-  return 0;
-}
-
-static int on_frame_recv_cb(nghttp2_session *s, const nghttp2_frame *frame,
-                            void *ud) {
-  (void)s;
-  conn_t *conn = ud;
-  if (frame->hd.type == NGHTTP2_SETTINGS &&
-      !(frame->hd.flags & NGHTTP2_FLAG_ACK))
-    conn->got_settings = 1;
-  else if (frame->hd.type == NGHTTP2_GOAWAY)
-    conn->goaway = 1;
-  else if (frame->hd.type == NGHTTP2_PING &&
-           (frame->hd.flags & NGHTTP2_FLAG_ACK) && conn->ping_outstanding) {
-    conn->ping_outstanding = 0;
-    sg_rpc_channel_t *ch = conn->ch;
-    uv_timer_start(&ch->ka_timer, ka_cb, (uint64_t)ch->ka_interval_ms, 0);
-  }
-  return 0;
-}
-
-static int on_frame_send_cb(nghttp2_session *s, const nghttp2_frame *frame,
-                            void *ud) {
-  (void)s;
-  conn_t *conn = ud;
-  if (frame->hd.type == NGHTTP2_GOAWAY &&
-      frame->goaway.error_code != NGHTTP2_NO_ERROR)
-    conn->sent_goaway_err = frame->goaway.error_code;
-  return 0;
 }
 
 /* A request whose HEADERS could not be sent (e.g. after GOAWAY). */
-static int on_frame_not_send_cb(nghttp2_session *s, const nghttp2_frame *frame,
-                                int lib_error_code, void *ud) {
-  (void)s;
-  conn_t *conn = ud;
-  if (frame->hd.type != NGHTTP2_HEADERS)
-    return 0;
-  call_t *c = find_stream(conn, frame->hd.stream_id);
-  if (!c)
-    return 0;
+static void h2_not_sent(void *owner, sg__h2c_stream_t *s, const char *why) {
+  conn_t *conn = owner;
+  call_t *c = CONTAINER(s, call_t, st);
   char m[128];
-  snprintf(m, sizeof(m), "%s: request not sent (%s)", c->path,
-           nghttp2_strerror(lib_error_code));
+  snprintf(m, sizeof(m), "%s: request not sent (%s)", c->path, why);
   io_finish(conn->ch, c, SG_ECONNRESET, -1, NULL, 0, m);
   io_release(conn->ch, c);
-  return 0;
 }
 
-static ssize_t body_read_cb(nghttp2_session *s, int32_t stream_id, uint8_t *buf,
-                            size_t length, uint32_t *data_flags,
-                            nghttp2_data_source *source, void *ud) {
-  (void)s;
-  (void)stream_id;
-  (void)ud;
-  call_t *c = source->ptr;
-  size_t n = c->body_len - c->body_off;
-  if (n > length)
-    n = length;
-  memcpy(buf, c->body + c->body_off, n);
-  c->body_off += n;
-  if (c->body_off == c->body_len)
-    *data_flags |= NGHTTP2_DATA_FLAG_EOF;
-  return (ssize_t)n;
+/* The keepalive PING was answered: the next one is due an interval later. */
+static void h2_ping_acked(void *owner) {
+  conn_t *conn = owner;
+  sg_rpc_channel_t *ch = conn->ch;
+  uv_timer_start(&ch->ka_timer, ka_cb, (uint64_t)ch->ka_interval_ms, 0);
 }
+
+static const sg__h2c_ops_t h2_ops = {h2_closed, h2_not_sent, h2_ping_acked};
 
 /* ---- connect machine ----------------------------------------------------- */
 
@@ -945,38 +717,17 @@ static void handshake_done(sg_rpc_channel_t *ch) {
 /* TCP is up: start the HTTP/2 session (preface + SETTINGS). */
 static void tcp_connected(sg_rpc_channel_t *ch) {
   conn_t *conn = ch->conn;
-  nghttp2_session_callbacks *cbs = NULL;
-  int r = nghttp2_session_callbacks_new(&cbs);
-  if (r == 0) {
-    nghttp2_session_callbacks_set_on_header_callback(cbs, on_header_cb);
-    nghttp2_session_callbacks_set_on_data_chunk_recv_callback(cbs, on_data_cb);
-    nghttp2_session_callbacks_set_on_stream_close_callback(cbs,
-                                                           on_stream_close_cb);
-    nghttp2_session_callbacks_set_on_frame_recv_callback(cbs, on_frame_recv_cb);
-    nghttp2_session_callbacks_set_on_frame_send_callback(cbs, on_frame_send_cb);
-    nghttp2_session_callbacks_set_on_frame_not_send_callback(
-        cbs, on_frame_not_send_cb);
-    r = nghttp2_session_client_new3(&conn->h2, cbs, conn, NULL, &ch->mem);
-    nghttp2_session_callbacks_del(cbs);
-  }
-  if (r == 0) {
-    nghttp2_settings_entry iv[] = {
-        {NGHTTP2_SETTINGS_ENABLE_PUSH, 0},
-        {NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE, STREAM_WINDOW},
-    };
-    r = nghttp2_submit_settings(conn->h2, NGHTTP2_FLAG_NONE, iv,
-                                sizeof(iv) / sizeof(iv[0]));
-  }
-  if (r == 0)
-    r = nghttp2_session_set_local_window_size(conn->h2, NGHTTP2_FLAG_NONE, 0,
-                                              CONN_WINDOW);
-  if (r != 0) {
+  sg__h2c_config_t cfg = {.authority = ch->authority,
+                          .max_message = ch->max_message};
+  if (sg__h2c_init(&conn->h2, &cfg, &h2_ops, conn) != 0) {
     char m[128];
-    snprintf(m, sizeof(m), "HTTP/2 session setup: %s", nghttp2_strerror(r));
+    snprintf(m, sizeof(m), "HTTP/2 session setup: %s",
+             sg__h2c_error(&conn->h2));
     conn_drop(ch, SG_ENOMEM, m);
     attempt_failed(ch, SG_ENOMEM, m);
     return;
   }
+  conn->h2_live = 1;
   set_state(ch, ST_HANDSHAKE);
   conn_after_io(ch);
 }
@@ -1019,7 +770,6 @@ static void connect_next(sg_rpc_channel_t *ch, int rc) {
     conn->poll.data = conn;
     conn->ch = ch;
     conn->fd = fd;
-    link_init(&conn->streams);
     sg_buf_init(&conn->wbuf, WBUF_MAX);
     ch->conn = conn;
     if (cr == 0) {
@@ -1113,19 +863,18 @@ static void conn_fail(sg_rpc_channel_t *ch, int rc, const char *msg) {
 static void ka_cb(uv_timer_t *t) {
   sg_rpc_channel_t *ch = t->data;
   conn_t *conn = ch->conn;
-  if (!conn || !conn->h2 ||
+  if (!conn || !conn->h2_live ||
       (ch->state != ST_CONNECTED && ch->state != ST_DRAINING))
     return;
-  if (conn->ping_outstanding) {
+  if (conn->h2.ping_outstanding) {
     char m[160];
     snprintf(m, sizeof(m), "connection to %s: no keepalive PING ACK in %lld ms",
              ch->target, (long long)ch->ka_timeout_ms);
     conn_fail(ch, SG_ECONNRESET, m);
     return;
   }
-  if (nghttp2_submit_ping(conn->h2, NGHTTP2_FLAG_NONE, NULL) != 0)
+  if (sg__h2c_ping(&conn->h2) != 0)
     return;
-  conn->ping_outstanding = 1;
   uv_timer_start(&ch->ka_timer, ka_cb, (uint64_t)ch->ka_timeout_ms, 0);
   conn_after_io(ch);
 }
@@ -1164,7 +913,7 @@ static void poll_cb(uv_poll_t *p, int status, int events) {
     conn_read(ch, conn);
     if (ch->conn != conn)
       return;
-    if (ch->state == ST_HANDSHAKE && conn->got_settings)
+    if (ch->state == ST_HANDSHAKE && conn->h2.got_settings)
       handshake_done(ch);
   }
   drive(ch);
@@ -1185,44 +934,20 @@ static void submit_pending(sg_rpc_channel_t *ch) {
     }
     char tmo[16];
     sg__grpc_timeout_format(left, tmo);
-    nghttp2_nv nva[10];
-    size_t n = 0;
-#define NV(k, v)                                                               \
-  do {                                                                         \
-    nva[n].name = (uint8_t *)(k);                                              \
-    nva[n].namelen = strlen(k);                                                \
-    nva[n].value = (uint8_t *)(v);                                             \
-    nva[n].valuelen = strlen(v);                                               \
-    nva[n].flags = NGHTTP2_NV_FLAG_NONE;                                       \
-    n++;                                                                       \
-  } while (0)
-    NV(":method", "POST");
-    NV(":scheme", "http");
-    NV(":path", c->path);
-    NV(":authority", ch->authority);
-    NV("content-type", "application/grpc");
-    NV("te", "trailers");
-    NV("user-agent", USER_AGENT);
-    NV("grpc-timeout", tmo);
-    if (ch->auth_value)
-      NV("authorization", ch->auth_value);
-#undef NV
-    nghttp2_data_provider prd;
-    prd.source.ptr = c;
-    prd.read_callback = body_read_cb;
-    int32_t id = nghttp2_submit_request(conn->h2, NULL, nva, n, &prd, NULL);
-    if (id < 0) {
+    sg__h2c_header_t extra[] = {{"grpc-timeout", tmo},
+                                {"authorization", ch->auth_value}};
+    int rc = sg__h2c_submit(&conn->h2, &c->st, c->path, extra,
+                            ch->auth_value ? 2 : 1, c->body, c->body_len);
+    if (rc) {
       char m[128];
       snprintf(m, sizeof(m), "%s: cannot submit: %s", c->path,
-               nghttp2_strerror(id));
-      io_finish(ch, c, id == NGHTTP2_ERR_NOMEM ? SG_ENOMEM : SG_ECONNRESET, -1,
-                NULL, 0, m);
+               sg__h2c_error(&conn->h2));
+      io_finish(ch, c, rc == SG_ENOMEM ? SG_ENOMEM : SG_ECONNRESET, -1, NULL, 0,
+                m);
       io_release(ch, c);
       continue;
     }
-    c->stream_id = id;
     link_del(&c->io);
-    link_push(&conn->streams, &c->io);
     pthread_mutex_lock(&ch->mu);
     c->on_wire = 1;
     pthread_mutex_unlock(&ch->mu);
@@ -1294,10 +1019,9 @@ static void dl_arm(sg_rpc_channel_t *ch) {
       next = c->deadline;
   }
   if (ch->conn)
-    for (link_t *l = ch->conn->streams.next; l != &ch->conn->streams;
-         l = l->next) {
-      call_t *c = CONTAINER(l, call_t, io);
-      if (c->cb && !c->rst_sent && c->deadline < next)
+    for (sg__h2c_stream_t *s = ch->conn->h2.streams; s; s = s->next) {
+      call_t *c = CONTAINER(s, call_t, st);
+      if (c->cb && !s->rst_sent && c->deadline < next)
         next = c->deadline;
     }
   if (ch->state == ST_CLOSED || next == INT64_MAX) {
@@ -1332,15 +1056,12 @@ static void dl_cb(uv_timer_t *t) {
     io_finish(ch, c, code, -1, NULL, 0, m);
     io_release(ch, c);
   }
-  if (ch->conn && ch->conn->h2) {
-    for (link_t *l = ch->conn->streams.next; l != &ch->conn->streams;
-         l = l->next) {
-      call_t *c = CONTAINER(l, call_t, io);
-      if (!c->cb || c->rst_sent || c->deadline > now)
+  if (ch->conn && ch->conn->h2_live) {
+    for (sg__h2c_stream_t *s = ch->conn->h2.streams; s; s = s->next) {
+      call_t *c = CONTAINER(s, call_t, st);
+      if (!c->cb || s->rst_sent || c->deadline > now)
         continue;
-      c->rst_sent = 1;
-      nghttp2_submit_rst_stream(ch->conn->h2, NGHTTP2_FLAG_NONE, c->stream_id,
-                                NGHTTP2_CANCEL);
+      (void)sg__h2c_reset(&ch->conn->h2, s, NGHTTP2_CANCEL);
       int code = deadline_msg(ch, c, m, sizeof(m));
       io_finish(ch, c, code, -1, NULL, 0, m);
     }
@@ -1391,15 +1112,11 @@ static void wake_cb(uv_async_t *a) {
         link_push(&dead, &c->io);
       }
     }
-    if (ch->conn && ch->conn->h2) {
-      for (link_t *l = ch->conn->streams.next; l != &ch->conn->streams;
-           l = l->next) {
-        call_t *c = CONTAINER(l, call_t, io);
-        if (c->cancelled && !c->rst_sent) {
-          c->rst_sent = 1;
-          nghttp2_submit_rst_stream(ch->conn->h2, NGHTTP2_FLAG_NONE,
-                                    c->stream_id, NGHTTP2_CANCEL);
-        }
+    if (ch->conn && ch->conn->h2_live) {
+      for (sg__h2c_stream_t *s = ch->conn->h2.streams; s; s = s->next) {
+        call_t *c = CONTAINER(s, call_t, st);
+        if (c->cancelled) /* resets once; calls no operation */
+          (void)sg__h2c_reset(&ch->conn->h2, s, NGHTTP2_CANCEL);
       }
     }
   }
@@ -1501,10 +1218,6 @@ int sg_rpc_channel_new(const sg_rpc_channel_opts_t *o, sg_rpc_channel_t **out,
                           : DEFAULT_KEEPALIVE_TIMEOUT_MS;
   ch->fail_fast = o->fail_fast != 0;
   ch->fork_count = sg_sock_fork_count();
-  ch->mem.malloc = h2_malloc;
-  ch->mem.free = h2_free;
-  ch->mem.calloc = h2_calloc;
-  ch->mem.realloc = h2_realloc;
   ch->rng =
       (uint64_t)sg_now_ns() ^ (uint64_t)(uintptr_t)ch ^ 0x9E3779B97F4A7C15ULL;
   if (!ch->rng)
@@ -1646,9 +1359,8 @@ static int call_submit(sg_rpc_channel_t *ch, const char *path,
   link_init(&c->all);
   link_init(&c->sq);
   link_init(&c->io);
-  sg_buf_init(&c->rbuf, ch->max_message + SG_GRPC_PREFIX_LEN);
+  sg__h2c_stream_init(&c->st, ch->max_message);
   c->grpc_status = -1;
-  c->status_hdr = -1;
   c->deadline = deadline;
   c->cb = cb;
   c->cb_ud = ud;

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -498,8 +499,8 @@ def test_partition_refused_without_root(tmp_path: Path, monkeypatch, capsys) -> 
     assert main(["--netns", "true"]) == 2
     assert "need root" in capsys.readouterr().err
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    real_which = launch_mod.shutil.which
-    monkeypatch.setattr(launch_mod.shutil, "which",
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which",
                         lambda name: None if name == "ip" else real_which(name))
     with pytest.raises(RuntimeError, match="'ip' command"):
         Launcher(_config(tmp_path, netns=True))

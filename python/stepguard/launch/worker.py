@@ -1,0 +1,71 @@
+"""The worker side of stepguard-launch: what a training script calls.
+
+Standard library only, so any training script can use it.  :func:`report`
+sends an event to the launcher over the pipe named by ``EVENTS_FD_ENV``;
+:func:`stop_step` reads the step at which the launcher asked the workers to
+finish, from the file named by ``STOP_FILE_ENV``.  The launcher
+(:mod:`stepguard.launch.launcher`) sets these variables for every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["report", "stop_step"]
+
+EVENTS_FD_ENV = "STEPGUARD_EVENTS_FD"
+STOP_FILE_ENV = "STEPGUARD_STOP_FILE"
+INCARNATION_ENV = "STEPGUARD_INCARNATION"
+
+_PIPE_BUF = 4096  # writes up to this size are atomic on a pipe
+
+
+def report(event: str, **fields: Any) -> None:
+    """Sends one event to the launcher (no-op outside the launcher).
+
+    Adds ``t`` (wall clock), ``group``, ``rank`` and ``incarnation`` from
+    the environment.  Never raises; an event too large for one atomic pipe
+    write loses its extra fields.
+
+    Args:
+        event: event name, e.g. ``"step"``.
+        fields: JSON-serialisable values.
+    """
+    fd_text = os.environ.get(EVENTS_FD_ENV)
+    if not fd_text:
+        return
+    rec: dict[str, Any] = {
+        "event": event,
+        "t": time.time(),
+        "group": int(os.environ.get("REPLICA_GROUP_ID", "0")),
+        "rank": int(os.environ.get("RANK", "0")),
+        "incarnation": int(os.environ.get(INCARNATION_ENV, "0")),
+    }
+    rec.update(fields)
+    try:
+        line = (json.dumps(rec, default=str) + "\n").encode()
+        if len(line) > _PIPE_BUF:
+            rec = {k: rec[k] for k in ("event", "t", "group", "rank", "incarnation")}
+            rec["truncated"] = True
+            line = (json.dumps(rec) + "\n").encode()
+        os.write(int(fd_text), line)
+    except (OSError, ValueError, TypeError):
+        pass
+
+
+def stop_step() -> int | None:
+    """The step at which the launcher asked workers to finish, if it has.
+
+    Workers that reach this step should exit with status 0.
+    """
+    path = os.environ.get(STOP_FILE_ENV)
+    if not path:
+        return None
+    try:
+        return int(Path(path).read_text().strip())
+    except (OSError, ValueError):
+        return None

@@ -45,21 +45,26 @@ replicas of a job must make the same choice.
 # No `from __future__ import annotations` here: torch checks the comm
 # hook's `bucket` annotation at run time against dist.GradBucket.
 
+import itertools
 import os
+import threading
+import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, cast
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.distributed import ReduceOp
+from torch.distributed.distributed_c10d import AllreduceOptions, Work
 from torch.nn import parallel
 
-from stepguard.manager import _ManagedFuture
+from stepguard import futures as _futures
+from stepguard.futures import _call_later
+from stepguard.manager import Manager, _average, _ManagedFuture
 from stepguard.process_group import ProcessGroupDummy
-
-if TYPE_CHECKING:
-    from stepguard.manager import Manager
 
 __all__ = ["DistributedDataParallel", "PureDistributedDataParallel"]
 
@@ -78,15 +83,16 @@ _TORCHFT_BUCKETS = frozenset(
 
 
 class _HookState:
-    """What the comm hook is registered with: the manager, the index
-    after the last bucket handed to it this step, and (where the buckets'
-    completion is left to the end of backward) what completes them."""
+    """What the comm hook is registered with: the manager, its bucket
+    path (None: the public ``allreduce``), the index after the last bucket
+    handed to it this step, and (where the buckets' completion is left to
+    the end of backward) what completes them."""
 
-    __slots__ = ("manager", "native", "next_bucket", "defer", "finishers")
+    __slots__ = ("manager", "buckets", "next_bucket", "defer", "finishers")
 
     def __init__(self, manager: "Manager") -> None:
         self.manager = manager
-        self.native = _has_bucket_allreduce(manager)
+        self.buckets = _bucket_path(manager)
         self.next_bucket = 0
         # complete the buckets on backward's thread (only where DDP waits
         # for them in its own end-of-backward callback, queued after ours)
@@ -287,7 +293,8 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         state.next_bucket = bucket.index() + 1
         manager = state.manager
         buffer = bucket.buffer()
-        if state.native and not torch.accelerator.is_available():
+        buckets = state.buckets
+        if buckets is not None and not torch.accelerator.is_available():
             # Nothing to order on a stream: one future that DDP waits for
             # at the end of backward, so this bucket's allreduce overlaps
             # the gradients of the next buckets.
@@ -299,11 +306,11 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
                     try:
                         Variable._execution_engine.queue_callback(state.finish)
                     except RuntimeError:  # not inside backward (DDP's join)
-                        return manager._bucket_allreduce(buffer)
+                        return buckets.allreduce(buffer)
                 elif not state.finishers:
-                    return manager._bucket_allreduce(buffer)
-                return manager._bucket_allreduce_deferred(buffer, state.finishers)
-            return manager._bucket_allreduce(buffer)
+                    return buckets.allreduce(buffer)
+                return buckets.allreduce_deferred(buffer, state.finishers)
+            return buckets.allreduce(buffer)
         work = manager.allreduce(buffer)
         if not work.wait():
             # The step already failed (the manager knows): hand DDP the
@@ -321,28 +328,258 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         return cast(torch.futures.Future[torch.Tensor], fut._fut)
 
 
-def _has_bucket_allreduce(manager: object) -> bool:
-    """Whether the comm hook may reduce ``manager``'s buckets with its
-    ``_bucket_allreduce`` (one future per bucket) instead of going through
-    ``allreduce``: only where that shortcut stands for the ``allreduce``
-    the manager would run, that is, both are defined by the same class of
-    the manager's own type and neither is replaced on the instance.  A
-    subclass that overrides ``allreduce``, an instance whose ``allreduce``
-    was replaced, or a mock (``create_autospec(Manager)`` answers every
-    method with a mock) gets the public path, as torchft's DDP does."""
-    cls = type(manager)
-    inst = getattr(manager, "__dict__", {})
-    if "allreduce" in inst or "_bucket_allreduce" in inst:
-        return False
+# ---- the bucket allreduces of the comm hook ---------------------------------
 
-    def owner(name: str) -> Optional[type]:
-        for klass in cls.__mro__:
-            if name in vars(klass):
-                return klass
+
+def _bucket_path(manager: object) -> Optional["_Buckets"]:
+    """The one-future-per-bucket path for ``manager``'s buckets, or None
+    where the comm hook must go through ``manager.allreduce``.  The path
+    stands for the ``allreduce`` of stepguard's :class:`Manager` only: a
+    manager whose ``allreduce`` is that method, not overridden by a
+    subclass nor replaced on the instance.  Anything else (a subclass that
+    overrides ``allreduce``, an instance whose ``allreduce`` was replaced,
+    a mock: ``create_autospec(Manager)`` answers every method with a mock)
+    gets the public path, as torchft's DDP does."""
+    if "allreduce" in getattr(manager, "__dict__", {}):
         return None
+    for klass in type(manager).__mro__:
+        if "allreduce" in vars(klass):
+            return _Buckets(cast(Manager, manager)) if klass is Manager else None
+    return None
 
-    bucket_owner = owner("_bucket_allreduce")
-    return bucket_owner is not None and bucket_owner is owner("allreduce")
+
+class _Buckets:
+    """What ``manager.allreduce(tensor)`` followed by waiting on its future
+    gives, as one future per bucket, for DDP's comm hook without an
+    accelerator stream: ``tensor`` averaged over the participants in
+    place, within the manager's deadline, a failure swallowed (the step is
+    marked failed and the future still yields ``tensor``).
+
+    Args:
+        manager: the Manager whose process group, quorum, timeout and
+            error state the buckets use.
+    """
+
+    __slots__ = ("_manager", "_sum_opts", "_avg_opts", "_deadlines")
+
+    def __init__(self, manager: "Manager") -> None:
+        self._manager = manager
+        # the allreduce's options (read by c10d at each call)
+        self._sum_opts = AllreduceOptions()
+        self._sum_opts.reduceOp = ReduceOp.SUM
+        self._avg_opts = AllreduceOptions()
+        self._avg_opts.reduceOp = ReduceOp.AVG
+        self._deadlines = _BucketDeadlines()
+
+    def _start(
+        self, tensor: torch.Tensor, deferred: bool
+    ) -> Optional[Tuple[Any, int, bool]]:
+        """Starts the allreduce of a DDP bucket (zeros from a replica that
+        does not participate).  Returns what completes it, what to divide
+        the result by (0: the group averaged it itself) and whether the
+        first is the work (asked for with ``deferred``, and only when its
+        ``wait(timeout)`` is known to give up at the timeout) or its
+        future; None when the step already failed or the collective did
+        not start (recorded as the step's error)."""
+        m = self._manager
+        if m._errored is not None:
+            return None
+        m.wait_quorum()
+        num_participants = m.num_participants()
+        if not m.is_participating():
+            tensor.zero_()
+        if not torch.is_floating_point(tensor):
+            raise ValueError("average reduce op is only supported for floating point tensors")
+        opts, divisor = self._sum_opts, num_participants
+        pg = m._pg
+        if getattr(pg, "_avg_is_sum_then_divide", False) and pg.size() == num_participants:
+            # every member takes part: the group's own AVG gives the same
+            # bits and divides as it reduces (no pass over the bucket after)
+            opts, divisor = self._avg_opts, 0
+        try:
+            work = pg.allreduce([tensor], opts)
+            if deferred and _waits_with_deadline(work):
+                return work, divisor, True
+            return work.get_future(), divisor, False
+        except Exception as e:  # noqa: BLE001 - a failed step, not a crash
+            m._logger.exception(f"got exception in all reduce -- skipping remaining: {e}")
+            m.report_error(e)
+            return None
+
+    def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """The bucket's future, completed on the process group's thread.
+
+        One callback runs when the collective completes, on the process
+        group's thread; ``allreduce``'s lazy chain runs four there (the
+        deadline, the error swallowing, the average and DDP's), each taking
+        the GIL from backward.  The deadlines of all buckets share one
+        timer (``_BucketDeadlines``).
+        """
+        started = self._start(tensor, deferred=False)
+        if started is None:
+            return _completed(tensor)
+        return self._complete_on_thread(started[0], tensor, started[1])
+
+    def _complete_on_thread(
+        self, fut: torch.futures.Future[object], tensor: torch.Tensor, divisor: int
+    ) -> torch.futures.Future[torch.Tensor]:
+        """The future of ``allreduce`` for a started collective's future
+        ``fut``: completed by one callback on the thread that completes
+        ``fut``, or by the shared timer at the deadline."""
+        out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        lock = threading.Lock()
+        settled = [False]
+
+        def settle(err: Optional[Exception]) -> None:
+            with lock:
+                if settled[0]:
+                    return
+                settled[0] = True
+            self._done(err, tensor, divisor, out)
+
+        timeout = self._manager._timeout
+
+        def on_timeout() -> None:
+            settle(TimeoutError(f"future did not complete within {timeout}"))
+
+        deadlines = self._deadlines
+        key = deadlines.add(timeout.total_seconds(), on_timeout)
+
+        def on_done(f: torch.futures.Future[object]) -> None:
+            deadlines.remove(key)
+            try:
+                f.value()
+            except Exception as e:  # noqa: BLE001 - swallowed on purpose
+                settle(e)
+                return
+            settle(None)
+
+        fut.add_done_callback(on_done)
+        return out
+
+    def allreduce_deferred(
+        self, tensor: torch.Tensor, finishers: List[Callable[[], None]]
+    ) -> torch.futures.Future[torch.Tensor]:
+        """``allreduce`` whose completion is left to the caller: the
+        collective is started, and a finisher appended to ``finishers``
+        waits for it (within the manager's deadline, counted from now),
+        swallows a failure into ``report_error``, divides by the
+        participants and completes the returned future.
+
+        DDP's comm hook runs the finishers on backward's own thread at the
+        end of backward, before DDP waits for the futures: the process
+        group's thread then runs no Python at all, so it never takes the
+        GIL from backward (each bucket's completion did, and a thread that
+        Python does not know builds and frees a thread state each time).
+        The division costs the same on either thread.
+        """
+        started = self._start(tensor, deferred=True)
+        if started is None:
+            return _completed(tensor)
+        work, divisor, deferred = started
+        if not deferred:
+            # a work whose wait may not give up at a timeout (a wrapper's):
+            # its future and the shared timer keep the deadline instead
+            return self._complete_on_thread(work, tensor, divisor)
+        out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        timeout = self._manager._timeout
+        deadline = time.monotonic() + timeout.total_seconds()
+
+        def finish() -> None:
+            err: Optional[Exception] = None
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0 or not work.wait(timedelta(seconds=left)):
+                    err = TimeoutError(f"future did not complete within {timeout}")
+            except Exception as e:  # noqa: BLE001 - swallowed on purpose
+                err = (
+                    TimeoutError(f"future did not complete within {timeout}: {e}")
+                    if time.monotonic() >= deadline
+                    else e
+                )
+            self._done(err, tensor, divisor, out)
+
+        finishers.append(finish)
+        return out
+
+    def _done(
+        self,
+        err: Optional[Exception],
+        tensor: torch.Tensor,
+        divisor: int,
+        out: torch.futures.Future[torch.Tensor],
+    ) -> None:
+        """Ends a DDP bucket: its failure (if any) fails the step, the
+        result is divided (as ``allreduce``'s chain: whatever the tensor
+        holds, failed or not; 0 when the group averaged) and ``out`` gets
+        the tensor."""
+        if err is not None:
+            m = self._manager
+            m._logger.exception(f"got exception in future -- skipping remaining: {err}")
+            m.report_error(err)
+        if divisor > 0:
+            _average(tensor, divisor)
+        out.set_result(tensor)
+
+
+def _waits_with_deadline(work: object) -> bool:
+    """Whether ``work.wait(timeout)`` is known to give up at the timeout:
+    c10d's own works (Gloo's, NCCL's) and works that say so
+    (``ProcessGroupTCP``'s).  A Python work may wait without one."""
+    return type(work).wait is Work.wait or getattr(work, "_wait_honours_timeout", False)
+
+
+
+class _BucketDeadlines:
+    """The deadlines of the bucket allreduces in flight, served by one
+    timer: arming a timer per bucket cost a heap push under the timer's
+    lock on backward's thread, and kept every bucket's callbacks alive for
+    the whole timeout after it completed.  A deadline fires exactly when
+    its own timeout has passed; the timer is re-armed at the earliest one
+    still pending."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: Dict[int, Tuple[float, Callable[[], None]]] = {}
+        self._seq = itertools.count()
+        self._armed: Optional[float] = None  # when the armed timer fires
+        # the process's timer when armed: a forked child gets a new one,
+        # with nothing armed (compared instead of getpid(), a system call)
+        self._timer: object = None
+
+    def add(self, timeout_s: float, on_timeout: Callable[[], None]) -> int:
+        """Calls ``on_timeout`` (on a timer thread) in ``timeout_s``
+        seconds unless ``remove`` is called first; returns the key."""
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        with self._lock:
+            if self._timer is not _futures._TIMER:
+                self._armed = None
+            key = next(self._seq)
+            self._pending[key] = (deadline, on_timeout)
+            if self._armed is None or deadline < self._armed:
+                self._arm(deadline)
+        return key
+
+    def remove(self, key: int) -> None:
+        """Cancels the deadline ``key`` (no effect once it fired)."""
+        with self._lock:
+            self._pending.pop(key, None)
+
+    def _arm(self, deadline: float) -> None:
+        self._armed = deadline
+        self._timer = _futures._TIMER
+        _call_later(timedelta(seconds=max(deadline - time.monotonic(), 0.0)), self._fire)
+
+    def _fire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._armed = None
+            due = [k for k, (d, _) in self._pending.items() if d <= now]
+            callbacks = [self._pending.pop(k)[1] for k in due]
+            if self._pending:
+                self._arm(min(d for d, _ in self._pending.values()))
+        for cb in callbacks:
+            cb()
 
 
 def _mark_ready(reducer: Any, params: List[torch.Tensor], order: List[int]) -> List[int]:

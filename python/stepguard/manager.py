@@ -28,13 +28,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import itertools
 import logging
 import os
 import re
 import socket
 import threading
-import time
 import traceback
 import uuid
 import weakref
@@ -44,13 +42,11 @@ from datetime import timedelta
 from enum import Enum
 from typing import (
     TYPE_CHECKING,
-    Any,
     Callable,
     ContextManager,
     Dict,
     List,
     Optional,
-    Tuple,
     TypeVar,
     cast,
 )
@@ -64,8 +60,7 @@ from stepguard.checkpointing import CheckpointTransport, NativeTransport
 from stepguard.checkpointing._rwlock import RWLock
 from stepguard import coordination as _coordination
 from stepguard.coordination import ManagerClient, ManagerServer, QuorumResult
-from stepguard import futures as _futures
-from stepguard.futures import _call_later, future_timeout
+from stepguard.futures import future_timeout
 from stepguard.process_group import ReconfigureOptions, _env
 from stepguard.work import _DummyWork
 
@@ -355,12 +350,6 @@ class Manager:
         self._reconfiguring: Optional[QuorumResult] = None
         self._is_state_dict_read_allowed = True
         self._warned_quantize = False
-        # the bucket allreduce's options (read by c10d at each call)
-        self._sum_opts = AllreduceOptions()
-        self._sum_opts.reduceOp = ReduceOp.SUM
-        self._avg_opts = AllreduceOptions()
-        self._avg_opts.reduceOp = ReduceOp.AVG
-        self._bucket_deadlines = _BucketDeadlines()
 
         self._global_rank: int = (
             self._group_rank
@@ -495,158 +484,6 @@ class Manager:
             self._logger.exception(f"got exception in all reduce -- skipping remaining: {e}")
             self.report_error(e)
             return _DummyWork(tensor)
-
-    def _bucket_start(
-        self, tensor: torch.Tensor, deferred: bool
-    ) -> Optional[Tuple[Any, int, bool]]:
-        """Starts the allreduce of a DDP bucket (zeros from a replica that
-        does not participate).  Returns what completes it, what to divide
-        the result by (0: the group averaged it itself) and whether the
-        first is the work (asked for with ``deferred``, and only when its
-        ``wait(timeout)`` is known to give up at the timeout) or its
-        future; None when the step already failed or the collective did
-        not start (recorded as the step's error)."""
-        if self._errored is not None:
-            return None
-        self.wait_quorum()
-        num_participants = self.num_participants()
-        if not self.is_participating():
-            tensor.zero_()
-        if not torch.is_floating_point(tensor):
-            raise ValueError("average reduce op is only supported for floating point tensors")
-        opts, divisor = self._sum_opts, num_participants
-        pg = self._pg
-        if getattr(pg, "_avg_is_sum_then_divide", False) and pg.size() == num_participants:
-            # every member takes part: the group's own AVG gives the same
-            # bits and divides as it reduces (no pass over the bucket after)
-            opts, divisor = self._avg_opts, 0
-        try:
-            work = pg.allreduce([tensor], opts)
-            if deferred and _waits_with_deadline(work):
-                return work, divisor, True
-            return work.get_future(), divisor, False
-        except Exception as e:  # noqa: BLE001 - a failed step, not a crash
-            self._logger.exception(f"got exception in all reduce -- skipping remaining: {e}")
-            self.report_error(e)
-            return None
-
-    def _bucket_allreduce(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-        """What ``allreduce(tensor)`` followed by waiting on its future
-        gives, as one future, for DDP's comm hook without an accelerator
-        stream: ``tensor`` averaged over the participants in place, within
-        the manager's deadline, a failure swallowed (the step is marked
-        failed and the future still yields ``tensor``).
-
-        One callback runs when the collective completes, on the process
-        group's thread; ``allreduce``'s lazy chain runs four there (the
-        deadline, the error swallowing, the average and DDP's), each taking
-        the GIL from backward.  The deadlines of all buckets share one
-        timer (``_BucketDeadlines``).
-        """
-        started = self._bucket_start(tensor, deferred=False)
-        if started is None:
-            return _done_future(tensor)
-        return self._complete_on_thread(started[0], tensor, started[1])
-
-    def _complete_on_thread(
-        self, fut: torch.futures.Future[object], tensor: torch.Tensor, divisor: int
-    ) -> torch.futures.Future[torch.Tensor]:
-        """The future of ``_bucket_allreduce`` for a started collective's
-        future ``fut``: completed by one callback on the thread that
-        completes ``fut``, or by the shared timer at the deadline."""
-        out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        lock = threading.Lock()
-        settled = [False]
-
-        def settle(err: Optional[Exception]) -> None:
-            with lock:
-                if settled[0]:
-                    return
-                settled[0] = True
-            self._bucket_done(err, tensor, divisor, out)
-
-        timeout = self._timeout
-
-        def on_timeout() -> None:
-            settle(TimeoutError(f"future did not complete within {timeout}"))
-
-        deadlines = self._bucket_deadlines
-        key = deadlines.add(timeout.total_seconds(), on_timeout)
-
-        def on_done(f: torch.futures.Future[object]) -> None:
-            deadlines.remove(key)
-            try:
-                f.value()
-            except Exception as e:  # noqa: BLE001 - swallowed on purpose
-                settle(e)
-                return
-            settle(None)
-
-        fut.add_done_callback(on_done)
-        return out
-
-    def _bucket_allreduce_deferred(
-        self, tensor: torch.Tensor, finishers: List[Callable[[], None]]
-    ) -> torch.futures.Future[torch.Tensor]:
-        """``_bucket_allreduce`` whose completion is left to the caller:
-        the collective is started, and a finisher appended to
-        ``finishers`` waits for it (within the manager's deadline, counted
-        from now), swallows a failure into ``report_error``, divides by
-        the participants and completes the returned future.
-
-        DDP's comm hook runs the finishers on backward's own thread at the
-        end of backward, before DDP waits for the futures: the process
-        group's thread then runs no Python at all, so it never takes the
-        GIL from backward (each bucket's completion did, and a thread that
-        Python does not know builds and frees a thread state each time).
-        The division costs the same on either thread.
-        """
-        started = self._bucket_start(tensor, deferred=True)
-        if started is None:
-            return _done_future(tensor)
-        work, divisor, deferred = started
-        if not deferred:
-            # a work whose wait may not give up at a timeout (a wrapper's):
-            # its future and the shared timer keep the deadline instead
-            return self._complete_on_thread(work, tensor, divisor)
-        out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        timeout = self._timeout
-        deadline = time.monotonic() + timeout.total_seconds()
-
-        def finish() -> None:
-            err: Optional[Exception] = None
-            left = deadline - time.monotonic()
-            try:
-                if left <= 0 or not work.wait(timedelta(seconds=left)):
-                    err = TimeoutError(f"future did not complete within {timeout}")
-            except Exception as e:  # noqa: BLE001 - swallowed on purpose
-                err = (
-                    TimeoutError(f"future did not complete within {timeout}: {e}")
-                    if time.monotonic() >= deadline
-                    else e
-                )
-            self._bucket_done(err, tensor, divisor, out)
-
-        finishers.append(finish)
-        return out
-
-    def _bucket_done(
-        self,
-        err: Optional[Exception],
-        tensor: torch.Tensor,
-        divisor: int,
-        out: torch.futures.Future[torch.Tensor],
-    ) -> None:
-        """Ends a DDP bucket: its failure (if any) fails the step, the
-        result is divided (as ``allreduce``'s chain: whatever the tensor
-        holds, failed or not; 0 when the group averaged) and ``out`` gets
-        the tensor."""
-        if err is not None:
-            self._logger.exception(f"got exception in future -- skipping remaining: {err}")
-            self.report_error(err)
-        if divisor > 0:
-            _average(tensor, divisor)
-        out.set_result(tensor)
 
     def report_error(self, e: Exception) -> None:
         """Marks this step failed (it will not commit); the process group
@@ -1159,13 +996,6 @@ class Manager:
         return True
 
 
-def _waits_with_deadline(work: object) -> bool:
-    """Whether ``work.wait(timeout)`` is known to give up at the timeout:
-    c10d's own works (Gloo's, NCCL's) and works that say so
-    (``ProcessGroupTCP``'s).  A Python work may wait without one."""
-    return type(work).wait is Work.wait or getattr(work, "_wait_honours_timeout", False)
-
-
 def _average(tensor: torch.Tensor, n: int) -> None:
     """Divides the floating point ``tensor`` by ``n`` in place.  By a power
     of two it multiplies by the inverse instead: the same bits (both scale
@@ -1174,64 +1004,6 @@ def _average(tensor: torch.Tensor, n: int) -> None:
         tensor.mul_(1.0 / n)
     else:
         tensor.div_(n)
-
-
-def _done_future(value: T) -> torch.futures.Future[T]:
-    fut: torch.futures.Future[T] = torch.futures.Future()
-    fut.set_result(value)
-    return fut
-
-
-class _BucketDeadlines:
-    """The deadlines of the bucket allreduces in flight, served by one
-    timer: arming a timer per bucket cost a heap push under the timer's
-    lock on backward's thread, and kept every bucket's callbacks alive for
-    the whole timeout after it completed.  A deadline fires exactly when
-    its own timeout has passed; the timer is re-armed at the earliest one
-    still pending."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pending: Dict[int, Tuple[float, Callable[[], None]]] = {}
-        self._seq = itertools.count()
-        self._armed: Optional[float] = None  # when the armed timer fires
-        # the process's timer when armed: a forked child gets a new one,
-        # with nothing armed (compared instead of getpid(), a system call)
-        self._timer: object = None
-
-    def add(self, timeout_s: float, on_timeout: Callable[[], None]) -> int:
-        """Calls ``on_timeout`` (on a timer thread) in ``timeout_s``
-        seconds unless ``remove`` is called first; returns the key."""
-        deadline = time.monotonic() + max(timeout_s, 0.0)
-        with self._lock:
-            if self._timer is not _futures._TIMER:
-                self._armed = None
-            key = next(self._seq)
-            self._pending[key] = (deadline, on_timeout)
-            if self._armed is None or deadline < self._armed:
-                self._arm(deadline)
-        return key
-
-    def remove(self, key: int) -> None:
-        """Cancels the deadline ``key`` (no effect once it fired)."""
-        with self._lock:
-            self._pending.pop(key, None)
-
-    def _arm(self, deadline: float) -> None:
-        self._armed = deadline
-        self._timer = _futures._TIMER
-        _call_later(timedelta(seconds=max(deadline - time.monotonic(), 0.0)), self._fire)
-
-    def _fire(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            self._armed = None
-            due = [k for k, (d, _) in self._pending.items() if d <= now]
-            callbacks = [self._pending.pop(k)[1] for k in due]
-            if self._pending:
-                self._arm(min(d for d, _ in self._pending.values()))
-        for cb in callbacks:
-            cb()
 
 
 class _NativeQuorum:

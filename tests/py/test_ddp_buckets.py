@@ -26,24 +26,13 @@ torchft_ddp = pytest.importorskip("torchft.ddp", reason="torchft (the reference)
 
 
 class StubManager:
-    """What DistributedDataParallel uses of a Manager, recording calls."""
+    """What DistributedDataParallel uses of a Manager, recording calls; its
+    buckets go to StubBuckets (below)."""
 
     def __init__(self) -> None:
         self._commit_checks: list[weakref.WeakMethod] = []
         self.errors: list[Exception] = []
         self.buffers: list[torch.Tensor] = []  # a copy of each allreduced bucket
-
-    def _bucket_allreduce(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-        self.buffers.append(tensor.clone())
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        fut.set_result(tensor)
-        return fut
-
-    def _bucket_allreduce_deferred(self, tensor: torch.Tensor, finishers: list) -> torch.futures.Future[torch.Tensor]:
-        self.buffers.append(tensor.clone())
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        finishers.append(lambda: fut.set_result(tensor))
-        return fut
 
     def allreduce(self, tensor: torch.Tensor):  # torchft's DDP, never stepped here
         raise AssertionError("not stepped")
@@ -57,6 +46,35 @@ class StubManager:
             if check is not None:
                 check()
         return not self.errors
+
+
+class StubBuckets:
+    """Stands for DDP's bucket path (stepguard.ddp._Buckets) of a
+    StubManager: records a copy of each bucket in the manager's
+    ``buffers`` and gives the bucket back."""
+
+    def __init__(self, manager: StubManager) -> None:
+        self.manager = manager
+
+    def allreduce(self, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        self.manager.buffers.append(tensor.clone())
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(tensor)
+        return fut
+
+    def allreduce_deferred(self, tensor: torch.Tensor, finishers: list) -> torch.futures.Future[torch.Tensor]:
+        self.manager.buffers.append(tensor.clone())
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        finishers.append(lambda: fut.set_result(tensor))
+        return fut
+
+
+@pytest.fixture(autouse=True)
+def stub_bucket_path(monkeypatch):
+    """DDP hands a StubManager's buckets to StubBuckets."""
+    real = sgddp._bucket_path
+    monkeypatch.setattr(sgddp, "_bucket_path",
+                        lambda m: StubBuckets(m) if isinstance(m, StubManager) else real(m))
 
 
 def mlp(width: int = 512, seed: int = 0) -> nn.Module:

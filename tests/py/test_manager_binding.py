@@ -385,7 +385,7 @@ def test_bucket_deadlines_fire_each_at_its_own_time_and_not_when_removed() -> No
     """The bucket allreduces' shared timer: a deadline fires once, never
     before its own timeout, a removed one never; the timer is re-armed for
     deadlines later than the one it was armed for."""
-    from stepguard.manager import _BucketDeadlines
+    from stepguard.ddp import _BucketDeadlines
 
     d = _BucketDeadlines()
     fired: dict[str, float] = {}
@@ -459,7 +459,7 @@ def test_bucket_deadlines_rearm_in_a_forked_child() -> None:
     """A child forked while a deadline is armed has no timer thread; a
     later deadline of its own still fires (the child re-arms on its own
     timer instead of counting on the parent's)."""
-    from stepguard.manager import _BucketDeadlines
+    from stepguard.ddp import _BucketDeadlines
 
     d = _BucketDeadlines()
     d.add(0.3, lambda: None)  # armed in the parent

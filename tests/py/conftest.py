@@ -1,4 +1,10 @@
-"""Shared fixtures: process cleanup by pid for multi-process tests."""
+"""Shared fixtures: process cleanup by pid for multi-process tests.
+
+The helper modules and worker scripts the tests share live in
+``tests/py/helpers/``; that directory goes on ``sys.path`` here, so test
+files import them by their plain names (``from train_harness import Job``),
+as the worker scripts, which run from there, import each other.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,10 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+
+HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")
+if HELPERS not in sys.path:
+    sys.path.insert(0, HELPERS)
 
 
 class Procs:

@@ -1,6 +1,6 @@
 """LocalSGD and (Streaming) DiLoCo: argument checks, the same numbers as
 torchft's implementation step by step (in process, on a scripted Manager),
-and real training over three replica groups (tests/py/local_sgd_worker.py,
+and real training over three replica groups (tests/py/helpers/local_sgd_worker.py,
 driven by train_harness.Job) where a replica is SIGKILLed between syncs,
 restarts, heals and ends bit-identical; finally the same seeded run on
 torchft (its DiLoCo, Manager and lighthouse) and on stepguard, compared
@@ -22,7 +22,7 @@ from train_harness import Job, Zygote, job_factory, wait_for  # noqa: F401
 from stepguard import local_sgd
 from stepguard.work import _DummyWork
 
-WORKER = str(Path(__file__).with_name("local_sgd_worker.py"))
+WORKER = str(Path(__file__).parent / "helpers" / "local_sgd_worker.py")
 
 
 def _torchft_local_sgd() -> Any:
@@ -467,8 +467,10 @@ def test_dtensor_parameters_match_torchft() -> None:
     import os
     import subprocess
 
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent) + os.pathsep
-               + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    here = Path(__file__).parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(here), str(here / "helpers"), os.environ.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1")
     p = subprocess.run([sys.executable, "-c", DTENSOR_PROBE], capture_output=True,
                        text=True, env=env, timeout=120)
     assert p.returncode == 0 and "dtensor ok" in p.stdout, p.stderr[-3000:]

@@ -1,5 +1,5 @@
 """The manager in real processes: a lighthouse and replica groups of two
-group ranks, each rank its own process (tests/py/manager_worker.py).
+group ranks, each rank its own process (tests/py/helpers/manager_worker.py).
 
 Speed-dependent properties are proven with the slow path made impossibly
 slow (join timeout 600 s, heartbeat timeout 60 s) and a loose bound.
@@ -26,7 +26,7 @@ from lighthouse_util import (
     wait_until,
 )
 
-WORKER = str(Path(__file__).with_name("manager_worker.py"))
+WORKER = str(Path(__file__).parent / "helpers" / "manager_worker.py")
 SLOW = ("--join_timeout_ms", "600000", "--heartbeat_timeout_ms", "60000")
 
 

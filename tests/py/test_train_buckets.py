@@ -4,7 +4,8 @@ buckets (no rebuild after the first step); torchft's DDP and ours in one
 job average each other's gradients, and a torchft replica heals from ours;
 a model with a parameter that never gets a gradient costs each replica
 one step, then trains.
-(tests/py/train_harness.py, tests/py/train_worker.py --buckets)
+(tests/py/helpers/train_harness.py,
+tests/py/helpers/train_worker.py --buckets)
 """
 
 from __future__ import annotations

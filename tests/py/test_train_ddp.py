@@ -1,7 +1,7 @@
 """Healthy data-parallel training through the torchft-compatible API, in real
 processes: replicas at the same committed step hold bitwise-identical
 parameters, and the step-0 synchronisation and spare replicas behave as
-torchft's do.  (tests/py/train_harness.py, tests/py/train_worker.py)
+torchft's do.  (tests/py/helpers/train_harness.py, tests/py/helpers/train_worker.py)
 """
 
 from __future__ import annotations

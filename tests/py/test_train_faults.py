@@ -5,7 +5,7 @@ and a recovery source that dies while a peer heals from it.
 Each scenario asserts the step that must be discarded, that the others go
 on, that a replacement heals, and that parameters are bitwise identical
 across replicas at every committed step afterwards.
-(tests/py/train_harness.py, tests/py/train_worker.py)
+(tests/py/helpers/train_harness.py, tests/py/helpers/train_worker.py)
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 group started by a real torchrun, a whole-job restart from disk checkpoints
 that include Manager.state_dict(), and a trainer with live DataLoader
 workers SIGKILLed (its forked workers must not keep it looking alive).
-(tests/py/train_harness.py, tests/py/train_worker.py)
+(tests/py/helpers/train_harness.py, tests/py/helpers/train_worker.py)
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import h2.connection
 import h2.events
 import h2.exceptions
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 NATIVE_LIGHTHOUSE = ROOT / "build/native/src/bin/stepguard-lighthouse"
 
 # Our CLI through the extension (always in sync with the editable build).

@@ -4,7 +4,7 @@ torchft's API so that the same script runs on torchft and on stepguard.
     python local_sgd_worker.py --impl stepguard|torchft --lighthouse ADDR \
         --replica-id train_0 --dir DIR --algo localsgd|diloco [options]
 
-It takes the arguments tests/py/train_harness.py gives train_worker.py and
+It takes the arguments train_harness.py gives train_worker.py and
 writes the same events (``DIR/events/{rid}.g{rank}.i{inc}.jsonl``), one
 ``step`` event per sync (the Manager's step), so the harness's Job drives
 it unchanged.  The ``hash`` of a step event is what replicas must agree on

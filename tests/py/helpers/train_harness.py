@@ -1,6 +1,6 @@
 """Harness for the training-API scenarios: a lighthouse, N replica groups of
 M ranks (each group with its own TCPStore), kills and restarts by pid, and
-the per-step JSON events the workers (tests/py/train_worker.py) write.
+the per-step JSON events the workers (tests/py/helpers/train_worker.py) write.
 
 The implementation under test is ``$STEPGUARD_TRAIN_IMPL`` (``stepguard``,
 the default, or ``torchft``, which runs the same scenarios against the
@@ -97,8 +97,8 @@ def wait_for(pred: Callable[[], object], timeout: float, what: str,
 def worker_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    tests_dir = str(Path(__file__).parent)
-    env["PYTHONPATH"] = tests_dir + os.pathsep + env.get("PYTHONPATH", "")
+    helpers_dir = str(Path(__file__).parent)  # the workers import each other
+    env["PYTHONPATH"] = helpers_dir + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 

@@ -33,6 +33,7 @@ import os
 import re
 import socket
 import threading
+import time
 import traceback
 import uuid
 import weakref
@@ -77,6 +78,9 @@ TIMEOUT_SEC_ENV: str = "TORCHFT_TIMEOUT_SEC"
 QUORUM_TIMEOUT_SEC_ENV: str = "TORCHFT_QUORUM_TIMEOUT_SEC"
 CONNECT_TIMEOUT_SEC_ENV: str = "TORCHFT_CONNECT_TIMEOUT_SEC"
 QUORUM_RETRIES_ENV: str = "TORCHFT_QUORUM_RETRIES"
+# stepguard: how long a quorum is retried while the lighthouse is
+# unreachable (seconds); no torchft name
+LIGHTHOUSE_OUTAGE_SEC_ENV: str = "STEPGUARD_LIGHTHOUSE_OUTAGE_SEC"
 TORCH_FR_DUMP_TEMP_FILE_ENV: str = "TORCH_FR_DUMP_TEMP_FILE"
 
 T = TypeVar("T")
@@ -195,7 +199,15 @@ class Manager:
         init_sync: heal replicas from each other at step 0 too.
         max_retries: consecutive failed commits allowed before
             ``should_commit`` raises (None: no limit).
-        quorum_retries: lighthouse quorum retries on failure.
+        quorum_retries: lighthouse quorum retries on failure (a lighthouse
+            that answers with an error; one that is unreachable is an
+            outage, below).
+        lighthouse_outage_timeout: how long the quorum is retried while the
+            lighthouse is unreachable (killed, restarting, cut off) before
+            ``start_quorum`` raises; the trainer waits, nothing is
+            committed meanwhile, and training goes on from the same step
+            when the lighthouse is back.  ``STEPGUARD_LIGHTHOUSE_OUTAGE_SEC``
+            overrides it.  torchft fails the quorum at once.
     """
 
     # The quorum being applied while _reconfigure_pg runs (a class default
@@ -227,6 +239,7 @@ class Manager:
         init_sync: bool = True,
         max_retries: Optional[int] = None,
         quorum_retries: int = 0,
+        lighthouse_outage_timeout: timedelta = timedelta(minutes=10),
     ) -> None:
         if not getattr(pg, "supports_reconfigure", False):
             raise ValueError(
@@ -258,6 +271,9 @@ class Manager:
             _env(CONNECT_TIMEOUT_SEC_ENV), connect_timeout
         )
         self._quorum_retries: int = int(_env(QUORUM_RETRIES_ENV) or quorum_retries)
+        self._outage_timeout: timedelta = get_timeout(
+            os.environ.get(LIGHTHOUSE_OUTAGE_SEC_ENV), lighthouse_outage_timeout
+        )
 
         self._state_dict_lock = RWLock(timeout=self._timeout.total_seconds())
         if load_state_dict and state_dict:
@@ -632,17 +648,52 @@ class Manager:
         if curr_device >= 0 and _accelerator():
             torch.accelerator.set_device_index(curr_device)
 
-        quorum = self._client._quorum(
-            group_rank=self._group_rank,
-            step=self._step,
-            checkpoint_metadata=self._checkpoint_transport.metadata(),
-            shrink_only=shrink_only,
-            timeout=quorum_timeout,
-            init_sync=self._init_sync,
-            commit_failures=self._commit_failures,
-            reconfigure_handle=self._reconfigure_handle(),
+        quorum = self._through_outages(
+            lambda: self._client._quorum(
+                group_rank=self._group_rank,
+                step=self._step,
+                checkpoint_metadata=self._checkpoint_transport.metadata(),
+                shrink_only=shrink_only,
+                timeout=quorum_timeout,
+                init_sync=self._init_sync,
+                commit_failures=self._commit_failures,
+                reconfigure_handle=self._reconfigure_handle(),
+            )
         )
         self._apply_quorum(quorum, allow_heal, curr_device)
+
+    # what a manager server answers a round with when its lighthouse stayed
+    # unreachable until the round's deadline
+    _UNREACHABLE = "lighthouse unreachable"
+
+    def _through_outages(
+        self, call: Callable[[], QuorumResult], again: Optional[Callable[[], None]] = None
+    ) -> QuorumResult:
+        """``call()``, made again (after ``again()``, which restarts it) for
+        as long as it fails with an unreachable lighthouse, up to the outage
+        timeout from the first such failure."""
+        deadline: Optional[float] = None
+        while True:
+            try:
+                quorum = call()
+            except Exception as e:  # noqa: BLE001 - re-raised unless an outage
+                now = time.monotonic()
+                if self._UNREACHABLE not in str(e):
+                    raise
+                if deadline is None:
+                    deadline = now + self._outage_timeout.total_seconds()
+                    self._logger.warn(
+                        f"{e}; retrying the quorum at step {self._step} for up "
+                        f"to {self._outage_timeout.total_seconds():.0f} s"
+                    )
+                if now >= deadline:
+                    raise
+                if again is not None:
+                    again()
+                continue
+            if deadline is not None:
+                self._logger.info(f"lighthouse reachable again: quorum at step {self._step}")
+            return quorum
 
     def _quorum_is_quiet(self, quorum: QuorumResult, allow_heal: bool) -> bool:
         """Whether applying ``quorum`` only records the participation: the
@@ -1035,7 +1086,7 @@ class _NativeQuorum:
         self._lock = threading.Lock()
         self._done = False
         self._exc: Optional[BaseException] = None
-        client._quorum_start(
+        self._args = (
             manager._group_rank,
             manager._step,
             manager._checkpoint_transport.metadata(),
@@ -1045,6 +1096,7 @@ class _NativeQuorum:
             quorum_timeout,
             manager._reconfigure_handle(),
         )
+        client._quorum_start(*self._args)
 
     def result(self) -> None:
         if not self._done:
@@ -1057,7 +1109,10 @@ class _NativeQuorum:
     def _finish(self) -> None:
         m = self._manager
         try:
-            quorum = self._client._quorum_wait()
+            quorum = m._through_outages(
+                self._client._quorum_wait,
+                lambda: self._client._quorum_start(*self._args),
+            )
             if m._quorum_is_quiet(quorum, self._allow_heal):
                 m._apply_quorum(quorum, self._allow_heal, -1)
             else:

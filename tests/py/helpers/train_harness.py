@@ -217,7 +217,8 @@ class Job:
     def __init__(self, tmp: Path, *, min_replicas: int = 1,
                  join_timeout_ms: int = 200, heartbeat_timeout_ms: int | None = None,
                  impl: str = IMPL, lighthouse: str = LIGHTHOUSE,
-                 zygote: Zygote | None = None) -> None:
+                 zygote: Zygote | None = None,
+                 lighthouse_args: Iterable[str] = ()) -> None:
         self.dir = tmp
         self.zygote = zygote
         self.impl = impl
@@ -234,8 +235,22 @@ class Job:
         flags = ["--bind", "127.0.0.1:0", "--min_replicas", str(min_replicas),
                  "--join_timeout_ms", str(join_timeout_ms),
                  "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),
-                 "--quorum_tick_ms", "20"]
+                 "--quorum_tick_ms", "20", *lighthouse_args]
         self.lighthouse_log = tmp / "logs" / "lighthouse.log"
+        self._lh_kind = lighthouse
+        self._lh_flags = flags
+        self._lh = self._start_lighthouse(flags)
+        try:
+            m = wait_for(lambda: LISTEN_RE.search(_read_text(self.lighthouse_log)),
+                         60, "the lighthouse to listen")
+        except BaseException:
+            self.close()
+            raise
+        self.addr = f"http://127.0.0.1:{m.group(1).rsplit(':', 1)[1].rstrip('/')}"
+
+    def _start_lighthouse(self, flags: list[str]):
+        zygote = self.zygote
+        lighthouse = self._lh_kind
         if lighthouse == "ours" and zygote is not None:
             # forked with stepguard already imported: no torch import to wait for
             p = zygote.spawn(flags, self.lighthouse_log, lighthouse=True)
@@ -245,13 +260,22 @@ class Job:
             with open(self.lighthouse_log, "ab") as log:
                 p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         self._popens.append(p)
-        try:
-            m = wait_for(lambda: LISTEN_RE.search(_read_text(self.lighthouse_log)),
-                         60, "the lighthouse to listen")
-        except BaseException:
-            self.close()
-            raise
-        self.addr = f"http://127.0.0.1:{m.group(1).rsplit(':', 1)[1].rstrip('/')}"
+        return p
+
+    def kill_lighthouse(self) -> None:
+        """SIGKILLs the lighthouse."""
+        self._lh.kill()
+        self._lh.wait(timeout=30)
+
+    def restart_lighthouse(self) -> None:
+        """Starts the lighthouse again, same flags, on the same port."""
+        port = self.addr.rsplit(":", 1)[1]
+        flags = list(self._lh_flags)
+        flags[flags.index("--bind") + 1] = f"127.0.0.1:{port}"
+        before = _read_text(self.lighthouse_log).count("listening on")
+        self._lh = self._start_lighthouse(flags)
+        wait_for(lambda: _read_text(self.lighthouse_log).count("listening on") > before,
+                 60, "the restarted lighthouse to listen")
 
     # ---- processes --------------------------------------------------
 

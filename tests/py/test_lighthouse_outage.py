@@ -1,0 +1,67 @@
+"""A lighthouse outage costs no trainer and no committed step (real
+processes): the lighthouse is SIGKILLed during training and restarted on
+the same port; every trainer waits in its quorum, none exits, and the job
+goes on from the step it had reached, replicas bitwise identical.
+(tests/py/helpers/train_harness.py, tests/py/helpers/train_worker.py)
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from train_harness import Job, job_factory, require_api, zygote, wait_for  # noqa: F401
+
+require_api()
+
+RIDS = ("train_0", "train_1", "train_2")
+
+
+def run_outage(job: Job, down_s: float, *worker_args: str) -> None:
+    for rid in RIDS:
+        job.start_group(rid, 1, "--steps", "100000", "--step-sleep", "0.05",
+                        *worker_args)
+    wait_for(lambda: job.all_committed(5, RIDS), 90, "every group to commit 5 steps", job)
+    job.kill_lighthouse()
+    reached = {rid: job.committed(rid) for rid in RIDS}
+    time.sleep(down_s)
+    # nobody exited while the lighthouse was down
+    assert all(job.alive(rid) for rid in RIDS), job.summary()
+    job.restart_lighthouse()
+    top = max(reached.values())
+    wait_for(lambda: job.all_committed(top + 5, RIDS), 90,
+             "every group to commit 5 more steps after the restart", job)
+    # the same processes (incarnation 0) went on from the steps they had
+    # reached, and quorum ids never went backwards
+    for rid in RIDS:
+        assert job.alive(rid), job.summary()
+        ok = [e for e in job.steps(rid, inc=0) if e["ok"]]
+        steps = [e["step"] for e in ok]
+        assert steps == sorted(set(steps)), f"{rid} went back: {steps}"
+        after = [s for s in steps if s > reached[rid]]
+        assert after and after[0] == reached[rid] + 1 or any(
+            e["healed"] for e in job.steps(rid, inc=0)), (
+            f"{rid} lost committed steps across the outage: reached "
+            f"{reached[rid]}, then {after[:5]}")
+        qids = [e["qid"] for e in ok]
+        assert qids == sorted(qids), f"{rid} saw quorum ids go back: {qids}"
+    target = max(job.committed(rid) for rid in RIDS) + 3
+    job.stop_at(target)
+    for rid in RIDS:
+        assert job.wait_exit(rid, 60) == [0], job.summary()
+    job.assert_identical(target - 1)
+
+
+@pytest.mark.parametrize("id_file", [False, True])
+def test_lighthouse_restart_costs_no_trainer(job_factory, tmp_path, id_file):
+    args = ("--quorum_id_file", str(tmp_path / "qid")) if id_file else ()
+    job = job_factory(hard_timeout=240, lighthouse_args=args,
+                      heartbeat_timeout_ms=2000)
+    run_outage(job, 5.0)
+
+
+def test_lighthouse_down_longer_than_a_quorum_timeout(job_factory):
+    # each quorum round gives up at its 3 s deadline; the Manager asks again
+    job = job_factory(hard_timeout=240, heartbeat_timeout_ms=2000)
+    run_outage(job, 8.0, "--quorum-timeout", "3")

@@ -12,6 +12,12 @@
  * Where this differs from torchft (reference/torchft-semantics.md section 3):
  *   - a failed lighthouse call (after quorum_retries) fails every waiting
  *     group rank at once instead of leaving them to their deadlines;
+ *   - an unreachable lighthouse (refused, reset, a connect that does not
+ *     complete) is an outage, not a failed attempt: retried with backoff
+ *     until the round's deadline, then answered UNAVAILABLE "lighthouse
+ *     unreachable" (the Python Manager asks again);
+ *   - the lighthouse request carries the last quorum this manager was
+ *     answered (extension fields 100 and 101), for a restarted lighthouse;
  *   - the group's step is the minimum of its ranks' steps (torchft takes
  *     the last-arriving rank's unchecked); commit_failures is the maximum;
  *   - a Quorum call that was cancelled before its round started no longer

@@ -116,6 +116,18 @@ SG_EXPORT int sg_mgr_server_port(const sg_mgr_server_t *s);
 SG_EXPORT int sg_mgr_server_has_left(const sg_mgr_server_t *s);
 
 /*
+ * sg_mgr_server_wait_lost: wait until `until` (absolute monotonic ns) for
+ * the lighthouse to report a member of a quorum newer than `after_qid` as
+ * lost (unhealthy: its heartbeats stopped or its connections closed) in a
+ * heartbeat answer (a stepguard extension; a torchft lighthouse never
+ * does).  *qid is the newest such quorum id (0: none).  Blocks; any
+ * thread; sg_mgr_server_stop wakes and waits for every caller before it
+ * frees the server.  0, SG_ETIMEDOUT, SG_ECANCELED (stopping), SG_EINVAL.
+ */
+SG_EXPORT int sg_mgr_server_wait_lost(sg_mgr_server_t *s, int64_t after_qid,
+                                      sg_deadline_t until, int64_t *qid);
+
+/*
  * sg_mgr_server_stop: fail every waiting call with UNAVAILABLE, stop
  * heartbeating, close the lighthouse connection, join the threads and free
  * `s` (NULL is a no-op).  Blocks briefly (the lighthouse calls in flight are

@@ -165,6 +165,35 @@ static PyObject *mserver_has_left(PyObject *self_obj, PyObject *unused) {
   return PyBool_FromLong(sg_mgr_server_has_left(self->srv));
 }
 
+/* wait_lost(after_qid, timeout_s) -> int | None: the newest quorum newer
+ * than after_qid whose member the lighthouse reported lost, or None at the
+ * timeout.  Blocks without the GIL; not to be called concurrently with
+ * shutdown() (the Manager joins its watcher first). */
+static PyObject *mserver_wait_lost(PyObject *self_obj, PyObject *args) {
+  mgr_server_obj *self = (mgr_server_obj *)self_obj;
+  long long after = 0;
+  double timeout_s = 0;
+  if (!PyArg_ParseTuple(args, "Ld", &after, &timeout_s))
+    return NULL;
+  if (mserver_guard(self) < 0)
+    return NULL;
+  if (timeout_s < 0)
+    timeout_s = 0;
+  if (timeout_s > 3600)
+    timeout_s = 3600;
+  sg_mgr_server_t *srv = self->srv;
+  int64_t qid = 0;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = sg_mgr_server_wait_lost(srv, (int64_t)after,
+                               sg_deadline_in_ms((int64_t)(timeout_s * 1000)),
+                               &qid);
+  Py_END_ALLOW_THREADS
+  if (rc == 0)
+    return PyLong_FromLongLong((long long)qid);
+  Py_RETURN_NONE;
+}
+
 static void mserver_stop(mgr_server_obj *self) {
   sg_mgr_server_t *srv = self->srv;
   self->srv = NULL;
@@ -214,6 +243,9 @@ static PyMethodDef mserver_methods[] = {
     {"port", mserver_port, METH_NOARGS, "port() -> int: the bound port."},
     {"has_left", mserver_has_left, METH_NOARGS,
      "has_left() -> bool: the group lost a rank and left the job."},
+    {"wait_lost", mserver_wait_lost, METH_VARARGS,
+     "wait_lost(after_qid, timeout_s) -> int | None: a quorum newer than "
+     "after_qid the lighthouse reported a member of lost, or None."},
     {"shutdown", mserver_shutdown, METH_NOARGS,
      "shutdown(): stop serving (idempotent); waiting calls fail."},
     {NULL, NULL, 0, NULL},

@@ -23,7 +23,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Optional
 
 from stepguard import _C
 
@@ -365,6 +365,15 @@ class ManagerServer:
     def has_left(self) -> bool:
         """True once the group lost a rank and left the job."""
         return self._server.has_left()
+
+    def wait_lost(self, after_quorum_id: int, timeout: timedelta) -> Optional[int]:
+        """Waits up to ``timeout`` for the lighthouse to report a member of
+        a quorum newer than ``after_quorum_id`` lost (its heartbeats
+        stopped, or its connections closed): that quorum's id, or None.
+        A stepguard lighthouse reports it in its heartbeat answers; a
+        torchft lighthouse never does.  Not to be called while another
+        thread shuts the server down."""
+        return self._server.wait_lost(after_quorum_id, _seconds(timeout))
 
     def shutdown(self) -> None:
         """Stops the server; waiting calls fail."""

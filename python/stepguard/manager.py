@@ -201,13 +201,10 @@ class Manager:
             ``should_commit`` raises (None: no limit).
         quorum_retries: lighthouse quorum retries on failure (a lighthouse
             that answers with an error; one that is unreachable is an
-            outage, below).
-        lighthouse_outage_timeout: how long the quorum is retried while the
-            lighthouse is unreachable (killed, restarting, cut off) before
-            ``start_quorum`` raises; the trainer waits, nothing is
-            committed meanwhile, and training goes on from the same step
-            when the lighthouse is back.  ``STEPGUARD_LIGHTHOUSE_OUTAGE_SEC``
-            overrides it.  torchft fails the quorum at once.
+            outage: the quorum is retried for up to
+            ``STEPGUARD_LIGHTHOUSE_OUTAGE_SEC`` (default 600 s) while the
+            trainer waits, nothing commits, and training goes on from the
+            same step when the lighthouse is back; torchft fails at once).
     """
 
     # The quorum being applied while _reconfigure_pg runs (a class default
@@ -239,7 +236,6 @@ class Manager:
         init_sync: bool = True,
         max_retries: Optional[int] = None,
         quorum_retries: int = 0,
-        lighthouse_outage_timeout: timedelta = timedelta(minutes=10),
     ) -> None:
         if not getattr(pg, "supports_reconfigure", False):
             raise ValueError(
@@ -271,8 +267,9 @@ class Manager:
             _env(CONNECT_TIMEOUT_SEC_ENV), connect_timeout
         )
         self._quorum_retries: int = int(_env(QUORUM_RETRIES_ENV) or quorum_retries)
+        # not an argument: the signature stays torchft's
         self._outage_timeout: timedelta = get_timeout(
-            os.environ.get(LIGHTHOUSE_OUTAGE_SEC_ENV), lighthouse_outage_timeout
+            os.environ.get(LIGHTHOUSE_OUTAGE_SEC_ENV), timedelta(minutes=10)
         )
 
         self._state_dict_lock = RWLock(timeout=self._timeout.total_seconds())
@@ -351,6 +348,15 @@ class Manager:
         )
         full_replica_id = self._store.get(REPLICA_ID_KEY).decode("utf-8")
         self._logger = _ManagerLogger(self, full_replica_id, self._group_rank)
+        # stepguard: the lighthouse tells the members of a quorum when one of
+        # them stops heartbeating; the step's collectives are aborted then,
+        # not at the operation timeout (group rank 0, which runs the server)
+        self._lost_stop = threading.Event()
+        self._lost_watcher: Optional[threading.Thread] = None
+        if self._manager is not None:
+            self._lost_watcher = threading.Thread(
+                target=self._watch_lost, name="stepguard-lost", daemon=True
+            )
 
         self._step = 0
         self._quorum_id = -1
@@ -381,6 +387,8 @@ class Manager:
                 self._global_rank,
             )
         self._update_fr_path()
+        if self._lost_watcher is not None:
+            self._lost_watcher.start()
 
     # -- user state ---------------------------------------------------------
 
@@ -428,6 +436,11 @@ class Manager:
         """Stops the transport, the manager server (group rank 0) and the
         quorum thread."""
         self._checkpoint_transport.shutdown(wait=wait)
+        lost_stop = getattr(self, "_lost_stop", None)
+        if lost_stop is not None:
+            lost_stop.set()
+            if self._lost_watcher is not None and self._lost_watcher.is_alive():
+                self._lost_watcher.join()
         if self._manager is not None:
             self._manager.shutdown()
         self._executor.shutdown(wait=wait)
@@ -500,6 +513,35 @@ class Manager:
             self._logger.exception(f"got exception in all reduce -- skipping remaining: {e}")
             self.report_error(e)
             return _DummyWork(tensor)
+
+    def _watch_lost(self) -> None:
+        """Aborts the process group's collectives when the lighthouse
+        reports a member of the current quorum lost (a hung or cut-off
+        replica): the step fails as for a crash, within the heartbeat
+        timeout, and the next quorum goes on without it."""
+        server = self._manager
+        assert server is not None
+        seen = 0
+        while not self._lost_stop.is_set():
+            qid = server.wait_lost(seen, timedelta(milliseconds=200))
+            if qid is None:
+                continue
+            seen = qid
+            if qid != self._quorum_id:
+                continue
+            self._logger.warn(
+                f"the lighthouse holds a member of quorum {qid} unhealthy: "
+                "aborting this step's collectives"
+            )
+            self.report_error(
+                RuntimeError(f"quorum {qid} lost a member (lighthouse heartbeat timeout)")
+            )
+            abort = getattr(self._pg, "abort", None)
+            if abort is not None:
+                try:
+                    abort()
+                except Exception as e:  # noqa: BLE001 - the step fails anyway
+                    self._logger.warn(f"process group abort failed: {e}")
 
     def report_error(self, e: Exception) -> None:
         """Marks this step failed (it will not commit); the process group

@@ -110,6 +110,10 @@ struct sg_lh_server_s {
   char reason[512];                    /* last logged reason */
   int64_t next_prune_ns;
   int64_t persisted_id;
+  /* the heartbeat answer to members of the last quorum (lost_answer) */
+  uint8_t *lost_resp; /* owned, lost_resp_len bytes; NULL: none lost */
+  size_t lost_resp_len;
+  int64_t lost_for_qid, lost_at_ns;
 
   uint64_t quorums_issued, heartbeats_total, disconnects_total,
       quorum_requests_total, rejected_total;
@@ -650,6 +654,54 @@ static int is_healthy(const sg_lh_server_t *s, const char *id, int64_t now) {
   return sg__lh_is_healthy(s->st, id, now, &s->qopts);
 }
 
+/* a heartbeat answer is recomputed at most this often (1,000 replicas
+ * heartbeat 10,000 times a second); it names at most MAX_LOST_LISTED */
+#define LOST_CACHE_MS 20
+#define MAX_LOST_LISTED 64
+
+/*
+ * lost_answer: the answer to a heartbeat from a member of the last issued
+ * quorum: the members of that quorum now unhealthy (heartbeats expired, or
+ * connections closed past the grace), so that the survivors stop waiting on
+ * them (stepguard extension fields; torchft's clients skip them).  Empty
+ * when none is.  The bytes stay owned by the server.
+ */
+static void lost_answer(sg_lh_server_t *s, int64_t now, const uint8_t **body,
+                        size_t *len) {
+  const sg__lh_quorum_t *q = sg__lh_prev_quorum(s->st);
+  *body = NULL;
+  *len = 0;
+  if (!q)
+    return;
+  if (s->lost_for_qid != q->quorum_id ||
+      now - s->lost_at_ns >= ms_to_ns(LOST_CACHE_MS)) {
+    char *ids[MAX_LOST_LISTED];
+    size_t n = 0;
+    for (size_t i = 0; i < q->n && n < MAX_LOST_LISTED; i++)
+      if (!is_healthy(s, q->members[i].replica_id, now))
+        ids[n++] = q->members[i].replica_id;
+    sg_free(s->lost_resp);
+    s->lost_resp = NULL;
+    s->lost_resp_len = 0;
+    if (n) {
+      Torchft__LighthouseHeartbeatResponse r =
+          TORCHFT__LIGHTHOUSE_HEARTBEAT_RESPONSE__INIT;
+      r.lost_quorum_id = q->quorum_id;
+      r.n_lost_members = n;
+      r.lost_members = ids;
+      size_t need = torchft__lighthouse_heartbeat_response__get_packed_size(&r);
+      s->lost_resp = sg_malloc(need);
+      if (s->lost_resp) /* out of memory: an empty answer, as torchft's */
+        s->lost_resp_len =
+            torchft__lighthouse_heartbeat_response__pack(&r, s->lost_resp);
+    }
+    s->lost_for_qid = q->quorum_id;
+    s->lost_at_ns = now;
+  }
+  *body = s->lost_resp;
+  *len = s->lost_resp_len;
+}
+
 static void handle_heartbeat(sg_lh_server_t *s, sg_rpc_call_t *call,
                              const uint8_t *body, size_t len,
                              int64_t event_ns) {
@@ -679,7 +731,11 @@ static void handle_heartbeat(sg_lh_server_t *s, sg_rpc_call_t *call,
   }
   s->heartbeats_total++;
   note_speaker(s, req->replica_id, sg_rpc_call_conn_id(call));
-  sg_rpc_call_respond(call, SG_GRPC_OK, NULL, NULL, 0);
+  const uint8_t *answer = NULL;
+  size_t answer_len = 0;
+  if (sg__lh_is_member(s->st, req->replica_id))
+    lost_answer(s, now, &answer, &answer_len);
+  sg_rpc_call_respond(call, SG_GRPC_OK, NULL, answer, answer_len);
   /* A heartbeat of a replica that was already healthy cannot change the
    * decision; skip the work (1,000 replicas heartbeat 10,000 times/s). */
   if (!was_healthy)
@@ -1086,6 +1142,7 @@ static void server_free(sg_lh_server_t *s) {
   if (s->http)
     sg__lh_http_free(s->http);
   sg__lh_state_free(s->st);
+  sg_free(s->lost_resp);
   sg_free((char *)s->o.bind);
   sg_free((char *)s->o.auth_token);
   sg_free((char *)s->o.quorum_id_file);

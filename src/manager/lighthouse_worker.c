@@ -87,6 +87,44 @@ static int wait_ms(sg_mgr_server_t *s, int64_t ms) {
   return s->stopping || atomic_load(&s->left);
 }
 
+/* LighthouseHeartbeatResponse: lost_members (101) */
+static const uint32_t hbresp_strings[] = {101};
+static const sg__pb_spec_t hbresp_spec = {hbresp_strings, 1, NULL, 0};
+
+/*
+ * note_lost: a heartbeat answer that names members of quorum `qid` as lost
+ * (a stepguard lighthouse's extension): remember the newest such quorum and
+ * wake sg_mgr_server_wait_lost.  Heartbeat thread.
+ */
+static void note_lost(sg_mgr_server_t *s, const uint8_t *resp,
+                      size_t resp_len) {
+  uint32_t field = 0;
+  if (!resp_len || sg__pb_check_strings(resp, resp_len, &hbresp_spec, &field))
+    return;
+  Torchft__LighthouseHeartbeatResponse *r =
+      torchft__lighthouse_heartbeat_response__unpack(&sg__pb_allocator,
+                                                     resp_len, resp);
+  if (!r)
+    return;
+  if (r->lost_quorum_id > 0 && r->n_lost_members > 0) {
+    pthread_mutex_lock(&s->mu);
+    int news = r->lost_quorum_id > s->lost_qid;
+    if (news) {
+      s->lost_qid = r->lost_quorum_id;
+      pthread_cond_broadcast(&s->lost_cv);
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (news)
+      sg_log(SG_LOG_WARN, LOG,
+             "[Replica %s] the lighthouse holds %s%s of quorum %lld "
+             "unhealthy",
+             s->name, r->lost_members[0],
+             r->n_lost_members > 1 ? " (and others)" : "",
+             (long long)r->lost_quorum_id);
+  }
+  torchft__lighthouse_heartbeat_response__free_unpacked(r, &sg__pb_allocator);
+}
+
 /* lh_heartbeat: one Heartbeat call (the request is encoded at start). */
 static int lh_heartbeat(sg_mgr_server_t *s, sg_deadline_t deadline,
                         sg_err_t *err) {
@@ -95,6 +133,8 @@ static int lh_heartbeat(sg_mgr_server_t *s, sg_deadline_t deadline,
   int rc = sg_rpc_channel_call(s->lh, "/torchft.LighthouseService/Heartbeat",
                                s->hb_req, s->hb_req_len, deadline, &resp,
                                &resp_len, NULL, err);
+  if (!rc)
+    note_lost(s, resp, resp_len);
   sg_free(resp);
   return rc;
 }

@@ -203,9 +203,13 @@ struct sg_mgr_server_s {
 
   /* shared: guarded by mu */
   pthread_mutex_t mu;
-  pthread_cond_t cv;     /* stop or leave (CLOCK_MONOTONIC) */
-  pthread_cond_t job_cv; /* job posted, or stop: the quorum worker only, so
-                            posting a job does not wake the heartbeat one */
+  pthread_cond_t cv;      /* stop or leave (CLOCK_MONOTONIC) */
+  pthread_cond_t job_cv;  /* job posted, or stop: the quorum worker only, so
+                             posting a job does not wake the heartbeat one */
+  pthread_cond_t lost_cv; /* lost_qid grew, or stop (sg_mgr_server_wait_lost) */
+  int64_t lost_qid;       /* the newest quorum the lighthouse reported a
+                             member of as lost (0: none) */
+  int lost_waiters;       /* callers inside sg_mgr_server_wait_lost */
   int stopping;
   int job_ready;
   sg__mgr_job_t job;

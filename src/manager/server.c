@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <uv.h>
@@ -1049,6 +1050,7 @@ static void server_free(sg_mgr_server_t *s) {
   sg_free(s->address);
   pthread_cond_destroy(&s->cv);
   pthread_cond_destroy(&s->job_cv);
+  pthread_cond_destroy(&s->lost_cv);
   pthread_mutex_destroy(&s->mu);
   pthread_mutex_destroy(&s->commit_mu);
   pthread_mutex_destroy(&s->quorum_mu);
@@ -1151,6 +1153,7 @@ int sg_mgr_server_start(const sg_mgr_server_opts_t *o, sg_mgr_server_t **out,
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
   pthread_cond_init(&s->cv, &ca);
   pthread_cond_init(&s->job_cv, &ca);
+  pthread_cond_init(&s->lost_cv, &ca);
   pthread_condattr_destroy(&ca);
   sg_map_init(&s->conns);
   atomic_init(&s->left, 0);
@@ -1291,6 +1294,31 @@ int sg_mgr_server_has_left(const sg_mgr_server_t *s) {
   return atomic_load(&((sg_mgr_server_t *)s)->left);
 }
 
+int sg_mgr_server_wait_lost(sg_mgr_server_t *s, int64_t after_qid,
+                            sg_deadline_t until, int64_t *qid) {
+  if (!s || !qid)
+    return SG_EINVAL;
+  int rc = 0;
+  pthread_mutex_lock(&s->mu);
+  s->lost_waiters++;
+  while (!s->stopping && s->lost_qid <= after_qid) {
+    if (sg_deadline_passed(until)) {
+      rc = SG_ETIMEDOUT;
+      break;
+    }
+    struct timespec ts = {(time_t)(until / 1000000000),
+                          (long)(until % 1000000000)};
+    pthread_cond_timedwait(&s->lost_cv, &s->mu, &ts);
+  }
+  if (!rc && s->stopping)
+    rc = SG_ECANCELED;
+  *qid = s->lost_qid;
+  if (--s->lost_waiters == 0 && s->stopping)
+    pthread_cond_broadcast(&s->lost_cv);
+  pthread_mutex_unlock(&s->mu);
+  return rc;
+}
+
 void sg_mgr_server_stop(sg_mgr_server_t *s) {
   if (!s)
     return;
@@ -1298,6 +1326,9 @@ void sg_mgr_server_stop(sg_mgr_server_t *s) {
   s->stopping = 1;
   pthread_cond_broadcast(&s->cv);
   pthread_cond_broadcast(&s->job_cv);
+  pthread_cond_broadcast(&s->lost_cv);
+  while (s->lost_waiters > 0) /* they return at once now; then s is freed */
+    pthread_cond_wait(&s->lost_cv, &s->mu);
   pthread_mutex_unlock(&s->mu);
   sg_rpc_channel_abort(s->lh);
   if (s->q_started)

@@ -333,14 +333,10 @@ static int module_exec(PyObject *module) {
     return -1;
   if (sg_py_manager_init(module, st) < 0)
     return -1;
-#ifdef SG_PY_HAVE_COMM
   if (sg_py_comm_init(module, st) < 0)
     return -1;
-#endif
-#ifdef SG_PY_HAVE_CKPT
   if (sg_py_ckpt_init(module, st) < 0)
     return -1;
-#endif
   return add_error_constants(module);
 }
 

@@ -18,8 +18,8 @@ typedef struct {
   PyObject *lh_client_type;  /* stepguard._C.LighthouseClient */
   PyObject *mgr_server_type; /* stepguard._C.ManagerServer */
   PyObject *mgr_client_type; /* stepguard._C.ManagerClient */
-  PyObject *comm_types[4];   /* comm.c's types (SG_PY_HAVE_COMM) */
-  PyObject *ckpt_types[4];   /* ckpt.c's types (SG_PY_HAVE_CKPT) */
+  PyObject *comm_types[4];   /* comm.c's types */
+  PyObject *ckpt_types[4];   /* ckpt.c's types */
 } sg_py_state;
 
 /*
@@ -118,10 +118,10 @@ int sg_py_lighthouse_init(PyObject *module, sg_py_state *st);
 /* sg_py_manager_init: add ManagerServer and ManagerClient. */
 int sg_py_manager_init(PyObject *module, sg_py_state *st);
 
-/* sg_py_comm_init: add the collectives' types (comm.c, when built). */
+/* sg_py_comm_init: add the collectives' types (comm.c). */
 int sg_py_comm_init(PyObject *module, sg_py_state *st);
 
-/* sg_py_ckpt_init: add the checkpoint server and fetch (ckpt.c, when built). */
+/* sg_py_ckpt_init: add the checkpoint server and fetch (ckpt.c). */
 int sg_py_ckpt_init(PyObject *module, sg_py_state *st);
 
 #endif

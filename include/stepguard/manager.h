@@ -9,7 +9,7 @@
  *            CheckpointMetadata and Kill, and heartbeats to the lighthouse
  *   client   sg_mgr_client_*(): the calls each group rank makes to it
  *
- * Where this differs from torchft (reference/torchft-semantics.md section 3):
+ * Where this differs from torchft's ManagerService:
  *   - a failed lighthouse call (after quorum_retries) fails every waiting
  *     group rank at once instead of leaving them to their deadlines;
  *   - an unreachable lighthouse (refused, reset, a connect that does not

@@ -869,7 +869,7 @@ int sg__lh_tick(sg__lh_state_t *st, int64_t now_ns, int64_t wall_ns,
     idmap_insert(&map, qm[k].replica_id, st->part_map.hashes[d.part_idx[k]]);
   }
 
-  /* the bump rule (reference 2.3): the ordered id lists differ unless the
+  /* torchft's id bump rule: the ordered id lists differ unless the
    * members are exactly the previous ones */
   int changed = !d.same_as_prev;
   int failures = 0;

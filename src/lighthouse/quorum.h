@@ -9,9 +9,9 @@
  *   upkeep       sg__lh_prune, sg__lh_set_quorum_id_floor
  *   inspection   counts and *_at accessors for the dashboard and /metrics
  *
- * The rules are torchft's (reference/torchft-semantics.md, sections 2.1-2.4),
- * with the reason strings byte for byte.  Nothing here does I/O, takes a
- * lock, reads a clock or touches global state: every call is given the
+ * The rules are torchft's lighthouse quorum rules (docs/lighthouse.md,
+ * "Rules"), with the reason strings byte for byte.  Nothing here does I/O,
+ * takes a lock, reads a clock or touches global state: every call is given the
  * monotonic time `now_ns` (and `wall_ns` where a wall timestamp is stored).
  * A state object is not thread-safe; its owner (the lighthouse server)
  * serialises all calls.  No call blocks.
@@ -131,10 +131,10 @@ typedef struct sg__lh_decision_s {
 } sg__lh_decision_t;
 
 /*
- * sg__lh_decide: torchft's quorum_compute at `now_ns` (reference 2.4, same
- * order, same strings).  Does not change the state.  `out` is overwritten;
- * release it with sg__lh_decision_free (also after an error).  Its member
- * pointers are valid until the next mutation of `st`.
+ * sg__lh_decide: torchft's quorum_compute at `now_ns` (same order, same
+ * strings).  Does not change the state.  `out` is overwritten; release it
+ * with sg__lh_decision_free (also after an error).  Its member pointers are
+ * valid until the next mutation of `st`.
  * Returns 0, SG_EINVAL or SG_ENOMEM.
  */
 int sg__lh_decide(const sg__lh_state_t *st, int64_t now_ns,
@@ -144,7 +144,7 @@ int sg__lh_decide(const sg__lh_state_t *st, int64_t now_ns,
 void sg__lh_decision_free(sg__lh_decision_t *d);
 
 /*
- * sg__lh_tick: decide, and if a quorum is met apply it (reference 2.3):
+ * sg__lh_tick: decide, and if a quorum is met apply it (torchft's rules):
  * bump the quorum id (+1 when there is no previous quorum or the ordered
  * replica_id lists differ, else +1 when a member of the new quorum has
  * commit_failures > 0), store it as the previous quorum with

@@ -1,9 +1,8 @@
 /*
  * manager_int.h: what the files of the ManagerServer (src/manager) share and
  * nothing else does: the server's state and the calls between its files.
- * The server is torchft.ManagerService of one replica group,
- * reference/torchft-semantics.md section 3, with the differences listed in
- * include/stepguard/manager.h.
+ * The server is torchft's ManagerService of one replica group, with the
+ * differences listed in include/stepguard/manager.h.
  *
  *   files     server.c             RPC handlers, waiters, liveness, the
  *                                  loop, start and stop

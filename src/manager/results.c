@@ -1,6 +1,6 @@
 /*
- * results.c: torchft's compute_quorum_results (see results.h and reference
- * section 3.3) and the group-step helper.
+ * results.c: torchft's compute_quorum_results (the rules are in results.h)
+ * and the group-step helper.
  *
  *   sorting     a stable sort of peer pointers by replica_id (byte order)
  *   decision    sg__mgr_compute_results: argument checks and the lookup

@@ -1,7 +1,7 @@
 /*
  * results.h: the manager's per-rank view of an issued quorum, as a pure
- * function (torchft compute_quorum_results, reference/torchft-semantics.md
- * section 3.3).
+ * function: what torchft's compute_quorum_results derives from the same
+ * quorum.
  *
  *   inputs      sg__mgr_peer_t, one per quorum participant (borrowed)
  *   decision    sg__mgr_compute_results: ranks, primary, recovery plan
@@ -71,8 +71,8 @@ typedef struct sg__mgr_results_s {
 /*
  * sg__mgr_compute_results: what replica `replica_id`'s group rank
  * `group_rank` learns from quorum `quorum_id` whose participants are
- * peers[0 .. n-1], given in any order.  The rules are section 3.3's, step
- * for step:
+ * peers[0 .. n-1], given in any order.  The rules are torchft's, step for
+ * step:
  *
  *   P          = the peers, stably sorted by replica_id (strcmp byte order)
  *   replica_rank = first index of replica_id in P

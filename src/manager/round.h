@@ -1,6 +1,7 @@
 /*
- * round.h: the decisions of the manager's two rounds, as pure functions
- * (reference/torchft-semantics.md section 3).
+ * round.h: the decisions of the manager's two rounds, as pure functions,
+ * following torchft's ManagerService (differences in
+ * include/stepguard/manager.h).
  *
  *   quorum round  sg__mgr_round_ready: whether a round starts now
  *                 sg__mgr_round_plan: what the group asks the lighthouse

@@ -1,6 +1,6 @@
 /*
  * test_quorum.c: the lighthouse's pure quorum decision (src/lighthouse/
- * quorum.c) against torchft's rules (reference/torchft-semantics.md 2.1-2.4):
+ * quorum.c) against torchft's rules (docs/lighthouse.md, "Rules"):
  * health at the heartbeat boundary, min_replicas, split brain, the join
  * timeout, fast quorum, shrink_only, the quorum id bump rules, leave,
  * mark_dead, retained participants, deadlines, pruning, limits, allocation

@@ -1,13 +1,12 @@
 /*
  * test_results.c: the manager's pure quorum-results function (src/manager/
- * results.c) against torchft's compute_quorum_results (reference/torchft-
- * semantics.md 3.3): the worked recovery example seen from every replica
- * and group rank, step-0 init sync on and off, round-robin spreading with
- * many or few sources, group-rank offsets up to INT64_MAX, the primary's
- * store address, max_replica_rank, commit_failures, input order, byte-order
- * ties, not-participating, bad arguments, allocation failure at each
- * allocation, the group-step helper, and a seeded property test against a
- * naive model of section 3.3.
+ * results.c) against torchft's compute_quorum_results: the worked recovery
+ * example seen from every replica and group rank, step-0 init sync on and off,
+ * round-robin spreading with many or few sources, group-rank offsets up to
+ * INT64_MAX, the primary's store address, max_replica_rank, commit_failures,
+ * input order, byte-order ties, not-participating, bad arguments, allocation
+ * failure at each allocation, the group-step helper, and a seeded property test
+ * against a naive model.
  *
  * Every test frees its results; the ASan build checks for leaks.
  */
@@ -758,7 +757,7 @@ static uint64_t rnd(void) { /* xorshift64*, seeded per test */
   return rng_state * 0x2545F4914F6CDD1DULL;
 }
 
-/* model_src: section 3.3 written the slow way (insertion sort, explicit
+/* model_src: results.h's rules written the slow way (insertion sort, explicit
  * lists); returns the source of P[me] or -1, and fills sorted[]. */
 typedef struct model_s {
   size_t sorted[MAXP]; /* input indexes in P order */

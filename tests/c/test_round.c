@@ -1,6 +1,6 @@
 /*
  * test_round.c: the manager's round decisions (src/manager/round.c) against
- * torchft's rules (reference/torchft-semantics.md section 3): when a quorum
+ * torchft's manager rules (include/stepguard/manager.h): when a quorum
  * round starts, the step (the minimum) and commit_failures (the maximum)
  * the group sends, when reconfigure handles travel, and the commit round's
  * count (a no sticks, a rank counts once, the last vote decides), plus bad

@@ -43,7 +43,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "ckpt_internal.h"
+#include "ckpt/ckpt_internal.h"
 
 #define SLICE_MS 100
 #define IOV_BATCH 256

@@ -46,7 +46,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "ckpt_internal.h"
+#include "ckpt/ckpt_internal.h"
 
 #define IOV_BATCH 256    /* iovec entries per sendmsg */
 #define ACCEPT_BUDGET 16 /* accepts per wakeup */

@@ -9,7 +9,7 @@
  */
 #include <string.h>
 
-#include "ckpt_internal.h"
+#include "ckpt/ckpt_internal.h"
 
 static void put16(uint8_t *p, uint16_t v) {
   p[0] = (uint8_t)v;

@@ -72,10 +72,10 @@ typedef struct {
   Py_buffer header; /* held while serving */
   int has_header;
   int busy; /* calls running without the GIL */
-} srv_obj;
+} ckpt_server_obj;
 
-static int srv_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
-  srv_obj *self = (srv_obj *)self_obj;
+static int ckptserver_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
+  ckpt_server_obj *self = (ckpt_server_obj *)self_obj;
   static char *kwlist[] = {
       "bind", "auth_token", "max_conns", "request_timeout_s", "stall_timeout_s",
       NULL};
@@ -117,7 +117,7 @@ static int srv_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
   return 0;
 }
 
-static int srv_guard(srv_obj *self) {
+static int ckptserver_guard(ckpt_server_obj *self) {
   if (!self->srv) {
     PyErr_SetString(PyExc_RuntimeError, "CkptServer is shut down");
     return -1;
@@ -125,27 +125,27 @@ static int srv_guard(srv_obj *self) {
   return 0;
 }
 
-static void release_header(srv_obj *self) {
+static void release_header(ckpt_server_obj *self) {
   if (self->has_header) {
     self->has_header = 0;
     PyBuffer_Release(&self->header);
   }
 }
 
-static PyObject *srv_port(PyObject *self_obj, PyObject *unused) {
-  srv_obj *self = (srv_obj *)self_obj;
-  if (srv_guard(self) < 0)
+static PyObject *ckptserver_port(PyObject *self_obj, PyObject *unused) {
+  ckpt_server_obj *self = (ckpt_server_obj *)self_obj;
+  if (ckptserver_guard(self) < 0)
     return NULL;
   return PyLong_FromLong(sg_ckpt_server_port(self->srv));
 }
 
-static PyObject *srv_serve(PyObject *self_obj, PyObject *args) {
-  srv_obj *self = (srv_obj *)self_obj;
+static PyObject *ckptserver_serve(PyObject *self_obj, PyObject *args) {
+  ckpt_server_obj *self = (ckpt_server_obj *)self_obj;
   long long step;
   PyObject *header, *ptrs, *lens;
   if (!PyArg_ParseTuple(args, "LOOO:serve", &step, &header, &ptrs, &lens))
     return NULL;
-  if (srv_guard(self) < 0)
+  if (ckptserver_guard(self) < 0)
     return NULL;
   if (self->has_header) {
     PyErr_SetString(PyExc_RuntimeError,
@@ -177,12 +177,12 @@ static PyObject *srv_serve(PyObject *self_obj, PyObject *args) {
   Py_RETURN_NONE;
 }
 
-static PyObject *srv_disallow(PyObject *self_obj, PyObject *args) {
-  srv_obj *self = (srv_obj *)self_obj;
+static PyObject *ckptserver_disallow(PyObject *self_obj, PyObject *args) {
+  ckpt_server_obj *self = (ckpt_server_obj *)self_obj;
   double timeout_s;
   if (!PyArg_ParseTuple(args, "d:disallow", &timeout_s))
     return NULL;
-  if (srv_guard(self) < 0)
+  if (ckptserver_guard(self) < 0)
     return NULL;
   int64_t ms = sg_py_timeout_ms(timeout_s);
   if (ms < 0)
@@ -198,9 +198,9 @@ static PyObject *srv_disallow(PyObject *self_obj, PyObject *args) {
   return PyBool_FromLong(rc == 0);
 }
 
-static PyObject *srv_stats(PyObject *self_obj, PyObject *unused) {
-  srv_obj *self = (srv_obj *)self_obj;
-  if (srv_guard(self) < 0)
+static PyObject *ckptserver_stats(PyObject *self_obj, PyObject *unused) {
+  ckpt_server_obj *self = (ckpt_server_obj *)self_obj;
+  if (ckptserver_guard(self) < 0)
     return NULL;
   sg_ckpt_server_stats_t s;
   sg_ckpt_server_stats(self->srv, &s);
@@ -214,7 +214,7 @@ static PyObject *srv_stats(PyObject *self_obj, PyObject *unused) {
       "open_conns", s.open_conns);
 }
 
-static void srv_stop(srv_obj *self) {
+static void ckptserver_stop(ckpt_server_obj *self) {
   sg_ckpt_server_t *srv = self->srv;
   self->srv = NULL;
   if (srv) {
@@ -225,59 +225,59 @@ static void srv_stop(srv_obj *self) {
   release_header(self);
 }
 
-static PyObject *srv_shutdown(PyObject *self_obj, PyObject *unused) {
-  srv_obj *self = (srv_obj *)self_obj;
+static PyObject *ckptserver_shutdown(PyObject *self_obj, PyObject *unused) {
+  ckpt_server_obj *self = (ckpt_server_obj *)self_obj;
   if (self->busy) {
     PyErr_SetString(PyExc_RuntimeError,
                     "CkptServer.shutdown() while disallow() runs");
     return NULL;
   }
-  srv_stop(self);
+  ckptserver_stop(self);
   Py_RETURN_NONE;
 }
 
-static void srv_dealloc(PyObject *self_obj) {
-  srv_obj *self = (srv_obj *)self_obj;
+static void ckptserver_dealloc(PyObject *self_obj) {
+  ckpt_server_obj *self = (ckpt_server_obj *)self_obj;
   PyTypeObject *tp = Py_TYPE(self);
   if (self->srv) {
     PyErr_WarnFormat(PyExc_ResourceWarning, 1,
                      "unclosed CkptServer; call shutdown()");
-    srv_stop(self);
+    ckptserver_stop(self);
   }
   release_header(self);
   tp->tp_free(self_obj);
   Py_DECREF(tp);
 }
 
-static PyMethodDef srv_methods[] = {
-    {"port", srv_port, METH_NOARGS, "port() -> int: the bound port."},
-    {"serve", srv_serve, METH_VARARGS,
+static PyMethodDef ckptserver_methods[] = {
+    {"port", ckptserver_port, METH_NOARGS, "port() -> int: the bound port."},
+    {"serve", ckptserver_serve, METH_VARARGS,
      "serve(step, header, ptrs, lens): serve `step`: the header buffer and "
      "the regions (ptrs[i], lens[i]); the memory must stay valid and "
      "unchanged until disallow() or shutdown() returns."},
-    {"disallow", srv_disallow, METH_VARARGS,
+    {"disallow", ckptserver_disallow, METH_VARARGS,
      "disallow(timeout_s) -> bool: stop serving; waits for responses in "
      "flight up to timeout_s, then cuts them (returns False then)."},
-    {"stats", srv_stats, METH_NOARGS, "stats() -> dict of counters."},
-    {"shutdown", srv_shutdown, METH_NOARGS,
+    {"stats", ckptserver_stats, METH_NOARGS, "stats() -> dict of counters."},
+    {"shutdown", ckptserver_shutdown, METH_NOARGS,
      "shutdown(): stop the server (idempotent)."},
     {NULL, NULL, 0, NULL},
 };
 
-static PyType_Slot srv_slots[] = {
-    {Py_tp_init, srv_init},
-    {Py_tp_dealloc, srv_dealloc},
-    {Py_tp_methods, srv_methods},
+static PyType_Slot ckptserver_slots[] = {
+    {Py_tp_init, ckptserver_init},
+    {Py_tp_dealloc, ckptserver_dealloc},
+    {Py_tp_methods, ckptserver_methods},
     {Py_tp_doc, "CkptServer(bind=None, auth_token=None, max_conns=0, "
                 "request_timeout_s=30.0, stall_timeout_s=30.0)"},
     {0, NULL},
 };
 
-static PyType_Spec srv_spec = {
+static PyType_Spec ckptserver_spec = {
     .name = "stepguard._C.CkptServer",
-    .basicsize = sizeof(srv_obj),
+    .basicsize = sizeof(ckpt_server_obj),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    .slots = srv_slots,
+    .slots = ckptserver_slots,
 };
 
 /* ---- CkptFetch --------------------------------------------------------------
@@ -285,10 +285,10 @@ static PyType_Spec srv_spec = {
 
 typedef struct {
   PyObject_HEAD sg_ckpt_fetch_t *f;
-} fetch_obj;
+} ckpt_fetch_obj;
 
-static int fetch_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
-  fetch_obj *self = (fetch_obj *)self_obj;
+static int ckptfetch_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
+  ckpt_fetch_obj *self = (ckpt_fetch_obj *)self_obj;
   static char *kwlist[] = {NULL};
   if (!PyArg_ParseTupleAndKeywords(args, kw, ":CkptFetch", kwlist))
     return -1;
@@ -301,7 +301,7 @@ static int fetch_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
   return 0;
 }
 
-static int fetch_guard(fetch_obj *self) {
+static int ckptfetch_guard(ckpt_fetch_obj *self) {
   if (!self->f) {
     PyErr_SetString(PyExc_RuntimeError, "CkptFetch is not initialised");
     return -1;
@@ -329,8 +329,8 @@ static void call_abort(void *p) {
   sg_ckpt_fetch_abort(*(sg_ckpt_fetch_t **)p); /* f is the first field */
 }
 
-static PyObject *fetch_info(PyObject *self_obj, PyObject *args) {
-  fetch_obj *self = (fetch_obj *)self_obj;
+static PyObject *ckptfetch_info(PyObject *self_obj, PyObject *args) {
+  ckpt_fetch_obj *self = (ckpt_fetch_obj *)self_obj;
   struct info_call c;
   memset(&c, 0, sizeof(c));
   long long step;
@@ -338,7 +338,7 @@ static PyObject *fetch_info(PyObject *self_obj, PyObject *args) {
   if (!PyArg_ParseTuple(args, "szLd:info", &c.addr, &c.token, &step,
                         &timeout_s))
     return NULL;
-  if (fetch_guard(self) < 0)
+  if (ckptfetch_guard(self) < 0)
     return NULL;
   int64_t ms = sg_py_timeout_ms(timeout_s);
   if (ms < 0)
@@ -397,8 +397,9 @@ static void data_run(void *p) {
                          c->regs, c->n, &c->o, c->deadline, c->bytes, &c->err);
 }
 
-static PyObject *fetch_data(PyObject *self_obj, PyObject *args, PyObject *kw) {
-  fetch_obj *self = (fetch_obj *)self_obj;
+static PyObject *ckptfetch_data(PyObject *self_obj, PyObject *args,
+                                PyObject *kw) {
+  ckpt_fetch_obj *self = (ckpt_fetch_obj *)self_obj;
   static char *kwlist[] = {"addrs",     "token",     "step",    "layout",
                            "ptrs",      "lens",      "streams", "timeout_s",
                            "min_chunk", "same_host", "mapped",  NULL};
@@ -415,7 +416,7 @@ static PyObject *fetch_data(PyObject *self_obj, PyObject *args, PyObject *kw) {
                                    &lens, &streams, &timeout_s, &min_chunk,
                                    &same_host, &mapped))
     return NULL;
-  if (fetch_guard(self) < 0)
+  if (ckptfetch_guard(self) < 0)
     return NULL;
   int64_t ms = sg_py_timeout_ms(timeout_s);
   if (ms < 0)
@@ -494,9 +495,9 @@ out:
   return ret;
 }
 
-static PyObject *fetch_stats(PyObject *self_obj, PyObject *unused) {
-  fetch_obj *self = (fetch_obj *)self_obj;
-  if (fetch_guard(self) < 0)
+static PyObject *ckptfetch_stats(PyObject *self_obj, PyObject *unused) {
+  ckpt_fetch_obj *self = (ckpt_fetch_obj *)self_obj;
+  if (ckptfetch_guard(self) < 0)
     return NULL;
   sg_ckpt_fetch_stats_t s;
   sg_ckpt_fetch_stats(self->f, &s);
@@ -506,16 +507,16 @@ static PyObject *fetch_stats(PyObject *self_obj, PyObject *unused) {
                        (unsigned int)s.same_host_sources);
 }
 
-static PyObject *fetch_abort(PyObject *self_obj, PyObject *unused) {
-  fetch_obj *self = (fetch_obj *)self_obj;
-  if (fetch_guard(self) < 0)
+static PyObject *ckptfetch_abort(PyObject *self_obj, PyObject *unused) {
+  ckpt_fetch_obj *self = (ckpt_fetch_obj *)self_obj;
+  if (ckptfetch_guard(self) < 0)
     return NULL;
   sg_ckpt_fetch_abort(self->f);
   Py_RETURN_NONE;
 }
 
-static void fetch_dealloc(PyObject *self_obj) {
-  fetch_obj *self = (fetch_obj *)self_obj;
+static void ckptfetch_dealloc(PyObject *self_obj) {
+  ckpt_fetch_obj *self = (ckpt_fetch_obj *)self_obj;
   PyTypeObject *tp = Py_TYPE(self);
   sg_ckpt_fetch_free(self->f); /* no call runs: it would hold a reference */
   tp->tp_free(self_obj);
@@ -691,7 +692,7 @@ static int plan_keeps(plan_ctx *c, PyObject *t, PyObject *rg, PyObject *param) {
   return has_rg == want_rg && is_p == want_p;
 }
 
-static PyObject *fetch_plan(PyObject *self_obj, PyObject *args) {
+static PyObject *ckptfetch_plan(PyObject *self_obj, PyObject *args) {
   plan_ctx c;
   PyObject *metas, *mine, *lens_obj, *ret = NULL;
   PyObject *leaves = NULL, *ptrs = NULL, *mapped = NULL, *rest = NULL;
@@ -874,19 +875,19 @@ out:
   return ret;
 }
 
-static PyMethodDef fetch_methods[] = {
-    {"info", fetch_info, METH_VARARGS,
+static PyMethodDef ckptfetch_methods[] = {
+    {"info", ckptfetch_info, METH_VARARGS,
      "info(addr, token, step, timeout_s) -> (header: bytes, lens: list[int], "
      "layout: int)"},
-    {"data", (PyCFunction)(void (*)(void))fetch_data,
+    {"data", (PyCFunction)(void (*)(void))ckptfetch_data,
      METH_VARARGS | METH_KEYWORDS,
      "data(addrs, token, step, layout, ptrs, lens, streams, timeout_s, "
      "min_chunk=0, same_host=True, mapped=None) -> list[int]: bytes taken "
      "from each source (same_host=False: TCP only; mapped: bytes, one flag "
      "per region, nonzero where its pages are already mapped)."},
-    {"stats", fetch_stats, METH_NOARGS,
+    {"stats", ckptfetch_stats, METH_NOARGS,
      "stats() -> dict: what the last data() moved, same-host and TCP."},
-    {"plan", fetch_plan, METH_VARARGS,
+    {"plan", ckptfetch_plan, METH_VARARGS,
      "plan(leaves, mine, lens, torch, dtypes, dtype_type, strided, "
      "tensor_type, parameter_type) -> (values, ptrs: bytearray, mapped: "
      "bytearray, rest: list[(leaf, region, own)], in_place_bytes): checks the "
@@ -895,32 +896,32 @@ static PyMethodDef fetch_methods[] = {
      "it in place that tensor's address (aliases after the first: not); "
      "values holds the non-tensor leaves and the tensors returned as they "
      "are, rest the others (own: the in-place tensor, else None)."},
-    {"abort", fetch_abort, METH_NOARGS,
+    {"abort", ckptfetch_abort, METH_NOARGS,
      "abort(): fail the running and every later call (any thread)."},
     {NULL, NULL, 0, NULL},
 };
 
-static PyType_Slot fetch_slots[] = {
-    {Py_tp_init, fetch_init},
-    {Py_tp_dealloc, fetch_dealloc},
-    {Py_tp_methods, fetch_methods},
+static PyType_Slot ckptfetch_slots[] = {
+    {Py_tp_init, ckptfetch_init},
+    {Py_tp_dealloc, ckptfetch_dealloc},
+    {Py_tp_methods, ckptfetch_methods},
     {Py_tp_doc, "CkptFetch(): one fetch (its abort is final)."},
     {0, NULL},
 };
 
-static PyType_Spec fetch_spec = {
+static PyType_Spec ckptfetch_spec = {
     .name = "stepguard._C.CkptFetch",
-    .basicsize = sizeof(fetch_obj),
+    .basicsize = sizeof(ckpt_fetch_obj),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    .slots = fetch_slots,
+    .slots = ckptfetch_slots,
 };
 
 int sg_py_ckpt_init(PyObject *module, sg_py_state *st) {
-  st->ckpt_types[0] = PyType_FromModuleAndSpec(module, &srv_spec, NULL);
+  st->ckpt_types[0] = PyType_FromModuleAndSpec(module, &ckptserver_spec, NULL);
   if (!st->ckpt_types[0] ||
       PyModule_AddObjectRef(module, "CkptServer", st->ckpt_types[0]) < 0)
     return -1;
-  st->ckpt_types[1] = PyType_FromModuleAndSpec(module, &fetch_spec, NULL);
+  st->ckpt_types[1] = PyType_FromModuleAndSpec(module, &ckptfetch_spec, NULL);
   if (!st->ckpt_types[1] ||
       PyModule_AddObjectRef(module, "CkptFetch", st->ckpt_types[1]) < 0)
     return -1;

@@ -23,7 +23,7 @@ typedef struct {
   PyObject_HEAD sg_lh_server_t *srv;
 } lh_server_obj;
 
-static int server_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
+static int lhserver_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
   lh_server_obj *self = (lh_server_obj *)self_obj;
   static char *kwlist[] = {"bind",
                            "min_replicas",
@@ -90,7 +90,7 @@ static int server_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
   return 0;
 }
 
-static PyObject *server_guard(lh_server_obj *self) {
+static PyObject *lhserver_guard(lh_server_obj *self) {
   if (!self->srv) {
     PyErr_SetString(PyExc_RuntimeError, "LighthouseServer is shut down");
     return NULL;
@@ -98,21 +98,21 @@ static PyObject *server_guard(lh_server_obj *self) {
   return Py_None;
 }
 
-static PyObject *server_address(PyObject *self_obj, PyObject *unused) {
+static PyObject *lhserver_address(PyObject *self_obj, PyObject *unused) {
   lh_server_obj *self = (lh_server_obj *)self_obj;
-  if (!server_guard(self))
+  if (!lhserver_guard(self))
     return NULL;
   return PyUnicode_FromString(sg_lh_server_address(self->srv));
 }
 
-static PyObject *server_port(PyObject *self_obj, PyObject *unused) {
+static PyObject *lhserver_port(PyObject *self_obj, PyObject *unused) {
   lh_server_obj *self = (lh_server_obj *)self_obj;
-  if (!server_guard(self))
+  if (!lhserver_guard(self))
     return NULL;
   return PyLong_FromLong(sg_lh_server_port(self->srv));
 }
 
-static void server_stop(lh_server_obj *self) {
+static void lhserver_stop(lh_server_obj *self) {
   sg_lh_server_t *srv = self->srv;
   self->srv = NULL;
   if (srv) {
@@ -122,46 +122,46 @@ static void server_stop(lh_server_obj *self) {
   }
 }
 
-static PyObject *server_shutdown(PyObject *self_obj, PyObject *unused) {
-  server_stop((lh_server_obj *)self_obj);
+static PyObject *lhserver_shutdown(PyObject *self_obj, PyObject *unused) {
+  lhserver_stop((lh_server_obj *)self_obj);
   Py_RETURN_NONE;
 }
 
-static void server_dealloc(PyObject *self_obj) {
+static void lhserver_dealloc(PyObject *self_obj) {
   lh_server_obj *self = (lh_server_obj *)self_obj;
   PyTypeObject *tp = Py_TYPE(self);
   if (self->srv) {
     PyErr_WarnFormat(PyExc_ResourceWarning, 1,
                      "unclosed LighthouseServer %R; call shutdown()", self_obj);
-    server_stop(self);
+    lhserver_stop(self);
   }
   tp->tp_free(self_obj);
   Py_DECREF(tp);
 }
 
-static PyMethodDef server_methods[] = {
-    {"address", server_address, METH_NOARGS,
+static PyMethodDef lhserver_methods[] = {
+    {"address", lhserver_address, METH_NOARGS,
      "address() -> str: http://host:port of the server."},
-    {"port", server_port, METH_NOARGS, "port() -> int: the bound port."},
-    {"shutdown", server_shutdown, METH_NOARGS,
+    {"port", lhserver_port, METH_NOARGS, "port() -> int: the bound port."},
+    {"shutdown", lhserver_shutdown, METH_NOARGS,
      "shutdown(): stop serving and release everything (idempotent)."},
     {NULL, NULL, 0, NULL},
 };
 
-static PyType_Slot server_slots[] = {
-    {Py_tp_init, server_init},
-    {Py_tp_dealloc, server_dealloc},
-    {Py_tp_methods, server_methods},
+static PyType_Slot lhserver_slots[] = {
+    {Py_tp_init, lhserver_init},
+    {Py_tp_dealloc, lhserver_dealloc},
+    {Py_tp_methods, lhserver_methods},
     {Py_tp_doc, "LighthouseServer(bind, min_replicas, ...): the C lighthouse "
                 "on a thread of its own."},
     {0, NULL},
 };
 
-static PyType_Spec server_spec = {
+static PyType_Spec lhserver_spec = {
     .name = "stepguard._C.LighthouseServer",
     .basicsize = sizeof(lh_server_obj),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    .slots = server_slots,
+    .slots = lhserver_slots,
 };
 
 /* ---- LighthouseClient ------------------------------------------------------
@@ -172,7 +172,7 @@ typedef struct {
   int inflight; /* calls running without the GIL (close waits for none) */
 } lh_client_obj;
 
-static int client_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
+static int lhclient_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
   lh_client_obj *self = (lh_client_obj *)self_obj;
   static char *kwlist[] = {"addr", "connect_timeout_s", "auth_token", NULL};
   const char *addr, *token = NULL;
@@ -208,7 +208,7 @@ static int client_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
   return 0;
 }
 
-static int client_guard(lh_client_obj *self) {
+static int lhclient_guard(lh_client_obj *self) {
   if (!self->cli) {
     PyErr_SetString(PyExc_RuntimeError, "LighthouseClient is closed");
     return -1;
@@ -262,8 +262,8 @@ static PyObject *member_tuple(const sg_lh_member_t *m) {
                        (long long)m->commit_failures);
 }
 
-static PyObject *client_quorum(PyObject *self_obj, PyObject *args,
-                               PyObject *kw) {
+static PyObject *lhclient_quorum(PyObject *self_obj, PyObject *args,
+                                 PyObject *kw) {
   lh_client_obj *self = (lh_client_obj *)self_obj;
   static char *kwlist[] = {
       "replica_id", "timeout_s",   "address", "store_address",   "step",
@@ -279,7 +279,7 @@ static PyObject *client_quorum(PyObject *self_obj, PyObject *args,
                                    &step, &world_size, &shrink_only, &data,
                                    &commit_failures))
     return NULL;
-  if (client_guard(self) < 0)
+  if (lhclient_guard(self) < 0)
     return NULL;
   int64_t ms = sg_py_timeout_ms(timeout_s);
   if (ms < 0)
@@ -320,8 +320,8 @@ out:
   return ret;
 }
 
-static PyObject *client_heartbeat(PyObject *self_obj, PyObject *args,
-                                  PyObject *kw) {
+static PyObject *lhclient_heartbeat(PyObject *self_obj, PyObject *args,
+                                    PyObject *kw) {
   lh_client_obj *self = (lh_client_obj *)self_obj;
   static char *kwlist[] = {"replica_id", "timeout_s", NULL};
   const char *id;
@@ -329,7 +329,7 @@ static PyObject *client_heartbeat(PyObject *self_obj, PyObject *args,
   if (!PyArg_ParseTupleAndKeywords(args, kw, "s|d:heartbeat", kwlist, &id,
                                    &timeout_s))
     return NULL;
-  if (client_guard(self) < 0)
+  if (lhclient_guard(self) < 0)
     return NULL;
   int64_t ms = sg_py_timeout_ms(timeout_s);
   if (ms < 0)
@@ -347,7 +347,7 @@ static PyObject *client_heartbeat(PyObject *self_obj, PyObject *args,
   Py_RETURN_NONE;
 }
 
-static void client_close_now(lh_client_obj *self) {
+static void lhclient_close_now(lh_client_obj *self) {
   sg_lh_client_t *cli = self->cli;
   self->cli = NULL;
   if (cli) {
@@ -357,7 +357,7 @@ static void client_close_now(lh_client_obj *self) {
   }
 }
 
-static PyObject *client_close(PyObject *self_obj, PyObject *unused) {
+static PyObject *lhclient_close(PyObject *self_obj, PyObject *unused) {
   lh_client_obj *self = (lh_client_obj *)self_obj;
   if (self->inflight) {
     PyErr_SetString(PyExc_RuntimeError,
@@ -365,60 +365,60 @@ static PyObject *client_close(PyObject *self_obj, PyObject *unused) {
                     "abort() it first");
     return NULL;
   }
-  client_close_now(self);
+  lhclient_close_now(self);
   Py_RETURN_NONE;
 }
 
-static PyObject *client_abort(PyObject *self_obj, PyObject *unused) {
+static PyObject *lhclient_abort(PyObject *self_obj, PyObject *unused) {
   lh_client_obj *self = (lh_client_obj *)self_obj;
   if (self->cli)
     sg_lh_client_abort(self->cli);
   Py_RETURN_NONE;
 }
 
-static void client_dealloc(PyObject *self_obj) {
+static void lhclient_dealloc(PyObject *self_obj) {
   lh_client_obj *self = (lh_client_obj *)self_obj;
   PyTypeObject *tp = Py_TYPE(self);
-  client_close_now(self);
+  lhclient_close_now(self);
   tp->tp_free(self_obj);
   Py_DECREF(tp);
 }
 
-static PyMethodDef client_methods[] = {
-    {"quorum", (PyCFunction)(void (*)(void))client_quorum,
+static PyMethodDef lhclient_methods[] = {
+    {"quorum", (PyCFunction)(void (*)(void))lhclient_quorum,
      METH_VARARGS | METH_KEYWORDS,
      "quorum(replica_id, timeout_s, address='', store_address='', step=0, "
      "world_size=0, shrink_only=False, data='', commit_failures=0) -> "
      "(quorum_id, created_seconds, created_nanos, [member tuples])"},
-    {"heartbeat", (PyCFunction)(void (*)(void))client_heartbeat,
+    {"heartbeat", (PyCFunction)(void (*)(void))lhclient_heartbeat,
      METH_VARARGS | METH_KEYWORDS, "heartbeat(replica_id, timeout_s=5.0)"},
-    {"abort", client_abort, METH_NOARGS,
+    {"abort", lhclient_abort, METH_NOARGS,
      "abort(): fail every call in progress and later ones."},
-    {"close", client_close, METH_NOARGS, "close(): drop the connection."},
+    {"close", lhclient_close, METH_NOARGS, "close(): drop the connection."},
     {NULL, NULL, 0, NULL},
 };
 
-static PyType_Slot client_slots[] = {
-    {Py_tp_init, client_init},
-    {Py_tp_dealloc, client_dealloc},
-    {Py_tp_methods, client_methods},
+static PyType_Slot lhclient_slots[] = {
+    {Py_tp_init, lhclient_init},
+    {Py_tp_dealloc, lhclient_dealloc},
+    {Py_tp_methods, lhclient_methods},
     {Py_tp_doc, "LighthouseClient(addr, connect_timeout_s, auth_token=None)"},
     {0, NULL},
 };
 
-static PyType_Spec client_spec = {
+static PyType_Spec lhclient_spec = {
     .name = "stepguard._C.LighthouseClient",
     .basicsize = sizeof(lh_client_obj),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    .slots = client_slots,
+    .slots = lhclient_slots,
 };
 
 int sg_py_lighthouse_init(PyObject *module, sg_py_state *st) {
-  st->lh_server_type = PyType_FromModuleAndSpec(module, &server_spec, NULL);
+  st->lh_server_type = PyType_FromModuleAndSpec(module, &lhserver_spec, NULL);
   if (!st->lh_server_type ||
       PyModule_AddObjectRef(module, "LighthouseServer", st->lh_server_type) < 0)
     return -1;
-  st->lh_client_type = PyType_FromModuleAndSpec(module, &client_spec, NULL);
+  st->lh_client_type = PyType_FromModuleAndSpec(module, &lhclient_spec, NULL);
   if (!st->lh_client_type ||
       PyModule_AddObjectRef(module, "LighthouseClient", st->lh_client_type) < 0)
     return -1;

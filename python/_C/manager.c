@@ -56,7 +56,7 @@ static void on_kill(void *ud, const char *msg) {
   PyGILState_Release(g);
 }
 
-static int mserver_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
+static int mgrserver_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
   mgr_server_obj *self = (mgr_server_obj *)self_obj;
   static char *kwlist[] = {"replica_id",
                            "lighthouse_addr",
@@ -136,7 +136,7 @@ static int mserver_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
   return 0;
 }
 
-static int mserver_guard(mgr_server_obj *self) {
+static int mgrserver_guard(mgr_server_obj *self) {
   if (!self->srv) {
     PyErr_SetString(PyExc_RuntimeError, "ManagerServer is shut down");
     return -1;
@@ -144,23 +144,23 @@ static int mserver_guard(mgr_server_obj *self) {
   return 0;
 }
 
-static PyObject *mserver_address(PyObject *self_obj, PyObject *unused) {
+static PyObject *mgrserver_address(PyObject *self_obj, PyObject *unused) {
   mgr_server_obj *self = (mgr_server_obj *)self_obj;
-  if (mserver_guard(self) < 0)
+  if (mgrserver_guard(self) < 0)
     return NULL;
   return PyUnicode_FromString(sg_mgr_server_address(self->srv));
 }
 
-static PyObject *mserver_port(PyObject *self_obj, PyObject *unused) {
+static PyObject *mgrserver_port(PyObject *self_obj, PyObject *unused) {
   mgr_server_obj *self = (mgr_server_obj *)self_obj;
-  if (mserver_guard(self) < 0)
+  if (mgrserver_guard(self) < 0)
     return NULL;
   return PyLong_FromLong(sg_mgr_server_port(self->srv));
 }
 
-static PyObject *mserver_has_left(PyObject *self_obj, PyObject *unused) {
+static PyObject *mgrserver_has_left(PyObject *self_obj, PyObject *unused) {
   mgr_server_obj *self = (mgr_server_obj *)self_obj;
-  if (mserver_guard(self) < 0)
+  if (mgrserver_guard(self) < 0)
     return NULL;
   return PyBool_FromLong(sg_mgr_server_has_left(self->srv));
 }
@@ -169,13 +169,13 @@ static PyObject *mserver_has_left(PyObject *self_obj, PyObject *unused) {
  * than after_qid whose member the lighthouse reported lost, or None at the
  * timeout.  Blocks without the GIL; not to be called concurrently with
  * shutdown() (the Manager joins its watcher first). */
-static PyObject *mserver_wait_lost(PyObject *self_obj, PyObject *args) {
+static PyObject *mgrserver_wait_lost(PyObject *self_obj, PyObject *args) {
   mgr_server_obj *self = (mgr_server_obj *)self_obj;
   long long after = 0;
   double timeout_s = 0;
   if (!PyArg_ParseTuple(args, "Ld", &after, &timeout_s))
     return NULL;
-  if (mserver_guard(self) < 0)
+  if (mgrserver_guard(self) < 0)
     return NULL;
   if (timeout_s < 0)
     timeout_s = 0;
@@ -194,7 +194,7 @@ static PyObject *mserver_wait_lost(PyObject *self_obj, PyObject *args) {
   Py_RETURN_NONE;
 }
 
-static void mserver_stop(mgr_server_obj *self) {
+static void mgrserver_stop(mgr_server_obj *self) {
   sg_mgr_server_t *srv = self->srv;
   self->srv = NULL;
   if (srv) {
@@ -204,59 +204,59 @@ static void mserver_stop(mgr_server_obj *self) {
   }
 }
 
-static PyObject *mserver_shutdown(PyObject *self_obj, PyObject *unused) {
-  mserver_stop((mgr_server_obj *)self_obj);
+static PyObject *mgrserver_shutdown(PyObject *self_obj, PyObject *unused) {
+  mgrserver_stop((mgr_server_obj *)self_obj);
   Py_RETURN_NONE;
 }
 
-static int mserver_traverse(PyObject *self_obj, visitproc visit, void *arg) {
+static int mgrserver_traverse(PyObject *self_obj, visitproc visit, void *arg) {
   mgr_server_obj *self = (mgr_server_obj *)self_obj;
   Py_VISIT(Py_TYPE(self_obj));
   Py_VISIT(self->kill_handler);
   return 0;
 }
 
-static int mserver_clear(PyObject *self_obj) {
+static int mgrserver_clear(PyObject *self_obj) {
   mgr_server_obj *self = (mgr_server_obj *)self_obj;
-  mserver_stop(self); /* the handler may run until the server stops */
+  mgrserver_stop(self); /* the handler may run until the server stops */
   Py_CLEAR(self->kill_handler);
   return 0;
 }
 
-static void mserver_dealloc(PyObject *self_obj) {
+static void mgrserver_dealloc(PyObject *self_obj) {
   mgr_server_obj *self = (mgr_server_obj *)self_obj;
   PyTypeObject *tp = Py_TYPE(self);
   PyObject_GC_UnTrack(self_obj);
   if (self->srv) {
     PyErr_WarnFormat(PyExc_ResourceWarning, 1,
                      "unclosed ManagerServer; call shutdown()");
-    mserver_stop(self);
+    mgrserver_stop(self);
   }
   Py_CLEAR(self->kill_handler);
   tp->tp_free(self_obj);
   Py_DECREF(tp);
 }
 
-static PyMethodDef mserver_methods[] = {
-    {"address", mserver_address, METH_NOARGS,
+static PyMethodDef mgrserver_methods[] = {
+    {"address", mgrserver_address, METH_NOARGS,
      "address() -> str: http://host:port other replicas reach it at."},
-    {"port", mserver_port, METH_NOARGS, "port() -> int: the bound port."},
-    {"has_left", mserver_has_left, METH_NOARGS,
+    {"port", mgrserver_port, METH_NOARGS, "port() -> int: the bound port."},
+    {"has_left", mgrserver_has_left, METH_NOARGS,
      "has_left() -> bool: the group lost a rank and left the job."},
-    {"wait_lost", mserver_wait_lost, METH_VARARGS,
+    {"wait_lost", mgrserver_wait_lost, METH_VARARGS,
      "wait_lost(after_qid, timeout_s) -> int | None: a quorum newer than "
      "after_qid the lighthouse reported a member of lost, or None."},
-    {"shutdown", mserver_shutdown, METH_NOARGS,
+    {"shutdown", mgrserver_shutdown, METH_NOARGS,
      "shutdown(): stop serving (idempotent); waiting calls fail."},
     {NULL, NULL, 0, NULL},
 };
 
-static PyType_Slot mserver_slots[] = {
-    {Py_tp_init, mserver_init},
-    {Py_tp_dealloc, mserver_dealloc},
-    {Py_tp_traverse, mserver_traverse},
-    {Py_tp_clear, mserver_clear},
-    {Py_tp_methods, mserver_methods},
+static PyType_Slot mgrserver_slots[] = {
+    {Py_tp_init, mgrserver_init},
+    {Py_tp_dealloc, mgrserver_dealloc},
+    {Py_tp_traverse, mgrserver_traverse},
+    {Py_tp_clear, mgrserver_clear},
+    {Py_tp_methods, mgrserver_methods},
     {Py_tp_doc, "ManagerServer(replica_id, lighthouse_addr, hostname, bind, "
                 "store_addr, world_size, heartbeat_interval_s, "
                 "connect_timeout_s, quorum_retries, auth_token=None, "
@@ -264,11 +264,11 @@ static PyType_Slot mserver_slots[] = {
     {0, NULL},
 };
 
-static PyType_Spec mserver_spec = {
+static PyType_Spec mgrserver_spec = {
     .name = "stepguard._C.ManagerServer",
     .basicsize = sizeof(mgr_server_obj),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
-    .slots = mserver_slots,
+    .slots = mgrserver_slots,
 };
 
 /* ---- ManagerClient ---------------------------------------------------------
@@ -347,7 +347,7 @@ static int local_wait(mgr_client_obj *self, sg_mgr_local_t *c) {
   return out;
 }
 
-static int mclient_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
+static int mgrclient_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
   mgr_client_obj *self = (mgr_client_obj *)self_obj;
   static char *kwlist[] = {"addr", "connect_timeout_s", "auth_token", "server",
                            NULL};
@@ -393,7 +393,7 @@ static int mclient_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
   return 0;
 }
 
-static int mclient_guard(mgr_client_obj *self) {
+static int mgrclient_guard(mgr_client_obj *self) {
   if (!self->cli) {
     PyErr_SetString(PyExc_RuntimeError, "ManagerClient is closed");
     return -1;
@@ -450,7 +450,7 @@ static void mcall_abort(void *arg) {
 
 /* mcall_do: 0 with c->rc == 0; -1 with an exception set. */
 static int mcall_do(struct mcall *c, double timeout_s) {
-  if (mclient_guard(c->self) < 0)
+  if (mgrclient_guard(c->self) < 0)
     return -1;
   int64_t ms = sg_py_timeout_ms(timeout_s);
   if (ms < 0)
@@ -526,7 +526,7 @@ static PyObject *result_dict(const sg_mgr_quorum_result_t *r) {
  * client, a bad timeout, a stopped server or a refused call). */
 static sg_mgr_local_t *local_start(mgr_client_obj *self, const struct mcall *c,
                                    double timeout_s) {
-  if (mclient_guard(self) < 0)
+  if (mgrclient_guard(self) < 0)
     return NULL;
   int64_t ms = sg_py_timeout_ms(timeout_s);
   if (ms < 0)
@@ -583,8 +583,8 @@ static char *quorum_kwlist[] = {"group_rank",
                                 "reconfigure_handle",
                                 NULL};
 
-static PyObject *mclient_quorum(PyObject *self_obj, PyObject *args,
-                                PyObject *kw) {
+static PyObject *mgrclient_quorum(PyObject *self_obj, PyObject *args,
+                                  PyObject *kw) {
   struct mcall c;
   memset(&c, 0, sizeof(c));
   c.self = (mgr_client_obj *)self_obj;
@@ -622,8 +622,8 @@ static void mcall_free(struct mcall *c) {
  * returns None at once.  RuntimeError if one is already started and not yet
  * collected by _quorum_wait.
  */
-static PyObject *mclient_quorum_start(PyObject *self_obj, PyObject *args,
-                                      PyObject *kw) {
+static PyObject *mgrclient_quorum_start(PyObject *self_obj, PyObject *args,
+                                        PyObject *kw) {
   mgr_client_obj *self = (mgr_client_obj *)self_obj;
   struct mcall req; /* the arguments; the worker's call gets a copy */
   memset(&req, 0, sizeof(req));
@@ -640,7 +640,7 @@ static PyObject *mclient_quorum_start(PyObject *self_obj, PyObject *args,
   req.group_rank = g;
   req.step = step;
   req.commit_failures = cf;
-  if (mclient_guard(self) < 0)
+  if (mgrclient_guard(self) < 0)
     return NULL;
   if (self->queued || self->queued_local) {
     PyErr_SetString(PyExc_RuntimeError,
@@ -685,7 +685,7 @@ static PyObject *mclient_quorum_start(PyObject *self_obj, PyObject *args,
  * main thread Ctrl-C aborts the client and raises.  RuntimeError if no
  * call was started.
  */
-static PyObject *mclient_quorum_wait(PyObject *self_obj, PyObject *unused) {
+static PyObject *mgrclient_quorum_wait(PyObject *self_obj, PyObject *unused) {
   mgr_client_obj *self = (mgr_client_obj *)self_obj;
   struct mcall *c = self->queued;
   if (self->queued_local) {
@@ -711,8 +711,8 @@ static PyObject *mclient_quorum_wait(PyObject *self_obj, PyObject *unused) {
   return d;
 }
 
-static PyObject *mclient_metadata(PyObject *self_obj, PyObject *args,
-                                  PyObject *kw) {
+static PyObject *mgrclient_metadata(PyObject *self_obj, PyObject *args,
+                                    PyObject *kw) {
   static char *kwlist[] = {"rank", "timeout_s", NULL};
   struct mcall c;
   memset(&c, 0, sizeof(c));
@@ -750,8 +750,8 @@ static PyObject *local_should_commit(mgr_client_obj *self,
   return out;
 }
 
-static PyObject *mclient_should_commit(PyObject *self_obj, PyObject *args,
-                                       PyObject *kw) {
+static PyObject *mgrclient_should_commit(PyObject *self_obj, PyObject *args,
+                                         PyObject *kw) {
   static char *kwlist[] = {"group_rank", "step", "should_commit", "timeout_s",
                            NULL};
   struct mcall c;
@@ -772,8 +772,8 @@ static PyObject *mclient_should_commit(PyObject *self_obj, PyObject *args,
   return PyBool_FromLong(c.decision);
 }
 
-static PyObject *mclient_kill(PyObject *self_obj, PyObject *args,
-                              PyObject *kw) {
+static PyObject *mgrclient_kill(PyObject *self_obj, PyObject *args,
+                                PyObject *kw) {
   static char *kwlist[] = {"msg", "timeout_s", NULL};
   struct mcall c;
   memset(&c, 0, sizeof(c));
@@ -788,7 +788,7 @@ static PyObject *mclient_kill(PyObject *self_obj, PyObject *args,
   Py_RETURN_NONE;
 }
 
-static PyObject *mclient_abort(PyObject *self_obj, PyObject *unused) {
+static PyObject *mgrclient_abort(PyObject *self_obj, PyObject *unused) {
   mgr_client_obj *self = (mgr_client_obj *)self_obj;
   if (self->cli)
     sg_mgr_client_abort(self->cli);
@@ -800,7 +800,7 @@ static PyObject *mclient_abort(PyObject *self_obj, PyObject *unused) {
   Py_RETURN_NONE;
 }
 
-static void mclient_close_now(mgr_client_obj *self) {
+static void mgrclient_close_now(mgr_client_obj *self) {
   sg_mgr_client_t *cli = self->cli;
   self->cli = NULL;
   if (cli) {
@@ -810,7 +810,7 @@ static void mclient_close_now(mgr_client_obj *self) {
   }
 }
 
-static PyObject *mclient_close(PyObject *self_obj, PyObject *unused) {
+static PyObject *mgrclient_close(PyObject *self_obj, PyObject *unused) {
   mgr_client_obj *self = (mgr_client_obj *)self_obj;
   if (self->inflight) {
     PyErr_SetString(PyExc_RuntimeError,
@@ -818,11 +818,11 @@ static PyObject *mclient_close(PyObject *self_obj, PyObject *unused) {
                     "it first");
     return NULL;
   }
-  mclient_close_now(self);
+  mgrclient_close_now(self);
   Py_RETURN_NONE;
 }
 
-static void mclient_dealloc(PyObject *self_obj) {
+static void mgrclient_dealloc(PyObject *self_obj) {
   mgr_client_obj *self = (mgr_client_obj *)self_obj;
   PyTypeObject *tp = Py_TYPE(self);
   struct mcall *c = self->queued;
@@ -837,61 +837,61 @@ static void mclient_dealloc(PyObject *self_obj) {
   sg_mgr_local_free(self->queued_local); /* aborts it if still waiting */
   self->queued_local = NULL;
   Py_CLEAR(self->server);
-  mclient_close_now(self);
+  mgrclient_close_now(self);
   tp->tp_free(self_obj);
   Py_DECREF(tp);
 }
 
-static PyMethodDef mclient_methods[] = {
-    {"_quorum", (PyCFunction)(void (*)(void))mclient_quorum,
+static PyMethodDef mgrclient_methods[] = {
+    {"_quorum", (PyCFunction)(void (*)(void))mgrclient_quorum,
      METH_VARARGS | METH_KEYWORDS,
      "_quorum(group_rank, step, checkpoint_metadata, shrink_only, init_sync, "
      "commit_failures, timeout_s, reconfigure_handle='') -> dict"},
-    {"_quorum_start", (PyCFunction)(void (*)(void))mclient_quorum_start,
+    {"_quorum_start", (PyCFunction)(void (*)(void))mgrclient_quorum_start,
      METH_VARARGS | METH_KEYWORDS,
      "_quorum_start(group_rank, step, checkpoint_metadata, shrink_only, "
      "init_sync, commit_failures, timeout_s, reconfigure_handle='') -> None: "
      "start a quorum call in the background (one at a time)."},
-    {"_quorum_wait", mclient_quorum_wait, METH_NOARGS,
+    {"_quorum_wait", mgrclient_quorum_wait, METH_NOARGS,
      "_quorum_wait() -> dict: the result of the started quorum call (raises "
      "its error)."},
-    {"_checkpoint_metadata", (PyCFunction)(void (*)(void))mclient_metadata,
+    {"_checkpoint_metadata", (PyCFunction)(void (*)(void))mgrclient_metadata,
      METH_VARARGS | METH_KEYWORDS,
      "_checkpoint_metadata(rank, timeout_s) -> str"},
-    {"should_commit", (PyCFunction)(void (*)(void))mclient_should_commit,
+    {"should_commit", (PyCFunction)(void (*)(void))mgrclient_should_commit,
      METH_VARARGS | METH_KEYWORDS,
      "should_commit(group_rank, step, should_commit, timeout_s) -> bool"},
-    {"kill", (PyCFunction)(void (*)(void))mclient_kill,
+    {"kill", (PyCFunction)(void (*)(void))mgrclient_kill,
      METH_VARARGS | METH_KEYWORDS, "kill(msg, timeout_s=10.0)"},
-    {"abort", mclient_abort, METH_NOARGS,
+    {"abort", mgrclient_abort, METH_NOARGS,
      "abort(): fail every call in progress and later ones."},
-    {"close", mclient_close, METH_NOARGS, "close(): drop the connection."},
+    {"close", mgrclient_close, METH_NOARGS, "close(): drop the connection."},
     {NULL, NULL, 0, NULL},
 };
 
-static PyType_Slot mclient_slots[] = {
-    {Py_tp_init, mclient_init},
-    {Py_tp_dealloc, mclient_dealloc},
-    {Py_tp_methods, mclient_methods},
+static PyType_Slot mgrclient_slots[] = {
+    {Py_tp_init, mgrclient_init},
+    {Py_tp_dealloc, mgrclient_dealloc},
+    {Py_tp_methods, mgrclient_methods},
     {Py_tp_doc, "ManagerClient(addr, connect_timeout_s, auth_token=None, "
                 "server=None): server, the ManagerServer of this process, "
                 "takes its Quorum and ShouldCommit calls in-process"},
     {0, NULL},
 };
 
-static PyType_Spec mclient_spec = {
+static PyType_Spec mgrclient_spec = {
     .name = "stepguard._C.ManagerClient",
     .basicsize = sizeof(mgr_client_obj),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    .slots = mclient_slots,
+    .slots = mgrclient_slots,
 };
 
 int sg_py_manager_init(PyObject *module, sg_py_state *st) {
-  st->mgr_server_type = PyType_FromModuleAndSpec(module, &mserver_spec, NULL);
+  st->mgr_server_type = PyType_FromModuleAndSpec(module, &mgrserver_spec, NULL);
   if (!st->mgr_server_type ||
       PyModule_AddObjectRef(module, "ManagerServer", st->mgr_server_type) < 0)
     return -1;
-  st->mgr_client_type = PyType_FromModuleAndSpec(module, &mclient_spec, NULL);
+  st->mgr_client_type = PyType_FromModuleAndSpec(module, &mgrclient_spec, NULL);
   if (!st->mgr_client_type ||
       PyModule_AddObjectRef(module, "ManagerClient", st->mgr_client_type) < 0)
     return -1;

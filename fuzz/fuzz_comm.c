@@ -1,7 +1,7 @@
 /*
  * fuzz_comm.c: the collectives' wire parsers (HELLO, REPLY, the same-host
- * OFFER, OP / DESC / ACK / PULL / BYE frames, the handshake admission check,
- * peer addresses) on arbitrary bytes.
+ * OFFER, OP / DESC / ACK / PULL / BYE / SEG / KEEPALIVE frames, the handshake
+ * admission check, peer addresses) on arbitrary bytes.
  *
  * Input: byte 0 picks the parser, the rest is what a peer sent.  Checks:
  * no crash or overread (ASan), every prefix of an input that parses asks

@@ -28,6 +28,15 @@
  * operation with a message naming the peer's rank and poisons the
  * communicator: every later operation fails with the first error.
  *
+ * Liveness: the progress thread sends each peer a small KEEPALIVE frame
+ * when it has sent it nothing for a while (at most 500 ms, a quarter of
+ * the progress deadline), in or between operations.  An operation that
+ * waits on a peer from which nothing at all came for the progress deadline
+ * (opts.progress_timeout_ms, 2 s by default) fails with SG_EPEER naming the
+ * peer's rank and address: a hung (SIGSTOP) or cut-off peer is found in
+ * seconds, long before the operation's own deadline, while a peer that is
+ * merely late or slow keeps it alive.
+ *
  * Same-host path: when a peer is another process of this host (an
  * sg_samehost_id exchanged once the mesh is up, then a probe read; see
  * stepguard/samehost.h), large transfers of the collectives (not send/recv)
@@ -99,6 +108,11 @@ typedef struct sg_comm_opts_s {
                       one process (tests) */
   size_t pull_min; /* a transfer of at least this many bytes to a same-host
                       peer uses that path; 0 = default (256 KiB) */
+  int progress_timeout_ms; /* progress deadline: an operation waiting on a
+                              peer that sent nothing (no data, no keepalive)
+                              for this long fails naming it; 0 = default
+                              (2000), < 0 = off.  Keep it the same on every
+                              rank and well below operation deadlines. */
 } sg_comm_opts_t;
 
 /*

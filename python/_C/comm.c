@@ -42,15 +42,17 @@ static void on_done(void *ud, int rc, const char *msg) {
 
 static int comm_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
   comm_obj *self = (comm_obj *)self_obj;
-  static char *kwlist[] = {"rank",       "world_size", "generation", "job",
-                           "auth_token", "bind_host",  "small_max",  NULL};
+  static char *kwlist[] = {"rank",      "world_size",          "generation",
+                           "job",       "auth_token",          "bind_host",
+                           "small_max", "progress_timeout_ms", NULL};
   int rank, world;
   unsigned long long gen = 0;
   const char *job = NULL, *token = NULL, *host = NULL;
   Py_ssize_t small_max = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "ii|Kzzzn:Comm", kwlist, &rank,
+  int progress_ms = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "ii|Kzzzni:Comm", kwlist, &rank,
                                    &world, &gen, &job, &token, &host,
-                                   &small_max))
+                                   &small_max, &progress_ms))
     return -1;
   if (self->comm) {
     PyErr_SetString(PyExc_RuntimeError, "Comm already created");
@@ -66,7 +68,8 @@ static int comm_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
                       .job = job,
                       .auth_token = token,
                       .bind_host = host,
-                      .small_max = (size_t)small_max};
+                      .small_max = (size_t)small_max,
+                      .progress_timeout_ms = progress_ms};
   sg_err_t err;
   sg_err_clear(&err);
   int rc = sg_comm_new(&o, &self->comm, &err);
@@ -498,7 +501,8 @@ static PyType_Slot comm_slots[] = {
     {Py_tp_dealloc, comm_dealloc},
     {Py_tp_methods, comm_methods},
     {Py_tp_doc, "Comm(rank, world_size, generation=0, job=None, "
-                "auth_token=None, bind_host=None, small_max=0): a "
+                "auth_token=None, bind_host=None, small_max=0, "
+                "progress_timeout_ms=0): a "
                 "communicator of TCP collectives; done(rc, msg) callables "
                 "run on its progress thread."},
     {0, NULL},

@@ -16,6 +16,12 @@ is refused at the handshake.  The advertised host is the local address that
 routes to the store (``STEPGUARD_COMM_HOST`` overrides it); the token in
 ``STEPGUARD_AUTH_TOKEN``, when set, must match on every rank.
 
+Liveness: besides the operation deadline, an operation that waits on a peer
+from which nothing at all (no data, no keepalive) came for the progress
+timeout (2 s by default, ``STEPGUARD_COMM_PROGRESS_TIMEOUT_SEC``, 0 = off)
+fails naming the peer, so a hung or cut-off peer costs seconds, not the
+operation timeout.  Live peers send keepalives even while they compute.
+
 Tensors: CPU tensors that are contiguous are used in place.  Tensors on an
 accelerator are staged through a contiguous host copy: the copy is made
 when the operation is issued (which synchronises with the tensor's stream)
@@ -171,6 +177,24 @@ class _Staged:
 # up on the progress thread's answer.
 _WAIT_MARGIN = timedelta(seconds=10)
 
+# the progress timeout (seconds, 0 = off) when the constructor gets none
+PROGRESS_TIMEOUT_SEC_ENV: str = "STEPGUARD_COMM_PROGRESS_TIMEOUT_SEC"
+_DEFAULT_PROGRESS_TIMEOUT = timedelta(seconds=2)
+
+
+def _progress_timeout_ms(progress_timeout: Optional[timedelta]) -> int:
+    """The C option ``progress_timeout_ms``: the environment variable, else
+    the argument, else 2 s (the environment wins, as with the Manager's
+    timeouts); a zero timeout turns the check off (-1 in C, where 0 means
+    the default)."""
+    env = os.environ.get(PROGRESS_TIMEOUT_SEC_ENV)
+    if env:
+        progress_timeout = timedelta(seconds=float(env))
+    elif progress_timeout is None:
+        progress_timeout = _DEFAULT_PROGRESS_TIMEOUT
+    ms = int(progress_timeout.total_seconds() * 1000)
+    return ms if ms > 0 else -1
+
 
 class _TCPWork(dist._Work):
     """The work of one call: completes when its C operations have.
@@ -300,11 +324,18 @@ class ProcessGroupTCP(ProcessGroup):
     Args:
         timeout: the deadline of every operation and of ``configure``'s
             rendezvous (a float is seconds).
+        progress_timeout: how long an operation waits on a peer that sends
+            nothing at all (no data, no keepalive) before it fails naming
+            that peer (a float is seconds; zero turns it off); 2 s by
+            default.  ``STEPGUARD_COMM_PROGRESS_TIMEOUT_SEC``, when set,
+            overrides it.  Keep it the same on every rank and well below
+            ``timeout``.
     """
 
     def __init__(
         self,
         timeout: Union[timedelta, float] = timedelta(seconds=60),
+        progress_timeout: Union[timedelta, float, None] = None,
         *,
         _rank_size: Tuple[int, int] = (0, 1),
     ) -> None:
@@ -316,6 +347,11 @@ class ProcessGroupTCP(ProcessGroup):
         if not isinstance(timeout, timedelta):
             timeout = timedelta(seconds=timeout)
         self._timeout = timeout
+        if progress_timeout is not None and not isinstance(
+            progress_timeout, timedelta
+        ):
+            progress_timeout = timedelta(seconds=progress_timeout)
+        self._progress_timeout_ms = _progress_timeout_ms(progress_timeout)
         self._comm: Optional[_C.Comm] = None
         self._connecting: Optional[_C.Comm] = None  # being built by configure
         self._aborts = 0  # abort() calls so far: a configure watches it
@@ -391,6 +427,7 @@ class ProcessGroupTCP(ProcessGroup):
             generation & 0xFFFFFFFFFFFFFFFF,
             job.encode()[-256:].decode(errors="ignore"),
             token,
+            progress_timeout_ms=self._progress_timeout_ms,
         )
         with self._lock:
             self._connecting = comm

@@ -115,17 +115,35 @@ static void shut_all(sg_comm_t *c) {
       shutdown(c->peers[p].fd, SHUT_RDWR);
 }
 
+/* idle_tick: between operations, keep every connection alive (send the
+ * KEEPALIVEs that are due) and consume the peers' KEEPALIVEs, so that they
+ * do not pile up in the socket buffers. */
+static void idle_tick(sg_comm_t *c) {
+  sg__comm_keepalive(c, NULL, sg_now_ns());
+  for (int p = 0; p < c->world; p++)
+    if (p != c->rank && c->peers[p].fd >= 0)
+      (void)sg__comm_drain(c, p);
+}
+
 void *sg__comm_progress_main(void *arg) {
   sg_comm_t *c = arg;
   sg_thread_name("sg-comm");
   char msg[256];
   for (;;) {
     pthread_mutex_lock(&c->mu);
-    while (!c->head && !c->closing && !atomic_load(&c->aborted)) {
-      struct timespec ts;
-      clock_gettime(CLOCK_REALTIME, &ts);
-      ts.tv_sec += 1;
-      pthread_cond_timedwait(&c->cv, &c->mu, &ts);
+    if (!c->head && !c->closing && !atomic_load(&c->aborted)) {
+      /* idle: wake when the next KEEPALIVE is due (or in a second) */
+      int64_t wait_ns = c->ka_next - sg_now_ns();
+      if (wait_ns > 1000000000)
+        wait_ns = 1000000000;
+      if (wait_ns > 0) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += (long)wait_ns;
+        ts.tv_sec += ts.tv_nsec / 1000000000;
+        ts.tv_nsec %= 1000000000;
+        pthread_cond_timedwait(&c->cv, &c->mu, &ts);
+      }
     }
     sg__comm_op_t *op = c->head;
     if (op) {
@@ -140,6 +158,8 @@ void *sg__comm_progress_main(void *arg) {
     if (!op) {
       if (closing || atomic_load(&c->aborted))
         break;
+      if (!code)
+        idle_tick(c);
       continue;
     }
     int rc;
@@ -423,7 +443,7 @@ static void close_peers(sg_comm_t *c, int bye) {
     sg__comm_peer_t *pe = &c->peers[p];
     if (pe->fd < 0)
       continue;
-    if (bye) {
+    if (bye && sg__comm_ka_flush(c, p) == 0) {
       uint8_t b[SG__COMM_FRAME_LEN];
       sg__comm_frame_t f = {.type = SG__COMM_FRAME_BYE, .seq = pe->tx_seq};
       sg__comm_frame_encode(b, &f);

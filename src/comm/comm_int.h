@@ -45,8 +45,17 @@
  *   ACK    "SGAK" u16 kind u16 0 u64 seq u64 payload_bytes: the receiver of
  *          a DESC payload has read all of it (the sender may reuse it)
  *   BYE    "SGBY" u16 0 u16 0 u64 seq u64 0
+ *   SEG    "SGSG" u16 0 u16 0 u64 index u64 length: starts payload segment
+ *          `index` (>= 1) of a TCP transfer; segment 0 follows the OP frame
+ *   KEEPALIVE "SGKA" u16 0 u16 0 u64 0 u64 0: "still here"; sent on a quiet
+ *          connection wherever a frame may start (never inside a payload
+ *          segment) and skipped by the reader
+ *
+ * Version 3 added SEG and KEEPALIVE; HELLO, REPLY and OFFER must carry the
+ * same version on both ends, so a version 2 peer is refused at the
+ * handshake and never sees them.
  */
-#define SG__COMM_VERSION 2
+#define SG__COMM_VERSION 3
 #define SG__COMM_HELLO_FIXED 28
 #define SG__COMM_HELLO_MAX                                                     \
   (SG__COMM_HELLO_FIXED + SG_COMM_MAX_JOB + SG_COMM_MAX_TOKEN)
@@ -75,14 +84,17 @@ enum {
   SG__COMM_FRAME_DESC = 3,
   SG__COMM_FRAME_ACK = 4,
   SG__COMM_FRAME_PULL = 5,
+  SG__COMM_FRAME_SEG = 6,
+  SG__COMM_FRAME_KEEPALIVE = 7,
 };
 
 typedef struct sg__comm_frame_s {
   int type;       /* SG__COMM_FRAME_* */
   uint16_t kind;  /* operation kind (OP, ACK) */
   uint16_t flags; /* OP only: SG__COMM_OP_PULL */
-  uint64_t seq;   /* OP, ACK, BYE: sequence; DESC: address; PULL: 0 or 1 */
-  uint64_t bytes; /* OP, ACK: payload bytes; DESC: length */
+  uint64_t seq;   /* OP, ACK, BYE: sequence; DESC: address; PULL: 0 or 1;
+                     SEG: segment index */
+  uint64_t bytes; /* OP, ACK: payload bytes; DESC, SEG: length */
 } sg__comm_frame_t;
 
 typedef struct sg__comm_offer_s {
@@ -117,7 +129,7 @@ void sg__comm_frame_encode(uint8_t *buf, const sg__comm_frame_t *f);
 /* sg__comm_frame_parse: needs exactly SG__COMM_FRAME_LEN bytes; returns 0
  * or SG_EPROTO (unknown magic, nonzero reserved fields, unknown OP flags,
  * a DESC of length 0 or one that wraps the address space, a PULL answer
- * other than 0 or 1). */
+ * other than 0 or 1, a SEG of index 0, a KEEPALIVE with a nonzero field). */
 int sg__comm_frame_parse(const uint8_t *p, size_t n, sg__comm_frame_t *f);
 
 /* sg__comm_offer_encode: writes SG__COMM_OFFER_LEN bytes. */
@@ -239,6 +251,10 @@ struct sg__comm_peer_s {
   int pull_from;    /* we read this peer's memory (same host, probed) */
   int pull_to;      /* this peer reads ours */
   uint32_t pid;     /* the peer's pid (pull_from) */
+  int64_t last_rx;  /* sg_now_ns() when bytes last came from it */
+  int64_t last_tx;  /* sg_now_ns() when bytes last went to it */
+  uint8_t ka[SG__COMM_FRAME_LEN]; /* a KEEPALIVE partly sent */
+  size_t ka_off; /* bytes of ka sent; SG__COMM_FRAME_LEN: none pending */
 };
 
 /* The communicator's life: new, connecting (sg_comm_connect), ready or
@@ -256,8 +272,11 @@ struct sg_comm_s {
   uint64_t generation;
   char *job, *token;
   size_t small_max;
-  int same_host;   /* opts.same_host */
-  size_t pull_min; /* same-host path for transfers of at least this */
+  int same_host;       /* opts.same_host */
+  size_t pull_min;     /* same-host path for transfers of at least this */
+  int64_t progress_ns; /* progress deadline; 0 = off */
+  int64_t ka_ns;       /* KEEPALIVE after this long without sending */
+  int64_t ka_next;     /* progress thread: no KEEPALIVE is due before */
   uint8_t probe[SG__COMM_PROBE_LEN]; /* what peers read to prove the path */
   int listen_fd, port;
   int wake_fd; /* eventfd: readable once aborted or closing */
@@ -313,11 +332,34 @@ struct sg__comm_xfer_s {
   size_t rleft;     /* and how many bytes are left of it */
   uint8_t ack_out[SG__COMM_FRAME_LEN], ack_in[SG__COMM_FRAME_LEN];
   size_t ack_out_off, ack_in_off; /* SG__COMM_FRAME_LEN: done or none */
-  int sk, rk;
+  int sk, rk;                     /* current send / receive segment */
   size_t soff, roff, rdone;
+  int64_t start_ns;    /* sg_now_ns() at the start: no peer is silent before */
+  int no_drain;        /* send_peer queued bytes that are not KEEPALIVEs */
+  int64_t watch_since; /* when we began to read send_peer's stream; 0: not */
   uint64_t stotal, rtotal, sent, rcvd;
   char *msg; /* error detail, 256 bytes */
 };
+
+/*
+ * sg__comm_keepalive: send a KEEPALIVE to every peer that has had nothing
+ * from us for c->ka_ns, where its stream is between frames (x: the running
+ * transfer, or NULL), and finish one partly sent.  One frame per peer per
+ * call; errors are left for the next transfer to see.  Progress thread.
+ */
+void sg__comm_keepalive(sg_comm_t *c, const sg__comm_xfer_t *x, int64_t now);
+
+/* sg__comm_ka_flush: finish rank p's partly sent KEEPALIVE; 0 when none is
+ * pending any more, 1 when the socket is full, or -errno. */
+int sg__comm_ka_flush(sg_comm_t *c, int p);
+
+/*
+ * sg__comm_drain: consume the KEEPALIVEs at the head of rank p's stream (at
+ * most a fixed budget), which counts as hearing from it.  Returns 0 when
+ * nothing else is queued, 1 when other bytes come first (left in place),
+ * 2 when the budget ran out, SG_EPEER at EOF, or -errno.
+ */
+int sg__comm_drain(sg_comm_t *c, int p);
 
 /* sg__comm_kind_name: "allreduce", ... for an operation kind; "?" else. */
 const char *sg__comm_kind_name(int k);

@@ -7,14 +7,20 @@
  * buffer and are reduced into their destination.  Between two processes
  * of one host the payload may instead be read from the sender's memory as
  * its DESC frames describe, and acknowledged.  Peers not in the transfer
- * are watched for a crash.
+ * are watched for a crash.  KEEPALIVE frames go out wherever a stream is
+ * between frames and are skipped wherever one is read; a peer this
+ * transfer waits on that sends nothing for the progress deadline fails it.
  *
+ *   liveness   sg__comm_keepalive, sg__comm_ka_flush, sg__comm_drain,
+ *              silent_fail
  *   failures   fail, peer_gone, first_gone, eof_fail
  *   sending    send_allowed, next_desc, send_iov, do_send_pull, do_send
  *   receiving  reduce_ready, check_header, take_desc, pull, do_recv
  *   the run    acknowledgements, deadlines, sg__comm_xfer_run,
  *              sg__comm_exchange
  */
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -34,6 +40,7 @@
 #define GONE_GRACE_MS 50         /* see first_gone */
 #define PULL_BUDGET (2u << 20)   /* bytes read from a peer per pass */
 #define DESC_MIN (256u << 10)    /* smallest descriptor but a segment end */
+#define DRAIN_BUDGET 64 /* KEEPALIVEs consumed per sg__comm_drain call */
 
 static int fail(sg__comm_xfer_t *x, int code, const char *fmt, ...)
     SG_PRINTF(3, 4);
@@ -44,6 +51,133 @@ static int fail(sg__comm_xfer_t *x, int code, const char *fmt, ...) {
   vsnprintf(x->msg, 256, fmt, ap);
   va_end(ap);
   return code;
+}
+
+/* ---- liveness ------------------------------------------------------------ */
+
+static int send_done(const sg__comm_xfer_t *x);
+
+/* between_frames: whether our stream to rank p is between frames, so that
+ * a KEEPALIVE may go (x: the running transfer or NULL).  Inside a TCP
+ * payload segment it is not: the receiver reads those bytes as payload;
+ * a segment's OP or SEG frame waits for its first byte that may go, so a
+ * sender waiting on its own receive stream stays between frames. */
+static int between_frames(const sg__comm_xfer_t *x, int p) {
+  if (!x)
+    return 1;
+  if (p == x->recv_peer && x->ack_out_off > 0 &&
+      x->ack_out_off < SG__COMM_FRAME_LEN)
+    return 0;
+  if (p != x->send_peer || send_done(x))
+    return 1;
+  if (x->spull)
+    return (x->shdr_off == 0 || x->shdr_off == SG__COMM_FRAME_LEN) &&
+           x->sdesc_off == SG__COMM_FRAME_LEN;
+  return x->shdr_off == 0;
+}
+
+int sg__comm_ka_flush(sg_comm_t *c, int p) {
+  sg__comm_peer_t *pe = &c->peers[p];
+  while (pe->ka_off < SG__COMM_FRAME_LEN) {
+    ssize_t w =
+        send(pe->fd, pe->ka + pe->ka_off, SG__COMM_FRAME_LEN - pe->ka_off,
+             MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w < 0 && errno == EINTR)
+      continue;
+    if (w < 0)
+      return errno == EAGAIN ? 1 : -errno;
+    pe->ka_off += (size_t)w;
+    pe->last_tx = sg_now_ns();
+  }
+  return 0;
+}
+
+void sg__comm_keepalive(sg_comm_t *c, const sg__comm_xfer_t *x, int64_t now) {
+  if (now < c->ka_next)
+    return;
+  int64_t next = now + c->ka_ns;
+  for (int p = 0; p < c->world; p++) {
+    sg__comm_peer_t *pe = &c->peers[p];
+    if (p == c->rank || pe->fd < 0)
+      continue;
+    if (pe->ka_off == SG__COMM_FRAME_LEN && now - pe->last_tx >= c->ka_ns &&
+        between_frames(x, p)) {
+      sg__comm_frame_t f = {.type = SG__COMM_FRAME_KEEPALIVE};
+      sg__comm_frame_encode(pe->ka, &f);
+      pe->ka_off = 0;
+    }
+    if (pe->ka_off < SG__COMM_FRAME_LEN)
+      (void)sg__comm_ka_flush(c, p); /* a failure shows in the transfer */
+    /* a peer that could not have one now is tried again in ka_ns */
+    if (pe->last_tx + c->ka_ns > now && pe->last_tx + c->ka_ns < next)
+      next = pe->last_tx + c->ka_ns;
+  }
+  c->ka_next = next;
+}
+
+static int is_keepalive(const uint8_t *b) {
+  sg__comm_frame_t f;
+  return sg__comm_frame_parse(b, SG__COMM_FRAME_LEN, &f) == 0 &&
+         f.type == SG__COMM_FRAME_KEEPALIVE;
+}
+
+int sg__comm_drain(sg_comm_t *c, int p) {
+  sg__comm_peer_t *pe = &c->peers[p];
+  uint8_t b[SG__COMM_FRAME_LEN];
+  for (int i = 0; i < DRAIN_BUDGET; i++) {
+    ssize_t n = recv(pe->fd, b, sizeof(b), MSG_PEEK | MSG_DONTWAIT);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n < 0)
+      return errno == EAGAIN ? 0 : -errno;
+    if (n == 0)
+      return SG_EPEER;
+    if ((size_t)n < sizeof(b)) /* a KEEPALIVE on its way, or other bytes */
+      return memcmp(b, "SGKA", (size_t)n < 4 ? (size_t)n : 4) == 0 ? 0 : 1;
+    if (!is_keepalive(b))
+      return 1;
+    n = recv(pe->fd, b, sizeof(b), MSG_DONTWAIT); /* the bytes just seen */
+    (void)n;
+    pe->last_rx = sg_now_ns();
+  }
+  return 2;
+}
+
+/* peer_addr: "host:port" of rank p's end of the connection. */
+static void peer_addr(sg_comm_t *c, int p, char *buf, size_t cap) {
+  struct sockaddr_storage a;
+  socklen_t al = sizeof(a);
+  char host[INET6_ADDRSTRLEN] = "?";
+  int port = 0;
+  if (getpeername(c->peers[p].fd, (struct sockaddr *)&a, &al) == 0) {
+    if (a.ss_family == AF_INET) {
+      struct sockaddr_in *in = (struct sockaddr_in *)&a;
+      inet_ntop(AF_INET, &in->sin_addr, host, sizeof(host));
+      port = ntohs(in->sin_port);
+    } else if (a.ss_family == AF_INET6) {
+      struct sockaddr_in6 *in = (struct sockaddr_in6 *)&a;
+      if (IN6_IS_ADDR_V4MAPPED(&in->sin6_addr)) /* as the peer wrote it */
+        inet_ntop(AF_INET, &in->sin6_addr.s6_addr[12], host, sizeof(host));
+      else
+        inet_ntop(AF_INET6, &in->sin6_addr, host, sizeof(host));
+      port = ntohs(in->sin6_port);
+    }
+  }
+  snprintf(buf, cap, strchr(host, ':') ? "[%s]:%d" : "%s:%d", host, port);
+}
+
+static int eof_fail_what(sg__comm_xfer_t *x, int p, const char *what);
+
+/* silent_fail: rank p, which this transfer waits on, sent nothing for the
+ * progress deadline: fail as a reset peer does, naming its address. */
+static int silent_fail(sg__comm_xfer_t *x, int p, int64_t silent_ns) {
+  char addr[INET6_ADDRSTRLEN + 16], what[160];
+  peer_addr(x->c, p, addr, sizeof(addr));
+  snprintf(what, sizeof(what),
+           "nothing from %s for %.1f s (progress deadline %.1f s: hung or "
+           "cut off)",
+           addr, (double)silent_ns / 1e9, (double)x->c->progress_ns / 1e9);
+  return eof_fail_what(x, p, what);
 }
 
 /* peer_gone: called when poll() showed a hangup on rank p's connection:
@@ -60,6 +194,8 @@ static int peer_gone(sg_comm_t *c, int p) {
   if (getsockopt(pe->fd, SOL_SOCKET, SO_ERROR, &soerr, &sl) == 0 && soerr) {
     gone = 1;
   } else {
+    if (sg__comm_drain(c, p) == 2)
+      return 0; /* more KEEPALIVEs than one call takes: look again */
     ssize_t n = recv(pe->fd, b, sizeof(b), MSG_PEEK | MSG_DONTWAIT);
     if (n < 0 && (errno == EAGAIN || errno == EINTR))
       return 0;
@@ -176,6 +312,7 @@ static int send_iov(sg__comm_xfer_t *x, int fd, struct iovec *iov, int niov,
     return eof_fail(x, x->send_peer, -errno);
   }
   *moved = 1;
+  x->c->peers[x->send_peer].last_tx = sg_now_ns();
   size_t n = (size_t)w;
   if (x->shdr_off < SG__COMM_FRAME_LEN) {
     size_t h = SG__COMM_FRAME_LEN - x->shdr_off;
@@ -214,32 +351,53 @@ static int do_send_pull(sg__comm_xfer_t *x, int *blocked, int *moved) {
   }
 }
 
+/* next_seg: the current TCP segment is all sent: the next one starts with
+ * its SEG frame (segment 0 with the OP frame). */
+static void next_seg(sg__comm_xfer_t *x) {
+  x->sk++;
+  x->soff = 0;
+  sg__comm_frame_t f = {.type = SG__COMM_FRAME_SEG,
+                        .seq = (uint64_t)x->sk,
+                        .bytes = x->ss[x->sk].len};
+  sg__comm_frame_encode(x->shdr, &f);
+  x->shdr_off = 0;
+}
+
 /* do_send: write as much as is allowed; sets *blocked when the socket is
- * full (wait for POLLOUT) and *moved when bytes went out. */
+ * full (wait for POLLOUT) and *moved when bytes went out.  A segment's
+ * frame goes with its first byte that may go (or alone for an empty
+ * segment), so that while the segment waits for received bytes the stream
+ * is between frames and may carry KEEPALIVEs. */
 static int do_send(sg__comm_xfer_t *x, int *blocked, int *moved) {
   int fd = x->c->peers[x->send_peer].fd;
   size_t budget = SEND_BUDGET;
   *blocked = 0;
+  int k = sg__comm_ka_flush(x->c, x->send_peer);
+  if (k < 0)
+    return eof_fail(x, x->send_peer, k);
+  if (k) {
+    *blocked = 1;
+    return 0;
+  }
   if (x->spull)
     return do_send_pull(x, blocked, moved);
   while (budget) {
     struct iovec iov[2];
     int niov = 0;
+    if (x->sk + 1 < x->ns && x->shdr_off == SG__COMM_FRAME_LEN &&
+        x->soff == x->ss[x->sk].len)
+      next_seg(x);
+    size_t allowed = x->sk < x->ns ? send_allowed(x, x->sk) : 0;
     if (x->shdr_off < SG__COMM_FRAME_LEN) {
+      if (allowed == 0 && x->sk < x->ns && x->ss[x->sk].len > 0)
+        return 0; /* between frames until a byte may go */
       iov[niov].iov_base = x->shdr + x->shdr_off;
       iov[niov++].iov_len = SG__COMM_FRAME_LEN - x->shdr_off;
     }
-    while (x->sk < x->ns && x->soff == x->ss[x->sk].len) {
-      x->sk++;
-      x->soff = 0;
-    }
-    if (x->sk < x->ns) {
-      size_t allowed = send_allowed(x, x->sk);
-      if (allowed > x->soff) {
-        size_t len = allowed - x->soff;
-        iov[niov].iov_base = x->ss[x->sk].p + x->soff;
-        iov[niov++].iov_len = len < budget ? len : budget;
-      }
+    if (x->sk < x->ns && allowed > x->soff) {
+      size_t len = allowed - x->soff;
+      iov[niov].iov_base = x->ss[x->sk].p + x->soff;
+      iov[niov++].iov_len = len < budget ? len : budget;
     }
     if (niov == 0)
       return 0; /* done, or waiting for received bytes */
@@ -287,9 +445,22 @@ static int check_header(sg__comm_xfer_t *x) {
   if (sg__comm_frame_parse(x->rhdr, SG__COMM_FRAME_LEN, &f))
     return fail(x, SG_EPROTO, "%s: rank %d sent a malformed frame",
                 sg__comm_kind_name(x->op->kind), p);
+  if (f.type == SG__COMM_FRAME_KEEPALIVE) {
+    x->rhdr_off = 0; /* skipped: the frame we wait for comes after it */
+    return 0;
+  }
   if (f.type == SG__COMM_FRAME_BYE)
     return fail(x, SG_EPEER, "%s: rank %d closed its communicator",
                 sg__comm_kind_name(x->op->kind), p);
+  if (x->rk > 0) { /* a TCP segment after the first */
+    if (f.type != SG__COMM_FRAME_SEG || f.seq != (uint64_t)x->rk ||
+        f.bytes != x->rs[x->rk].len)
+      return fail(x, SG_EPROTO,
+                  "%s: rank %d disagrees on segment %d (%llu bytes expected)",
+                  sg__comm_kind_name(x->op->kind), p, x->rk,
+                  (unsigned long long)x->rs[x->rk].len);
+    return 0;
+  }
   if (f.type != SG__COMM_FRAME_OP)
     return fail(x, SG_EPROTO, "%s: rank %d sent a frame out of place",
                 sg__comm_kind_name(x->op->kind), p);
@@ -341,6 +512,11 @@ static ssize_t pull(sg__comm_xfer_t *x, int fd, uint8_t *dst, size_t room,
     if (m <= 0)
       return eof_fail(x, x->recv_peer, m == 0 ? SG_EPEER : -errno);
     x->rdesc_off += (size_t)m;
+    x->c->peers[x->recv_peer].last_rx = sg_now_ns();
+    if (x->rdesc_off == SG__COMM_FRAME_LEN && is_keepalive(x->rdesc)) {
+      x->rdesc_off = 0;
+      return 0;
+    }
     if (x->rdesc_off == SG__COMM_FRAME_LEN) {
       int rc = take_desc(x);
       if (rc)
@@ -385,12 +561,17 @@ static int do_recv(sg__comm_xfer_t *x, int *moved) {
       dst = x->rhdr + x->rhdr_off;
       room = SG__COMM_FRAME_LEN - x->rhdr_off;
     } else {
-      while (x->rk < x->nr && x->rdone == x->rs[x->rk].len) {
+      if (x->rk >= x->nr)
+        return 0;
+      if (x->rdone == x->rs[x->rk].len) { /* this segment is complete */
+        if (x->rk + 1 >= x->nr)
+          return 0;
         x->rk++;
         x->roff = x->rdone = 0;
+        if (!x->rpull)
+          x->rhdr_off = 0; /* its SEG frame comes first */
+        continue;
       }
-      if (x->rk == x->nr)
-        return 0;
       sg__comm_seg_t *s = &x->rs[x->rk];
       if (x->rk < x->nreduce) {
         size_t pos = x->roff % S, inflight = x->roff - x->rdone;
@@ -439,6 +620,7 @@ static int do_recv(sg__comm_xfer_t *x, int *moved) {
     if (m <= 0)
       return eof_fail(x, x->recv_peer, m == 0 ? SG_EPEER : -errno);
     *moved = 1;
+    x->c->peers[x->recv_peer].last_rx = sg_now_ns();
     size_t n = (size_t)m;
     budget -= n;
     if (x->rhdr_off < SG__COMM_FRAME_LEN) {
@@ -469,6 +651,8 @@ static int send_done(const sg__comm_xfer_t *x) {
     return 1;
   if (x->shdr_off < SG__COMM_FRAME_LEN || x->sdesc_off < SG__COMM_FRAME_LEN)
     return 0;
+  if (!x->spull) /* every segment's SEG frame must go, even an empty one's */
+    return x->ns == 0 || (x->sk == x->ns - 1 && x->soff == x->ss[x->sk].len);
   for (int j = x->sk; j < x->ns; j++)
     if ((j == x->sk ? x->soff : 0) < x->ss[j].len)
       return 0;
@@ -480,6 +664,8 @@ static int recv_done(const sg__comm_xfer_t *x) {
     return 1;
   if (x->rhdr_off < SG__COMM_FRAME_LEN)
     return 0;
+  if (!x->rpull)
+    return x->nr == 0 || (x->rk == x->nr - 1 && x->rdone == x->rs[x->rk].len);
   for (int j = x->rk; j < x->nr; j++)
     if ((j == x->rk ? x->rdone : 0) < x->rs[j].len)
       return 0;
@@ -523,6 +709,13 @@ static int do_acks(sg__comm_xfer_t *x, int sdone, int rdone, int *moved,
   *out_blocked = *in_wait = 0;
   while (x->ack_out_off < SG__COMM_FRAME_LEN && rdone &&
          (x->recv_peer != x->send_peer || sdone)) {
+    int k = x->ack_out_off == 0 ? sg__comm_ka_flush(c, x->recv_peer) : 0;
+    if (k < 0)
+      return eof_fail(x, x->recv_peer, k);
+    if (k) {
+      *out_blocked = 1;
+      break;
+    }
     ssize_t w =
         send(c->peers[x->recv_peer].fd, x->ack_out + x->ack_out_off,
              SG__COMM_FRAME_LEN - x->ack_out_off, MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -535,6 +728,7 @@ static int do_acks(sg__comm_xfer_t *x, int sdone, int rdone, int *moved,
     if (w < 0)
       return eof_fail(x, x->recv_peer, -errno);
     x->ack_out_off += (size_t)w;
+    c->peers[x->recv_peer].last_tx = sg_now_ns();
     *moved = 1;
   }
   while (x->ack_in_off < SG__COMM_FRAME_LEN && sdone &&
@@ -550,7 +744,12 @@ static int do_acks(sg__comm_xfer_t *x, int sdone, int rdone, int *moved,
     if (m <= 0)
       return eof_fail(x, x->send_peer, m == 0 ? SG_EPEER : -errno);
     x->ack_in_off += (size_t)m;
+    c->peers[x->send_peer].last_rx = sg_now_ns();
     *moved = 1;
+    if (x->ack_in_off == SG__COMM_FRAME_LEN && is_keepalive(x->ack_in)) {
+      x->ack_in_off = 0;
+      continue;
+    }
     if (x->ack_in_off == SG__COMM_FRAME_LEN)
       return check_ack(x);
   }
@@ -605,6 +804,7 @@ int sg__comm_xfer_run(sg__comm_xfer_t *x) {
   }
   if (x->recv_peer < 0)
     x->rhdr_off = SG__COMM_FRAME_LEN;
+  x->start_ns = sg_now_ns();
   pfd = sg_calloc((size_t)c->world + 1, sizeof(*pfd));
   who = sg_calloc((size_t)c->world + 1, sizeof(*who));
   if (!pfd || !who) {
@@ -636,11 +836,45 @@ int sg__comm_xfer_run(sg__comm_xfer_t *x) {
     if (sdone && rdone && x->ack_out_off == SG__COMM_FRAME_LEN &&
         x->ack_in_off == SG__COMM_FRAME_LEN)
       break;
+    int64_t now = sg_now_ns();
+    sg__comm_keepalive(c, x, now);
     if (moved)
       continue;
-    /* nothing moved: wait for the sockets, the wake fd or the deadline */
+    /* nothing moved: is a peer we wait on silent past the progress
+     * deadline?  The receive stream's peer, the ACK's, and the peer whose
+     * socket is full (read for its KEEPALIVEs: it owes us nothing else) */
+    int64_t wake_ns = c->ka_next;
+    int watch_send =
+        blocked && !ack_wait && x->send_peer != x->recv_peer && !x->no_drain;
+    int waited[2] = {!rdone ? x->recv_peer : -1,
+                     ack_wait || watch_send ? x->send_peer : -1};
+    /* its stream is read from the start of the watch, not before */
+    if (waited[1] < 0)
+      x->watch_since = 0;
+    else if (!x->watch_since)
+      x->watch_since = now;
+    for (int i = 0; i < 2 && c->progress_ns > 0; i++) {
+      if (waited[i] < 0)
+        continue;
+      int64_t heard = c->peers[waited[i]].last_rx;
+      if (heard < x->start_ns)
+        heard = x->start_ns;
+      if (i == 1 && waited[1] != x->recv_peer && heard < x->watch_since)
+        heard = x->watch_since;
+      if (now - heard >= c->progress_ns) {
+        rc = silent_fail(x, waited[i], now - heard);
+        goto out;
+      }
+      if (heard + c->progress_ns < wake_ns)
+        wake_ns = heard + c->progress_ns;
+    }
+    /* wait for the sockets, the wake fd, the deadline, the next KEEPALIVE
+     * due or the progress deadline */
     sg_deadline_t d = earliest_deadline(c, x->op->deadline);
     int64_t left = sg_deadline_left_ms(d);
+    int64_t wake_ms = (wake_ns - now + 999999) / 1000000;
+    if (wake_ms < 1)
+      wake_ms = 1;
     if (left == 0) {
       if (!rdone)
         rc = fail(x, SG_ETIMEDOUT,
@@ -675,7 +909,8 @@ int sg__comm_xfer_run(sg__comm_xfer_t *x) {
       if (p == c->rank || c->peers[p].fd < 0)
         continue;
       short ev = 0;
-      if ((p == x->recv_peer && !rdone) || (p == x->send_peer && ack_wait))
+      if ((p == x->recv_peer && !rdone) ||
+          (p == x->send_peer && (ack_wait || watch_send)))
         ev |= POLLIN;
       else if (!c->peers[p].unwatched)
         ev |= POLLRDHUP;
@@ -687,6 +922,8 @@ int sg__comm_xfer_run(sg__comm_xfer_t *x) {
       pfd[np] = (struct pollfd){.fd = c->peers[p].fd, .events = ev};
       who[np++] = p;
     }
+    if (left > wake_ms)
+      left = wake_ms;
     int n = poll(pfd, (nfds_t)np, left > 1000 ? 1000 : (int)left);
     if (n < 0 && errno != EINTR) {
       rc = fail(x, -errno, "poll: %s", strerror(errno));
@@ -698,6 +935,21 @@ int sg__comm_xfer_run(sg__comm_xfer_t *x) {
       if (who[i] != x->recv_peer &&
           (pfd[i].revents & (POLLRDHUP | POLLHUP | POLLERR)))
         peer_gone(c, who[i]);
+    /* the full socket's peer: its KEEPALIVEs; anything else queued before
+     * them (it cannot owe us anything in this transfer) stops the watch,
+     * else poll would wake for those bytes forever */
+    if (watch_send && n > 0) {
+      for (int i = 1; i < np; i++)
+        if (who[i] == x->send_peer && (pfd[i].revents & POLLIN)) {
+          int k = sg__comm_drain(c, x->send_peer);
+          if (k < 0) {
+            rc = eof_fail(x, x->send_peer, k);
+            goto out;
+          }
+          if (k == 1)
+            x->no_drain = 1;
+        }
+    }
   }
   if (x->send_peer >= 0)
     c->peers[x->send_peer].tx_seq++;

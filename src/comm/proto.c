@@ -1,8 +1,8 @@
 /*
  * proto.c: the collectives' wire format, as pure functions over byte spans
  * (so the fuzzer can call them): HELLO / REPLY for the handshake, the
- * same-host OFFER, OP / DESC / ACK / PULL / BYE frames, the handshake admission
- * check and address parsing.
+ * same-host OFFER, OP / DESC / ACK / PULL / BYE / SEG / KEEPALIVE frames, the
+ * handshake admission check and address parsing.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -123,27 +123,29 @@ int sg__comm_reply_parse(const uint8_t *p, size_t n, sg__comm_reply_t *r) {
   return SG__COMM_REPLY_LEN;
 }
 
-static const char *const frame_magic[] = {"",     "SGOP", "SGBY",
-                                          "SGDS", "SGAK", "SGPL"};
+static const char *const frame_magic[] = {"",     "SGOP", "SGBY", "SGDS",
+                                          "SGAK", "SGPL", "SGSG", "SGKA"};
 
 void sg__comm_frame_encode(uint8_t *buf, const sg__comm_frame_t *f) {
-  int t = f->type >= SG__COMM_FRAME_OP && f->type <= SG__COMM_FRAME_PULL
+  int t = f->type >= SG__COMM_FRAME_OP && f->type <= SG__COMM_FRAME_KEEPALIVE
               ? f->type
               : SG__COMM_FRAME_BYE;
+  int ka = t == SG__COMM_FRAME_KEEPALIVE;
   int has_kind = t == SG__COMM_FRAME_OP || t == SG__COMM_FRAME_ACK;
   memcpy(buf, frame_magic[t], 4);
   put16(buf + 4, has_kind ? f->kind : 0);
   put16(buf + 6, t == SG__COMM_FRAME_OP ? f->flags : 0);
-  put64(buf + 8, f->seq);
-  put64(buf + 16,
-        t == SG__COMM_FRAME_BYE || t == SG__COMM_FRAME_PULL ? 0 : f->bytes);
+  put64(buf + 8, ka ? 0 : f->seq);
+  put64(buf + 16, t == SG__COMM_FRAME_BYE || t == SG__COMM_FRAME_PULL || ka
+                      ? 0
+                      : f->bytes);
 }
 
 int sg__comm_frame_parse(const uint8_t *p, size_t n, sg__comm_frame_t *f) {
   if (n != SG__COMM_FRAME_LEN)
     return SG_EPROTO;
   f->type = 0;
-  for (int t = SG__COMM_FRAME_OP; t <= SG__COMM_FRAME_PULL; t++)
+  for (int t = SG__COMM_FRAME_OP; t <= SG__COMM_FRAME_KEEPALIVE; t++)
     if (memcmp(p, frame_magic[t], 4) == 0)
       f->type = t;
   if (!f->type)
@@ -164,6 +166,10 @@ int sg__comm_frame_parse(const uint8_t *p, size_t n, sg__comm_frame_t *f) {
     return f->bytes == 0 && f->seq <= 1 ? 0 : SG_EPROTO;
   case SG__COMM_FRAME_DESC:
     return f->bytes > 0 && f->seq + f->bytes > f->seq ? 0 : SG_EPROTO;
+  case SG__COMM_FRAME_SEG:
+    return f->seq > 0 ? 0 : SG_EPROTO;
+  case SG__COMM_FRAME_KEEPALIVE:
+    return f->seq == 0 && f->bytes == 0 ? 0 : SG_EPROTO;
   default:
     return 0;
   }

@@ -32,6 +32,9 @@
 #define DEFAULT_SMALL (64u << 10) /* latency algorithm up to this size */
 #define PAIR_SMALL (1u << 20)     /* the same, for two ranks (see below) */
 #define MAX_PENDING 64            /* handshakes in progress at once */
+#define PROGRESS_DEFAULT_MS 2000  /* the progress deadline by default */
+#define KA_MAX_MS 500             /* longest gap between KEEPALIVEs */
+#define KA_MIN_MS 5               /* shortest gap between KEEPALIVEs */
 #define HANDSHAKE_MS 10000        /* one handshake's own limit */
 #define SLICE_MS 100              /* abort latency bound for blocking steps */
 #define PULL_MIN (256u << 10)     /* same-host path from this size */
@@ -70,6 +73,15 @@ int sg_comm_new(const sg_comm_opts_t *o, sg_comm_t **out, sg_err_t *err) {
                                       : DEFAULT_SMALL;
   c->same_host = o->same_host;
   c->pull_min = o->pull_min ? o->pull_min : PULL_MIN;
+  /* the progress deadline; KEEPALIVEs go at a quarter of it, and at least
+   * every KA_MAX_MS whatever it is, so that a peer with a shorter deadline
+   * (or ours off) still hears from us in time */
+  int64_t pms = o->progress_timeout_ms == 0  ? PROGRESS_DEFAULT_MS
+                : o->progress_timeout_ms < 0 ? 0
+                                             : o->progress_timeout_ms;
+  c->progress_ns = pms * 1000000;
+  int64_t ka_ms = pms > 0 && pms / 4 < KA_MAX_MS ? pms / 4 : KA_MAX_MS;
+  c->ka_ns = (ka_ms > KA_MIN_MS ? ka_ms : KA_MIN_MS) * 1000000;
   uint64_t seed = (uint64_t)sg_now_ns() ^ ((uint64_t)getpid() << 32) ^
                   (uint64_t)(uintptr_t)c ^ o->generation ^ (uint64_t)o->rank;
   for (size_t i = 0; i < SG__COMM_PROBE_LEN; i++) { /* splitmix64 bytes */
@@ -89,8 +101,10 @@ int sg_comm_new(const sg_comm_opts_t *o, sg_comm_t **out, sg_err_t *err) {
     rc = sg_err_set(err, SG_ENOMEM, "out of memory");
     goto out;
   }
-  for (int i = 0; i < c->world; i++)
+  for (int i = 0; i < c->world; i++) {
     c->peers[i].fd = -1;
+    c->peers[i].ka_off = SG__COMM_FRAME_LEN;
+  }
   c->fork_gen = sg_sock_fork_count();
   c->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (c->wake_fd < 0) {
@@ -570,6 +584,12 @@ int sg_comm_connect(sg_comm_t *c, const char *const *addrs,
       loopback_tune(c->peers[p].fd);
   if (rc == 0)
     rc = samehost_setup(c, deadline, err);
+  if (rc == 0) { /* every peer's silence clock starts now */
+    int64_t now = sg_now_ns();
+    for (int p = 0; p < c->world; p++)
+      c->peers[p].last_rx = c->peers[p].last_tx = now;
+    c->ka_next = now;
+  }
   if (rc == 0 &&
       pthread_create(&c->thread, NULL, sg__comm_progress_main, c) != 0)
     rc = sg_err_set(err, SG_ENOMEM, "cannot start the progress thread");

@@ -41,6 +41,7 @@
 /* The path the group tests of the running cmocka group use: -1 TCP, 1 the
  * same-host path (set by the group setup functions in main). */
 static int test_same_host = -1;
+static int test_progress_ms; /* groups' progress deadline (0: default) */
 
 static int setup_tcp(void **state) {
   (void)state;
@@ -153,7 +154,8 @@ static void group_start_opts(struct group *g, int n, size_t small_max) {
                         .bind_host = "127.0.0.1",
                         .small_max = small_max,
                         .same_host = test_same_host,
-                        .pull_min = test_same_host > 0 ? 1 : 0};
+                        .pull_min = test_same_host > 0 ? 1 : 0,
+                        .progress_timeout_ms = test_progress_ms};
     sg_err_t err;
     assert_int_equal(sg_comm_new(&o, &g->c[r], &err), 0);
     snprintf(g->addr[r], sizeof(g->addr[r]), "127.0.0.1:%d",
@@ -637,6 +639,29 @@ static void test_reply_frame(void **state) {
   sg__comm_frame_encode(f, &in);
   assert_int_equal(sg__comm_frame_parse(f, sizeof(f), &out), 0);
   assert_int_equal(out.type, SG__COMM_FRAME_BYE);
+
+  /* KEEPALIVE: every field zero; SEG: an index of at least 1 */
+  in = (sg__comm_frame_t){.type = SG__COMM_FRAME_KEEPALIVE, .seq = 5};
+  sg__comm_frame_encode(f, &in);
+  assert_memory_equal(f, "SGKA", 4);
+  assert_int_equal(sg__comm_frame_parse(f, sizeof(f), &out), 0);
+  assert_int_equal(out.type, SG__COMM_FRAME_KEEPALIVE);
+  assert_int_equal(out.seq, 0); /* the encoder wrote 0 */
+  f[8] = 1;
+  assert_int_equal(sg__comm_frame_parse(f, sizeof(f), &out), SG_EPROTO);
+  f[8] = 0;
+  f[4] = 1; /* a kind */
+  assert_int_equal(sg__comm_frame_parse(f, sizeof(f), &out), SG_EPROTO);
+  in = (sg__comm_frame_t){.type = SG__COMM_FRAME_SEG, .seq = 3, .bytes = 99};
+  sg__comm_frame_encode(f, &in);
+  assert_memory_equal(f, "SGSG", 4);
+  assert_int_equal(sg__comm_frame_parse(f, sizeof(f), &out), 0);
+  assert_int_equal(out.type, SG__COMM_FRAME_SEG);
+  assert_int_equal(out.seq, 3);
+  assert_int_equal(out.bytes, 99);
+  in.seq = 0; /* segment 0 starts with the OP frame, never a SEG */
+  sg__comm_frame_encode(f, &in);
+  assert_int_equal(sg__comm_frame_parse(f, sizeof(f), &out), SG_EPROTO);
 
   char host[64];
   int port;
@@ -1464,6 +1489,195 @@ static void test_bad_peer_frames(void **state) {
   assert_int_equal(sg_sock_registered_count(), 0);
 }
 
+/* ---- liveness: KEEPALIVE frames and the progress deadline ----------------
+ */
+
+/* read_keepalives: read what rank 0 sent the raw peer for `ms`; the number
+ * of KEEPALIVE frames.  Anything else must be an OP frame and its payload
+ * (*skip: payload bytes still to come). */
+static int read_keepalives(int fd, int ms, size_t *skip) {
+  uint8_t b[SG__COMM_FRAME_LEN];
+  size_t got = 0;
+  int n = 0;
+  sg_deadline_t dl = sg_deadline_in_ms(ms);
+  while (!sg_deadline_passed(dl)) {
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    if (poll(&p, 1, (int)sg_deadline_left_ms(dl)) != 1)
+      break;
+    uint8_t junk[64];
+    ssize_t m = *skip ? recv(fd, junk, *skip < 64 ? *skip : 64, MSG_DONTWAIT)
+                      : recv(fd, b + got, sizeof(b) - got, MSG_DONTWAIT);
+    if (m <= 0)
+      break;
+    if (*skip) {
+      *skip -= (size_t)m;
+      continue;
+    }
+    got += (size_t)m;
+    if (got == sizeof(b)) {
+      sg__comm_frame_t f;
+      assert_int_equal(sg__comm_frame_parse(b, sizeof(b), &f), 0);
+      if (f.type == SG__COMM_FRAME_OP)
+        *skip = (size_t)f.bytes;
+      else
+        assert_int_equal(f.type, SG__COMM_FRAME_KEEPALIVE);
+      n += f.type == SG__COMM_FRAME_KEEPALIVE;
+      got = 0;
+    }
+  }
+  return n;
+}
+
+/* A peer that completed the handshake and then sends nothing at all (a
+ * process stopped by SIGSTOP, a cut cable): rank 0's allreduce, with a 60 s
+ * deadline, fails after the 500 ms progress deadline, naming the peer's
+ * rank and address.  Before that, rank 0 kept the quiet connection alive
+ * with KEEPALIVEs, idle and in the operation.  A peer that only sends
+ * KEEPALIVEs (alive, still computing) keeps the operation waiting until
+ * its own deadline. */
+static void test_progress_deadline(void **state) {
+  for (int alive = 0; alive < 2; alive++) {
+    sg_comm_opts_t o = {.rank = 0,
+                        .world_size = 2,
+                        .generation = 9,
+                        .job = "job",
+                        .auth_token = "tok",
+                        .bind_host = "127.0.0.1",
+                        .pull_min = 1,
+                        .progress_timeout_ms = 500};
+    sg_comm_t *c0 = NULL;
+    assert_int_equal(sg_comm_new(&o, &c0, NULL), 0);
+    char addr0[64];
+    snprintf(addr0, sizeof(addr0), "127.0.0.1:%d", sg_comm_port(c0));
+    const char *addrs[2] = {addr0, "127.0.0.1:1"};
+    struct one_conn a0 = {.c = c0, .addrs = addrs, .ms = 10000};
+    pthread_t th0;
+    pthread_create(&th0, NULL, one_connect, &a0);
+    int fd = fake_rank1(c0, 9);
+    pthread_join(th0, NULL);
+    assert_int_equal(a0.rc, 0);
+    struct sockaddr_in me;
+    socklen_t ml = sizeof(me);
+    assert_int_equal(getsockname(fd, (struct sockaddr *)&me, &ml), 0);
+    char want_addr[64];
+    snprintf(want_addr, sizeof(want_addr), "127.0.0.1:%d", ntohs(me.sin_port));
+    uint8_t setup[SG__COMM_OFFER_LEN + SG__COMM_FRAME_LEN]; /* OFFER, PULL */
+    for (size_t got = 0; got < sizeof(setup);) {
+      ssize_t m = recv(fd, setup + got, sizeof(setup) - got, 0);
+      assert_true(m > 0);
+      got += (size_t)m;
+    }
+    /* idle: a KEEPALIVE at least every 125 ms (a quarter of 500 ms) */
+    size_t skip = 0;
+    int idle_ka = read_keepalives(fd, 600, &skip);
+    assert_true(idle_ka >= 3);
+
+    int32_t v[4] = {1, 2, 3, 4};
+    struct done d;
+    done_init(&d);
+    int64_t t0 = sg_now_ns();
+    assert_int_equal(sg_comm_allreduce(c0, v, 4, SG_COMM_I32, SG_COMM_SUM,
+                                       sg_deadline_in_ms(alive ? 2000 : 60000),
+                                       done_cb, &d, NULL),
+                     0);
+    int op_ka = 0;
+    while (done_wait(&d, 0) == 1 && sg_now_ns() - t0 < 10000000000ll) {
+      if (alive) { /* "still here", every 100 ms */
+        uint8_t k[SG__COMM_FRAME_LEN];
+        sg__comm_frame_t f = {.type = SG__COMM_FRAME_KEEPALIVE};
+        sg__comm_frame_encode(k, &f);
+        assert_int_equal(send(fd, k, sizeof(k), MSG_NOSIGNAL),
+                         (ssize_t)sizeof(k));
+      }
+      op_ka += read_keepalives(fd, 100, &skip);
+    }
+    int rc = done_wait(&d, 10000);
+    double took = (double)(sg_now_ns() - t0) / 1e9;
+    fprintf(stderr,
+            "%s peer: rc %d after %.2f s (%d KEEPALIVEs idle, %d in "
+            "the op): %s\n",
+            alive ? "live" : "silent", rc, took, idle_ka, op_ka, d.msg);
+    if (alive) {
+      assert_int_equal(rc, SG_ETIMEDOUT); /* its own deadline, not liveness */
+      assert_true(took >= 1.9);
+    } else {
+      assert_int_equal(rc, SG_EPEER);
+      assert_non_null(strstr(d.msg, "rank 1"));
+      assert_non_null(strstr(d.msg, want_addr));
+      assert_non_null(strstr(d.msg, "progress deadline"));
+      assert_true(took >= 0.45 && took < 2.0);
+    }
+    assert_true(op_ka >= 2);
+    assert_int_equal(sg_comm_error(c0, NULL), rc); /* poisoned */
+    done_destroy(&d);
+    sg_sock_close(fd);
+    sg_comm_free(c0);
+  }
+  assert_int_equal(sg_sock_registered_count(), 0);
+}
+
+struct late_arg {
+  sg_comm_t *c;
+  int32_t *buf;
+  size_t count;
+  int delay_ms;
+  struct done *d;
+};
+
+static void *late_allreduce(void *p) {
+  struct late_arg *a = p;
+  usleep((useconds_t)a->delay_ms * 1000);
+  assert_int_equal(sg_comm_allreduce(a->c, a->buf, a->count, SG_COMM_I32,
+                                     SG_COMM_SUM, sg_deadline_in_ms(60000),
+                                     done_cb, a->d, NULL),
+                   0);
+  return NULL;
+}
+
+/* A rank that is alive but enters the allreduce three progress deadlines
+ * late (it was still computing): the others wait on it, in a 3-rank ring
+ * also mid-operation (a rank whose next chunk waits for the late rank's
+ * data sends nothing on its own), and the KEEPALIVEs keep everyone alive:
+ * the result is right.  Then the same after the group sat idle for as
+ * long, and with each rank as the late one. */
+static void test_progress_late_peer(void **state) {
+  test_progress_ms = 300;
+  for (int n = 2; n <= 3; n++) {
+    struct group g;
+    group_start_opts(&g, n, 1); /* small_max 1: the ring */
+    for (int late = 0; late < n; late++) {
+      enum { COUNT = 200000 };
+      static int32_t buf[3][COUNT];
+      struct done d[3];
+      struct late_arg a[3];
+      pthread_t th[3];
+      for (int r = 0; r < n; r++) {
+        for (size_t i = 0; i < COUNT; i++)
+          buf[r][i] = (int32_t)(i % 1000) + r;
+        done_init(&d[r]);
+        a[r] = (struct late_arg){g.c[r], buf[r], COUNT,
+                                 r == late ? 3 * test_progress_ms : 0, &d[r]};
+        pthread_create(&th[r], NULL, late_allreduce, &a[r]);
+      }
+      for (int r = 0; r < n; r++) {
+        pthread_join(th[r], NULL);
+        int rc = done_wait(&d[r], 20000);
+        if (rc)
+          fprintf(stderr, "n %d late %d rank %d: %d %s\n", n, late, r, rc,
+                  d[r].msg);
+        assert_int_equal(rc, 0);
+        for (size_t i = 0; i < COUNT; i += 997)
+          assert_int_equal(buf[r][i],
+                           n * (int32_t)(i % 1000) + n * (n - 1) / 2);
+        done_destroy(&d[r]);
+      }
+      usleep(3 * test_progress_ms * 1000); /* idle: KEEPALIVEs only */
+    }
+    group_stop(&g);
+  }
+  test_progress_ms = 0;
+}
+
 /* The peer's memory that the same-host bad-peer cases describe. */
 static const int32_t fake_payload[4] = {10, 20, 30, 40};
 static const uint8_t fake_probe[SG__COMM_PROBE_LEN] = {1, 2, 3, 4, 5};
@@ -1982,6 +2196,8 @@ int main(void) {
       cmocka_unit_test(test_connect_abort_and_args),
       cmocka_unit_test(test_bad_peer_frames),
       cmocka_unit_test(test_samehost_bad_peer),
+      cmocka_unit_test(test_progress_deadline),
+      cmocka_unit_test(test_progress_late_peer),
       cmocka_unit_test(test_loopback_sndbuf),
       cmocka_unit_test(test_alloc_failures),
       cmocka_unit_test(test_fork_child_leaves_it_alone),
@@ -2006,6 +2222,7 @@ int main(void) {
       cmocka_unit_test(test_mismatch),
       cmocka_unit_test(test_free_cancels),
       cmocka_unit_test(test_bye),
+      cmocka_unit_test(test_progress_late_peer),
   };
   int failed = cmocka_run_group_tests_name("tcp", tests, setup_tcp, NULL);
   failed +=

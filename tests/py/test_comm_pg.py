@@ -38,8 +38,9 @@ port, rank, world, scenario, out = (int(sys.argv[1]), int(sys.argv[2]),
 T = timedelta(seconds=20)
 ADDR = f"127.0.0.1:{port}"
 
-def tcp(prefix="q/1", quorum_id=1, w=world, r=rank, timeout=T):
-    pg = ProcessGroupTCP(timeout=timeout)
+def tcp(prefix="q/1", quorum_id=1, w=world, r=rank, timeout=T,
+        progress_timeout=None):
+    pg = ProcessGroupTCP(timeout=timeout, progress_timeout=progress_timeout)
     pg.configure(f"{ADDR}/{prefix}", "replica", r, w, quorum_id=quorum_id)
     return pg
 
@@ -145,8 +146,13 @@ if scenario == "compare":
     ours.barrier().wait()
     res["size"] = [ours.size(), ours.getBackendName(), ours.errored() is None]
     ours.shutdown()
-elif scenario in ("kill", "hang"):
-    pg = tcp(timeout=timedelta(seconds=3) if scenario == "hang" else T)
+elif scenario in ("kill", "hang", "stall"):
+    # hang: the operation deadline alone (no progress deadline); stall: a
+    # 60 s operation deadline and the 1 s progress deadline (set through
+    # the environment)
+    pg = tcp(timeout={"hang": timedelta(seconds=3),
+                      "stall": timedelta(seconds=60)}.get(scenario, T),
+             progress_timeout=0 if scenario == "hang" else None)
     t = torch.zeros(4 << 20)
     print("ready", flush=True)
     t0 = None
@@ -379,6 +385,41 @@ def test_hung_peer_times_out(procs, tmp_path, same_host):
     assert f"rank {victim}" in res["msg"], res
     assert res["errored"] != "None"
     assert res["t"] - t_stop < 30.0  # the 3 s deadline, loosely
+
+
+@pytest.mark.parametrize("same_host", ["1", "0"], ids=["same-host", "tcp"])
+def test_stopped_peer_fails_at_the_progress_deadline(procs, tmp_path, same_host,
+                                                     monkeypatch):
+    """A peer stopped (SIGSTOP) mid-training sends nothing, not even
+    keepalives: with a 60 s operation timeout and a 1 s progress timeout
+    (STEPGUARD_COMM_PROGRESS_TIMEOUT_SEC), the other rank's allreduce fails
+    within seconds with an error naming the peer's rank and address."""
+    world, victim = 2, 1
+    monkeypatch.setenv("STEPGUARD_COMM_PROGRESS_TIMEOUT_SEC", "1")
+    store, ps, outs = _start(procs, tmp_path, world, "stall", same_host)
+    ready = [Path(str(o) + ".ready") for o in outs]
+    deadline = time.monotonic() + 60
+    while not all(r.exists() for r in ready):
+        assert time.monotonic() < deadline, "ranks never got going"
+        assert all(p.poll() is None for p in ps)
+        time.sleep(0.05)
+    t_stop = time.monotonic()
+    os.kill(ps[victim].pid, signal.SIGSTOP)
+    try:
+        ps[0].wait(timeout=30)
+    finally:
+        os.kill(ps[victim].pid, signal.SIGCONT)
+        os.kill(ps[victim].pid, signal.SIGKILL)
+    assert ps[0].returncode == 0
+    res = json.loads(outs[0].read_text())
+    assert res["type"] == "Error", res
+    assert f"rank {victim}" in res["msg"], res
+    assert "progress deadline" in res["msg"], res
+    assert "127.0.0.1:" in res["msg"], res  # the peer's address
+    assert res["errored"] != "None"
+    took = res["t"] - t_stop
+    print(f"allreduce failed {took:.2f} s after SIGSTOP: {res['msg']}")
+    assert took < 10.0  # the 1 s progress deadline, far below the 60 s timeout
 
 
 def test_abort_from_another_thread(procs, tmp_path):

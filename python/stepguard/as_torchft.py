@@ -43,6 +43,8 @@ import tempfile
 from types import ModuleType
 from typing import Sequence
 
+from stepguard import config
+
 __all__ = ["ENV", "active", "install", "installed", "main"]
 
 #: the environment variable that switches the mode on (any value but "" / "0")
@@ -62,8 +64,7 @@ _OPTIONAL_DEPENDENCY = {
 
 def active(environ: dict[str, str] | None = None) -> bool:
     """Whether the environment asks for the mode."""
-    value = (os.environ if environ is None else environ).get(ENV, "")
-    return value not in ("", "0")
+    return bool(config.get("STEPGUARD_TORCHFT", environ=environ))
 
 
 def _from_wheel(rest: str) -> bool:
@@ -207,7 +208,7 @@ def bin_dir() -> str:
         "from stepguard.coordination import lighthouse_main\n"
         "sys.exit(lighthouse_main())\n"
     )
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    cache = config.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
     for parent in (os.path.join(cache, "stepguard"), tempfile.gettempdir()):
         directory = os.path.join(parent, f"torchft-bin-{os.getuid()}-{tag}")
         path = os.path.join(directory, "torchft_lighthouse")

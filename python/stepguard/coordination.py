@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Hashable, Optional
 
-from stepguard import _C
+from stepguard import _C, config
 
 __all__ = [
     "LighthouseClient",
@@ -38,16 +38,6 @@ __all__ = [
     "Timestamp",
     "lighthouse_main",
 ]
-
-
-def _env_token(token: str | None) -> str | None:
-    if token is not None:
-        return token or None
-    return os.environ.get("STEPGUARD_AUTH_TOKEN") or None
-
-
-def _seconds(t: timedelta | float | int) -> float:
-    return t.total_seconds() if isinstance(t, timedelta) else float(t)
 
 
 @dataclass
@@ -147,7 +137,7 @@ class LighthouseServer:
         self._server = _C.LighthouseServer(
             bind,
             min_replicas,
-            auth_token=_env_token(auth_token),
+            auth_token=config.auth_token(auth_token),
             quorum_id_file=quorum_id_file,
             hostname=hostname,
             **kw,
@@ -190,7 +180,7 @@ class LighthouseClient:
         self.addr = addr
         self.connect_timeout = connect_timeout
         self._client = _C.LighthouseClient(
-            addr, _seconds(connect_timeout), _env_token(auth_token)
+            addr, config.seconds(connect_timeout), config.auth_token(auth_token)
         )
 
     def quorum(
@@ -216,7 +206,7 @@ class LighthouseClient:
         """
         quorum_id, secs, nanos, members = self._client.quorum(
             replica_id,
-            _seconds(timeout),
+            config.seconds(timeout),
             address or "",
             store_address or "",
             step or 0,
@@ -247,7 +237,7 @@ class LighthouseClient:
         self, replica_id: str, timeout: timedelta = timedelta(seconds=5)
     ) -> None:
         """Sends one heartbeat for ``replica_id``."""
-        self._client.heartbeat(replica_id, _seconds(timeout))
+        self._client.heartbeat(replica_id, config.seconds(timeout))
 
     def close(self) -> None:
         """Closes the connection (the lighthouse sees it close)."""
@@ -346,10 +336,10 @@ class ManagerServer:
             bind,
             store_addr,
             world_size,
-            _seconds(heartbeat_interval),
-            _seconds(connect_timeout),
+            config.seconds(heartbeat_interval),
+            config.seconds(connect_timeout),
             quorum_retries,
-            auth_token=_env_token(auth_token),
+            auth_token=config.auth_token(auth_token),
             disconnect_grace_ms=disconnect_grace_ms or 0,
             kill_handler=kill_handler or _exit_on_kill,
         )
@@ -373,7 +363,7 @@ class ManagerServer:
         A stepguard lighthouse reports it in its heartbeat answers; a
         torchft lighthouse never does.  Not to be called while another
         thread shuts the server down."""
-        return self._server.wait_lost(after_quorum_id, _seconds(timeout))
+        return self._server.wait_lost(after_quorum_id, config.seconds(timeout))
 
     def shutdown(self) -> None:
         """Stops the server; waiting calls fail."""
@@ -415,8 +405,8 @@ class ManagerClient:
         self = super().__new__(cls)
         self._client = _C.ManagerClient(
             addr,
-            _seconds(connect_timeout),
-            _env_token(auth_token),
+            config.seconds(connect_timeout),
+            config.auth_token(auth_token),
             server=server._server if server is not None else None,
         )
         return self
@@ -446,7 +436,7 @@ class ManagerClient:
             shrink_only,
             init_sync,
             commit_failures,
-            _seconds(timeout),
+            config.seconds(timeout),
             reconfigure_handle or "",
         )
         return QuorumResult(**d)
@@ -476,7 +466,7 @@ class ManagerClient:
             shrink_only,
             init_sync,
             commit_failures,
-            _seconds(timeout),
+            config.seconds(timeout),
             reconfigure_handle or "",
         )
 
@@ -492,7 +482,7 @@ class ManagerClient:
     def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
         """The checkpoint metadata group rank ``rank`` sent with its last
         quorum call (``RuntimeError`` if it never did)."""
-        return self._client._checkpoint_metadata(rank, _seconds(timeout))
+        return self._client._checkpoint_metadata(rank, config.seconds(timeout))
 
     def should_commit(
         self,
@@ -503,12 +493,12 @@ class ManagerClient:
     ) -> bool:
         """Votes for this step; True only if every group rank voted yes."""
         return self._client.should_commit(
-            group_rank, step, should_commit, _seconds(timeout)
+            group_rank, step, should_commit, config.seconds(timeout)
         )
 
     def kill(self, msg: str, timeout: timedelta = timedelta(seconds=10)) -> None:
         """Asks the manager's process to end (its Kill handler runs)."""
-        self._client.kill(msg, _seconds(timeout))
+        self._client.kill(msg, config.seconds(timeout))
 
     def abort(self) -> None:
         """Fails every call in progress and every later one."""

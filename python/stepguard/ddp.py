@@ -46,7 +46,6 @@ replicas of a job must make the same choice.
 # hook's `bucket` annotation at run time against dist.GradBucket.
 
 import itertools
-import os
 import threading
 import time
 import weakref
@@ -61,6 +60,7 @@ from torch.distributed import ReduceOp
 from torch.distributed.distributed_c10d import AllreduceOptions, Work
 from torch.nn import parallel
 
+from stepguard import config
 from stepguard import futures as _futures
 from stepguard.futures import _call_later
 from stepguard.manager import Manager, _average, _ManagedFuture
@@ -125,8 +125,8 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
     def __init__(self, manager: "Manager", module: nn.Module, **kwargs: Any) -> None:
         find_unused = kwargs.pop("find_unused_parameters", None)
         if find_unused is None:
-            find_unused = os.environ.get("STEPGUARD_DDP_FIND_UNUSED", "0") not in ("", "0")
-        torchft_buckets = os.environ.get("STEPGUARD_DDP_BUCKETS", "") != "rebuilt"
+            find_unused = config.get("STEPGUARD_DDP_FIND_UNUSED")
+        torchft_buckets = config.get("STEPGUARD_DDP_BUCKETS") != "rebuilt"
         checks = getattr(manager, "_commit_checks", None)
         fixed = not find_unused and checks is not None and not (kwargs.keys() & _TORCHFT_BUCKETS)
         super().__init__(
@@ -141,7 +141,7 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         # static_graph and the delayed allreduces reduce the buckets inside
         # DDP's own end-of-backward callback, after ours ran
         self._hook_state.defer = (
-            os.environ.get("STEPGUARD_DDP_COMPLETION", "") != "thread"
+            config.get("STEPGUARD_DDP_COMPLETION") != "thread"
             and not (kwargs.keys() & _TORCHFT_BUCKETS)
             and not getattr(self, "_use_python_reducer", True)
         )

@@ -34,6 +34,8 @@ from unittest.mock import Mock
 import torch
 from torch.futures import Future
 
+from stepguard import config
+
 __all__ = ["context_timeout", "future_timeout", "future_wait", "stream_timeout"]
 
 T = TypeVar("T")
@@ -123,7 +125,7 @@ class _TimeoutManager:
 
     def __init__(self) -> None:
         self._watchdog_interval = timedelta(
-            seconds=float(os.environ.get(WATCHDOG_TIMEOUT_SEC, "30"))
+            seconds=config.get("TORCHFT_WATCHDOG_TIMEOUT_SEC")
         )
         self._del_queue: "queue.SimpleQueue[object]" = queue.SimpleQueue()
         self._reset()

@@ -43,7 +43,7 @@ from torch.distributed.distributed_c10d import Work
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from stepguard.process_group import _env
+from stepguard import config
 
 if TYPE_CHECKING:
     from stepguard.manager import Manager
@@ -283,7 +283,7 @@ class _StreamingDiLoCoFragment:
 
         if bucket_cap_mb is not None:
             self.bucket_cap_mb = int(bucket_cap_mb * 1024 * 1024)
-        self.use_bucketization = use_bucketization or _env(USE_BUCKETIZATION_ENV) == "True"
+        self.use_bucketization = use_bucketization or config.get("TORCHFT_USE_BUCKETIZATION")
 
         self._grads: Dict[str, torch.Tensor] = {}
         self._local_parameters: Dict[str, torch.Tensor] = {}

@@ -43,6 +43,7 @@ from datetime import timedelta
 from enum import Enum
 from typing import (
     TYPE_CHECKING,
+    Any,
     Callable,
     ContextManager,
     Dict,
@@ -59,10 +60,11 @@ from torch.distributed.distributed_c10d import AllreduceOptions, Work
 
 from stepguard.checkpointing import CheckpointTransport, NativeTransport
 from stepguard.checkpointing._rwlock import RWLock
+from stepguard import config
 from stepguard import coordination as _coordination
 from stepguard.coordination import ManagerClient, ManagerServer, QuorumResult
 from stepguard.futures import future_timeout
-from stepguard.process_group import ReconfigureOptions, _env
+from stepguard.process_group import ReconfigureOptions
 from stepguard.work import _DummyWork
 
 if TYPE_CHECKING:
@@ -78,9 +80,6 @@ TIMEOUT_SEC_ENV: str = "TORCHFT_TIMEOUT_SEC"
 QUORUM_TIMEOUT_SEC_ENV: str = "TORCHFT_QUORUM_TIMEOUT_SEC"
 CONNECT_TIMEOUT_SEC_ENV: str = "TORCHFT_CONNECT_TIMEOUT_SEC"
 QUORUM_RETRIES_ENV: str = "TORCHFT_QUORUM_RETRIES"
-# stepguard: how long a quorum is retried while the lighthouse is
-# unreachable (seconds); no torchft name
-LIGHTHOUSE_OUTAGE_SEC_ENV: str = "STEPGUARD_LIGHTHOUSE_OUTAGE_SEC"
 TORCH_FR_DUMP_TEMP_FILE_ENV: str = "TORCH_FR_DUMP_TEMP_FILE"
 
 T = TypeVar("T")
@@ -95,6 +94,18 @@ def get_timeout(
     if timeout_sec_env is not None and timeout_sec_env != "":
         return timedelta(seconds=int(timeout_sec_env))
     return default_timeout_sec
+
+
+def _required(name: str) -> Any:
+    """A variable the Manager cannot start without when no argument gave it.
+
+    Raises:
+        KeyError: it is unset.
+    """
+    value = config.get(name)
+    if value is None:
+        raise KeyError(name)
+    return value
 
 
 def extract_trailing_digits(s: str) -> int:
@@ -250,8 +261,8 @@ class Manager:
 
         self._load_state_dict_fns: Dict[str, Callable[[object], None]] = {}
         self._user_state_dicts: Dict[str, Callable[[], object]] = {}
-        self._original_fr_dump_temp_file: Optional[str] = os.environ.get(
-            TORCH_FR_DUMP_TEMP_FILE_ENV
+        self._original_fr_dump_temp_file: Optional[str] = config.get(
+            "TORCH_FR_DUMP_TEMP_FILE"
         )
         self._replica_id = replica_id
 
@@ -259,18 +270,18 @@ class Manager:
         # then still hands the raw arguments to the manager server and
         # client, the default transport and the state lock; here the
         # overridden values are used everywhere.
-        self._timeout: timedelta = get_timeout(_env(TIMEOUT_SEC_ENV), timeout)
-        self._quorum_timeout: timedelta = get_timeout(
-            _env(QUORUM_TIMEOUT_SEC_ENV), quorum_timeout
+        self._timeout: timedelta = config.get("TORCHFT_TIMEOUT_SEC", timeout)
+        self._quorum_timeout: timedelta = config.get(
+            "TORCHFT_QUORUM_TIMEOUT_SEC", quorum_timeout
         )
-        self._connect_timeout: timedelta = get_timeout(
-            _env(CONNECT_TIMEOUT_SEC_ENV), connect_timeout
+        self._connect_timeout: timedelta = config.get(
+            "TORCHFT_CONNECT_TIMEOUT_SEC", connect_timeout
         )
-        self._quorum_retries: int = int(_env(QUORUM_RETRIES_ENV) or quorum_retries)
+        self._quorum_retries: int = int(
+            config.get("TORCHFT_QUORUM_RETRIES", quorum_retries)
+        )
         # not an argument: the signature stays torchft's
-        self._outage_timeout: timedelta = get_timeout(
-            os.environ.get(LIGHTHOUSE_OUTAGE_SEC_ENV), timedelta(minutes=10)
-        )
+        self._outage_timeout: timedelta = config.get("STEPGUARD_LIGHTHOUSE_OUTAGE_SEC")
 
         self._state_dict_lock = RWLock(timeout=self._timeout.total_seconds())
         if load_state_dict and state_dict:
@@ -283,10 +294,10 @@ class Manager:
         self._max_retries = max_retries
         self._commit_failures = 0
 
-        store_addr = store_addr or os.environ["MASTER_ADDR"]
-        store_port = store_port or int(os.environ["MASTER_PORT"])
-        self._group_rank: int = rank if rank is not None else int(os.environ["RANK"])
-        self._group_world_size: int = world_size or int(os.environ["WORLD_SIZE"])
+        store_addr = store_addr or _required("MASTER_ADDR")
+        store_port = store_port or _required("MASTER_PORT")
+        self._group_rank: int = rank if rank is not None else _required("RANK")
+        self._group_world_size: int = world_size or _required("WORLD_SIZE")
         self._min_replica_size = min_replica_size
 
         if checkpoint_transport is None:
@@ -316,8 +327,8 @@ class Manager:
 
         if self._group_rank == 0:
             if port is None:
-                port = int(_env(MANAGER_PORT_ENV) or 0)
-            lighthouse_addr = lighthouse_addr or _env("TORCHFT_LIGHTHOUSE")
+                port = config.get("TORCHFT_MANAGER_PORT")
+            lighthouse_addr = lighthouse_addr or config.get("TORCHFT_LIGHTHOUSE")
             if not lighthouse_addr:
                 raise KeyError(
                     "TORCHFT_LIGHTHOUSE (or STEPGUARD_LIGHTHOUSE) is not set "
@@ -778,7 +789,7 @@ class Manager:
             self.quorum_logger.info(
                 "",
                 extra={
-                    "job_id": os.environ.get("JOB_ID", "unknown"),
+                    "job_id": config.get("JOB_ID"),
                     "replica_id": self._replica_id,
                     "rank": self._group_rank,
                     "quorum_id": quorum_id,
@@ -1008,7 +1019,7 @@ class Manager:
             self.commits_logger.info(
                 "",
                 extra={
-                    "job_id": os.environ.get("JOB_ID", "unknown"),
+                    "job_id": config.get("JOB_ID"),
                     "replica_id": self._replica_id,
                     "rank": self._group_rank,
                     "quorum_id": self._quorum_id,

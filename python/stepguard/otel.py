@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from typing import Any, Dict, List, Optional
+
+from stepguard import config
 
 __all__ = ["TeeLogExporter", "main", "setup_logger", "shutdown"]
 
@@ -47,22 +48,13 @@ class _Registry:
 _REGISTRY = _Registry()
 
 
-def _env(name: str) -> Optional[str]:
-    """``TORCHFT_<X>``, else its ``STEPGUARD_<X>`` alias (this module must
-    not import torch: ``import stepguard`` calls it)."""
-    value = os.environ.get(name)
-    if value is None:
-        value = os.environ.get("STEPGUARD_" + name[len("TORCHFT_") :])
-    return value
-
-
 def _enabled() -> bool:
-    return (_env(USE_OTEL_ENV) or "false") != "false"
+    return bool(config.get("TORCHFT_USE_OTEL"))
 
 
 def _resource_attributes(name: str) -> Optional[Dict[str, Any]]:
     """The logger's entry in the attributes file, None without one."""
-    path = _env(TORCHFT_OTEL_RESOURCE_ATTRIBUTES_JSON)
+    path = config.get("TORCHFT_OTEL_RESOURCE_ATTRIBUTES_JSON")
     if not path:
         return None
     with open(path) as f:

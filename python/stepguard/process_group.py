@@ -76,6 +76,7 @@ from torch.distributed.distributed_c10d import (
 )
 from torch.futures import Future
 
+from stepguard import config
 from stepguard.futures import context_timeout, stream_timeout
 from stepguard.work import _DummyWork
 
@@ -110,14 +111,6 @@ TORCH_NCCL_DEBUG_INFO_PIPE_FILE_ENV_VAR = "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"
 TORCHFT_TRIGGER_FR_ON_ABORT = "TORCHFT_TRIGGER_FR_ON_ABORT"
 
 
-def _env(name: str) -> Optional[str]:
-    """``TORCHFT_<X>``, else its ``STEPGUARD_<X>`` alias."""
-    value = os.environ.get(name)
-    if value is None and name.startswith("TORCHFT_"):
-        value = os.environ.get("STEPGUARD_" + name[len("TORCHFT_") :])
-    return value
-
-
 def trigger_nccl_fr_trace_through_pipe(rank: int) -> bool:
     """Asks NCCL's flight recorder to dump its trace through its debug pipe.
 
@@ -126,7 +119,7 @@ def trigger_nccl_fr_trace_through_pipe(rank: int) -> bool:
         (``TORCH_NCCL_DEBUG_INFO_PIPE_FILE`` unset), else True after giving
         the dump 60 s to finish.
     """
-    prefix = os.environ.get(TORCH_NCCL_DEBUG_INFO_PIPE_FILE_ENV_VAR, "")
+    prefix = config.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE")
     if not prefix:
         logger.info("[rank %d] no NCCL debug pipe configured, no trace dump", rank)
         return False
@@ -708,7 +701,7 @@ class ProcessGroupWrapper(ProcessGroup):
             self.errors_logger.info(
                 "",
                 extra={
-                    "job_id": os.environ.get("JOB_ID", "unknown"),
+                    "job_id": config.get("JOB_ID"),
                     "replica_id": self._replica_id,
                     "rank": self._rank,
                     "quorum_id": self._quorum_id,
@@ -994,7 +987,7 @@ class _AcceleratorProcessGroup(ProcessGroupWrapper):
     def __init__(self, timeout: timedelta = timedelta(seconds=60.0)) -> None:
         super().__init__(timeout)
         self._errored: Optional[Exception] = None
-        if self._env_nonblocking and self._env_nonblocking not in os.environ:
+        if self._env_nonblocking and config.raw(self._env_nonblocking) is None:
             logger.warning(
                 "%s is not set, setting it to %d s",
                 self._env_nonblocking,
@@ -1027,7 +1020,7 @@ class _AcceleratorProcessGroup(ProcessGroupWrapper):
             yield
 
     def abort(self, errored: bool = True) -> None:
-        if errored and _env(TORCHFT_TRIGGER_FR_ON_ABORT) == "true" and self._rank is not None:
+        if errored and config.get("TORCHFT_TRIGGER_FR_ON_ABORT") and self._rank is not None:
             trigger_nccl_fr_trace_through_pipe(self._rank)
         self._errored = RuntimeError("aborted")
         super().abort(errored)

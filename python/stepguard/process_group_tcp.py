@@ -40,7 +40,6 @@ It is also a torch.distributed backend: ``init_process_group(backend=
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import socket
 import threading
@@ -54,7 +53,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp, Store
 from torch.futures import Future
 
-from stepguard import _C
+from stepguard import _C, config
 from stepguard.process_group import (
     ProcessGroup,
     _split_store_addr,
@@ -121,10 +120,10 @@ def _nbytes(t: torch.Tensor) -> int:
 def _advertise_host(store_host: Optional[str]) -> str:
     """The local address that peers can reach: the one routing to the
     store, unless ``STEPGUARD_COMM_HOST`` says otherwise."""
-    env = os.environ.get("STEPGUARD_COMM_HOST")
+    env = config.get("STEPGUARD_COMM_HOST")
     if env:
         return env
-    target = store_host or os.environ.get("MASTER_ADDR")
+    target = store_host or config.get("MASTER_ADDR")
     if target:
         try:
             family = socket.AF_INET6 if ":" in target else socket.AF_INET
@@ -420,7 +419,7 @@ class ProcessGroupTCP(ProcessGroup):
         job: str,
         store_host: Optional[str],
     ) -> None:
-        token = os.environ.get("STEPGUARD_AUTH_TOKEN") or None
+        token = config.auth_token(None)
         comm = _C.Comm(
             rank,
             world_size,

@@ -61,7 +61,6 @@ import contextlib
 import gc
 import logging
 import math
-import os
 import pickle
 import socket
 import threading
@@ -81,7 +80,7 @@ from torch.utils._pytree import (
     tree_unflatten,
 )
 
-from stepguard import _C
+from stepguard import _C, config
 from stepguard.checkpointing.transport import CheckpointTransport
 
 __all__ = ["NativeTransport"]
@@ -111,16 +110,6 @@ def _gc_paused() -> Any:
     finally:
         if was:
             gc.enable()
-
-
-def _seconds(t: timedelta | float | int) -> float:
-    return t.total_seconds() if isinstance(t, timedelta) else float(t)
-
-
-def _env_token(token: str | None) -> str | None:
-    if token is not None:
-        return token or None
-    return os.environ.get("STEPGUARD_AUTH_TOKEN") or None
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -305,11 +294,11 @@ class NativeTransport(CheckpointTransport[T]):
         self._timeout = timeout
         # read by the Manager: pass the replica's state as ``into``
         self.fetches_in_place = bool(in_place)
-        self._token = _env_token(auth_token)
+        self._token = config.auth_token(auth_token)
         self._streams = int(streams_per_source)
         if not 1 <= self._streams <= 64:
             raise ValueError("streams_per_source must be in [1, 64]")
-        t = max(_seconds(timeout), 1.0)
+        t = max(config.seconds(timeout), 1.0)
         self._server = _C.CkptServer(
             bind=bind,
             auth_token=self._token,
@@ -317,7 +306,7 @@ class NativeTransport(CheckpointTransport[T]):
             request_timeout_s=t,
             stall_timeout_s=t,
         )
-        host = hostname or os.environ.get("STEPGUARD_ADVERTISE_HOST")
+        host = hostname or config.get("STEPGUARD_ADVERTISE_HOST")
         self._host = host or socket.gethostname()
         # the HTTP side: started by the first metadata() (no one can reach
         # it before), staged under _http_lock, never under _lock, so that
@@ -379,7 +368,7 @@ class NativeTransport(CheckpointTransport[T]):
                     )
                 try:
                     self._http = _StateServer(
-                        max(_seconds(self._timeout), 1.0),
+                        max(config.seconds(self._timeout), 1.0),
                         host=self._http_host,
                         prefix=f"/{_SEGMENT}{self._server.port()}",
                         refuse=refuse,
@@ -464,7 +453,7 @@ class NativeTransport(CheckpointTransport[T]):
         )
         with self._lock:
             if self._serving_step >= 0:
-                self._disallow_locked(_seconds(self._timeout))
+                self._disallow_locked(config.seconds(self._timeout))
             self._server.serve(step, header, ptrs, lens)
             self._held = [header, held]
             self._serving_step = step
@@ -497,7 +486,7 @@ class NativeTransport(CheckpointTransport[T]):
     def disallow_checkpoint(self) -> None:
         """Stop serving; waits for transfers in flight (up to ``timeout``)."""
         with self._lock:
-            self._disallow_locked(_seconds(self._timeout))
+            self._disallow_locked(config.seconds(self._timeout))
 
     def stats(self) -> dict:
         """The server's counters (bytes_sent, requests, refused, ...)."""
@@ -569,7 +558,7 @@ class NativeTransport(CheckpointTransport[T]):
         if not native:
             raise ValueError(f"no checkpoint source in {list(sources)!r}")
         addrs = native
-        deadline = time.monotonic() + _seconds(timeout)
+        deadline = time.monotonic() + config.seconds(timeout)
         fetch = _C.CkptFetch()
         t0 = time.perf_counter()
         header, lens, layout, addrs = self._wait_for_sources(fetch, addrs, step, deadline)
@@ -757,7 +746,7 @@ class NativeTransport(CheckpointTransport[T]):
         """Stop serving and close the servers (idempotent)."""
         with self._lock:
             try:
-                self._disallow_locked(_seconds(self._timeout) if wait else 0.0)
+                self._disallow_locked(config.seconds(self._timeout) if wait else 0.0)
             except RuntimeError:
                 pass  # already shut down
             self._server.shutdown()

@@ -13,6 +13,8 @@ import json
 import os
 import time
 from pathlib import Path
+
+from stepguard import config
 from typing import Any
 
 __all__ = ["report", "stop_step"]
@@ -35,15 +37,15 @@ def report(event: str, **fields: Any) -> None:
         event: event name, e.g. ``"step"``.
         fields: JSON-serialisable values.
     """
-    fd_text = os.environ.get(EVENTS_FD_ENV)
+    fd_text = config.get("STEPGUARD_EVENTS_FD")
     if not fd_text:
         return
     rec: dict[str, Any] = {
         "event": event,
         "t": time.time(),
-        "group": int(os.environ.get("REPLICA_GROUP_ID", "0")),
-        "rank": int(os.environ.get("RANK", "0")),
-        "incarnation": int(os.environ.get(INCARNATION_ENV, "0")),
+        "group": config.get("REPLICA_GROUP_ID"),
+        "rank": config.get("RANK", 0),
+        "incarnation": config.get("STEPGUARD_INCARNATION"),
     }
     rec.update(fields)
     try:
@@ -62,7 +64,7 @@ def stop_step() -> int | None:
 
     Workers that reach this step should exit with status 0.
     """
-    path = os.environ.get(STOP_FILE_ENV)
+    path = config.get("STEPGUARD_STOP_FILE")
     if not path:
         return None
     try:

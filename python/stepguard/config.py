@@ -127,9 +127,10 @@ VARIABLES: Tuple[Var, ...] = (
     Var("STEPGUARD_COMM_HOST", None, "str", None,
         "address ProcessGroupTCP advertises to its peers (default: the one routing "
         "to the store)", _PY),
-    Var("STEPGUARD_COMM_PROGRESS_TIMEOUT_SEC", None, "seconds", timedelta(seconds=2),
-        "ProcessGroupTCP: a peer silent this long during an operation fails it; 0 off",
-        _PY),
+    Var("STEPGUARD_COMM_PROGRESS_TIMEOUT_SEC", None, "float", 2.0,
+        "ProcessGroupTCP: a peer silent this long (seconds, fractions allowed) "
+        "during an operation fails it; 0 off; wins over the progress_timeout "
+        "argument", _PY),
     Var("STEPGUARD_AUTH_TOKEN", None, "str", None,
         "shared secret for the lighthouse, manager, collectives and checkpoint "
         "server when no token is passed", _BOTH),

@@ -176,8 +176,6 @@ class _Staged:
 # up on the progress thread's answer.
 _WAIT_MARGIN = timedelta(seconds=10)
 
-# the progress timeout (seconds, 0 = off) when the constructor gets none
-PROGRESS_TIMEOUT_SEC_ENV: str = "STEPGUARD_COMM_PROGRESS_TIMEOUT_SEC"
 _DEFAULT_PROGRESS_TIMEOUT = timedelta(seconds=2)
 
 
@@ -186,9 +184,9 @@ def _progress_timeout_ms(progress_timeout: Optional[timedelta]) -> int:
     the argument, else 2 s (the environment wins, as with the Manager's
     timeouts); a zero timeout turns the check off (-1 in C, where 0 means
     the default)."""
-    env = os.environ.get(PROGRESS_TIMEOUT_SEC_ENV)
-    if env:
-        progress_timeout = timedelta(seconds=float(env))
+    env = config.get("STEPGUARD_COMM_PROGRESS_TIMEOUT_SEC", default=None)
+    if env is not None:
+        progress_timeout = timedelta(seconds=env)
     elif progress_timeout is None:
         progress_timeout = _DEFAULT_PROGRESS_TIMEOUT
     ms = int(progress_timeout.total_seconds() * 1000)

@@ -1141,6 +1141,46 @@ static void test_lighthouse_stops_during_round(void **state) {
   lh_group_stop(&g, lh);
 }
 
+/* The lighthouse names a lost member of the last quorum in the other
+ * members' heartbeat answers: group b stops (its connections close, so it
+ * is unhealthy after the 250 ms grace) and group a's manager learns the
+ * quorum's id from its next heartbeat; nothing is reported before, and a
+ * wait times out. */
+static void test_lost_member_reported_in_heartbeats(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 60000);
+  group_t gs[2];
+  group_start(&gs[0], "a", sg_lh_server_address(lh), "storeA:1");
+  group_start(&gs[1], "b", sg_lh_server_address(lh), "storeB:1");
+  usleep(200 * 1000); /* both heartbeat: the first quorum waits for both */
+  struct qreq q[4];
+  const int64_t steps[2][2] = {{1, 1}, {1, 1}};
+  run_round(gs, 2, steps, 0, q);
+  assert_int_equal(q[0].r.replica_world_size, 2);
+  int64_t qid = q[0].r.quorum_id;
+  q_free(q, 4);
+
+  int64_t got = -1;
+  assert_int_equal(
+      sg_mgr_server_wait_lost(gs[0].srv, 0, sg_deadline_in_ms(300), &got),
+      SG_ETIMEDOUT);
+  assert_int_equal(got, 0);
+  assert_int_equal(sg_mgr_server_wait_lost(NULL, 0, 0, &got), SG_EINVAL);
+
+  group_stop(&gs[1]);
+  int64_t t0 = sg_now_ns();
+  assert_int_equal(
+      sg_mgr_server_wait_lost(gs[0].srv, 0, sg_deadline_in_ms(10000), &got), 0);
+  assert_int_equal(got, qid);
+  /* grace 250 ms + a heartbeat (50 ms) + the answer's 20 ms cache */
+  assert_true((sg_now_ns() - t0) / 1000000 < 5000);
+  /* a newer quorum only is news */
+  assert_int_equal(
+      sg_mgr_server_wait_lost(gs[0].srv, qid, sg_deadline_in_ms(200), &got),
+      SG_ETIMEDOUT);
+  lh_group_stop(&gs[0], lh);
+}
+
 /* A quorum asked while the lighthouse connection is down (it restarted)
  * gets the whole timeout, not just the connect timeout, once it connects. */
 static void test_quorum_after_restart_gets_full_timeout(void **state) {
@@ -1680,6 +1720,7 @@ int main(void) {
       cmocka_unit_test(test_reconnect_within_grace_keeps_group),
       cmocka_unit_test(test_cancelled_call_no_longer_counts),
       cmocka_unit_test(test_lighthouse_stops_during_round),
+      cmocka_unit_test(test_lost_member_reported_in_heartbeats),
       cmocka_unit_test(test_quorum_after_restart_gets_full_timeout),
       cmocka_unit_test(test_allocation_failures),
       cmocka_unit_test(test_stop_with_calls_in_flight),

@@ -474,6 +474,10 @@ void sg_comm_free(sg_comm_t *c) {
     pthread_join(c->thread, NULL);
   /* no op was running (the queue drained) unless stop cut one */
   close_peers(c, started && c->clean && !atomic_load(&c->stop));
+  sg__comm_release(c);
+}
+
+void sg__comm_release(sg_comm_t *c) {
   sg_sock_close(c->listen_fd);
   sg_sock_close(c->wake_fd);
   pthread_mutex_destroy(&c->mu);

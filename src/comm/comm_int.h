@@ -366,6 +366,11 @@ const char *sg__comm_kind_name(int k);
 
 /* sg__comm_wake: make the wake fd readable (abort or close); any thread. */
 void sg__comm_wake(sg_comm_t *c);
+/* sg__comm_release: close the listening and wakeup descriptors and free
+ * what sg_comm_new allocated, `c` included (peers are closed before; the
+ * progress thread is not running).  Both the set-up's failure path and
+ * sg_comm_free end here. */
+void sg__comm_release(sg_comm_t *c);
 
 /* sg__comm_stop_code, sg__comm_stop_msg: the error, and its message, of
  * work cut by a stop: SG_EABORTED after an abort, else SG_ECANCELED. */

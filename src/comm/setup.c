@@ -123,16 +123,8 @@ int sg_comm_new(const sg_comm_opts_t *o, sg_comm_t **out, sg_err_t *err) {
   *out = c;
   c = NULL;
 out:
-  if (c) {
-    sg_sock_close(c->wake_fd);
-    pthread_mutex_destroy(&c->mu);
-    pthread_cond_destroy(&c->cv);
-    sg_free(c->job);
-    sg_free(c->token);
-    sg_free(c->peers);
-    sg_free(c->stage);
-    sg_free(c);
-  }
+  if (c)
+    sg__comm_release(c);
   return rc;
 }
 

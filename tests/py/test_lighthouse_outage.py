@@ -59,6 +59,11 @@ def test_lighthouse_restart_costs_no_trainer(job_factory, tmp_path, id_file):
     job = job_factory(hard_timeout=240, lighthouse_args=args,
                       heartbeat_timeout_ms=2000)
     run_outage(job, 5.0)
+    if id_file:
+        # the id file holds the last quorum: its id, then its members
+        lines = (tmp_path / "qid").read_text().split()
+        assert int(lines[0]) > 0
+        assert sorted(m.split(":")[0] for m in lines[1:]) == list(RIDS), lines
 
 
 def test_lighthouse_down_longer_than_a_quorum_timeout(job_factory):

@@ -8,7 +8,7 @@ FUZZ    := build/fuzz
 FUZZ_SECONDS ?= 30
 CFILES   = $(shell git ls-files '*.c' '*.h' '*.cpp')
 
-.PHONY: all bootstrap build test test-c test-py test-torchft demo demo-lighthouse bench sanitize fuzz format format-check clean
+.PHONY: all bootstrap build test test-c test-py test-hsdp-matrix test-torchft demo demo-lighthouse bench sanitize fuzz format format-check clean
 
 all: build
 
@@ -34,6 +34,10 @@ test-py: build
 	$(PY) -m pytest tests/py
 
 test: format-check test-c test-py
+
+# the full product of FT-HSDP's options (make test runs them pairwise)
+test-hsdp-matrix: build
+	$(PY) -m pytest tests/py/test_hsdp.py -m hsdp_matrix
 
 # torchft's own test files, from its pinned wheel, against stepguard (torchft
 # mode); CI runs it after make test (about 4.5 minutes here);

@@ -57,11 +57,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp, TCPStore
 from torch.distributed.distributed_c10d import AllreduceOptions, Work
+from torch.utils._pytree import tree_map
 
 from stepguard.checkpointing import CheckpointTransport, NativeTransport
 from stepguard.checkpointing._rwlock import RWLock
 from stepguard import config
 from stepguard import coordination as _coordination
+from stepguard import hsdp as _hsdp
 from stepguard.coordination import ManagerClient, ManagerServer, QuorumResult
 from stepguard.futures import future_timeout
 from stepguard.process_group import ReconfigureOptions
@@ -363,6 +365,11 @@ class Manager:
         # them stops heartbeating; the step's collectives are aborted then,
         # not at the operation timeout (group rank 0, which runs the server)
         self._lost_stop = threading.Event()
+        # the quorum whose step runs now (-1 from start_quorum until the new
+        # one is applied), under _lost_lock: a lost-member report that comes
+        # late must not fail, or abort, the next step
+        self._lost_lock = threading.Lock()
+        self._active_quorum_id = -1
         self._lost_watcher: Optional[threading.Thread] = None
         if self._manager is not None:
             self._lost_watcher = threading.Thread(
@@ -383,6 +390,19 @@ class Manager:
         self._reconfiguring: Optional[QuorumResult] = None
         self._is_state_dict_read_allowed = True
         self._warned_quantize = False
+        # When state is read (see the class doc): None until the first
+        # start_quorum looks at the registered state; True for a state with
+        # DTensors (FSDP2), whose reads then happen on the training thread.
+        self._read_state_on_training_thread: Optional[bool] = None
+        # the state read in the first start_quorum, for a heal in that step
+        self._state_snapshot: Optional[Dict[str, object]] = None
+        # a send the quorum asked for, left to should_commit
+        self._deferred_send: Optional[tuple] = None
+        # should_commit serves a copy this step (kept until the next one)
+        self._serving_copy = False
+        # set once this step's quorum has configured the process group and
+        # decided who participates (the recovery may still be running)
+        self._configured = threading.Event()
 
         self._global_rank: int = (
             self._group_rank
@@ -487,7 +507,7 @@ class Manager:
         if self.errored():
             return _DummyWork(tensor)
 
-        self.wait_quorum()
+        self._wait_configured()
         num_participants: int = self.num_participants()
         if not self.is_participating():
             tensor.zero_()
@@ -538,21 +558,22 @@ class Manager:
             if qid is None:
                 continue
             seen = qid
-            if qid != self._quorum_id:
-                continue
-            self._logger.warn(
-                f"the lighthouse holds a member of quorum {qid} unhealthy: "
-                "aborting this step's collectives"
-            )
-            self.report_error(
-                RuntimeError(f"quorum {qid} lost a member (lighthouse heartbeat timeout)")
-            )
-            abort = getattr(self._pg, "abort", None)
-            if abort is not None:
-                try:
-                    abort()
-                except Exception as e:  # noqa: BLE001 - the step fails anyway
-                    self._logger.warn(f"process group abort failed: {e}")
+            with self._lost_lock:
+                if qid != self._active_quorum_id:
+                    continue
+                self._logger.warn(
+                    f"the lighthouse holds a member of quorum {qid} unhealthy: "
+                    "aborting this step's collectives"
+                )
+                self.report_error(
+                    RuntimeError(f"quorum {qid} lost a member (lighthouse heartbeat timeout)")
+                )
+                abort = getattr(self._pg, "abort", None)
+                if abort is not None:
+                    try:
+                        abort()
+                    except Exception as e:  # noqa: BLE001 - the step fails anyway
+                        self._logger.warn(f"process group abort failed: {e}")
 
     def report_error(self, e: Exception) -> None:
         """Marks this step failed (it will not commit); the process group
@@ -615,8 +636,17 @@ class Manager:
         if self._quorum_future is not None:
             self._quorum_future.result()
 
-        self._errored = None
+        with self._lost_lock:
+            self._active_quorum_id = -1
+            self._errored = None
         self._healing = False
+        self._configured = threading.Event()
+        if self._read_state_on_training_thread is None and self._user_state_dicts:
+            # Once, here on the training thread before the forward pass: a
+            # state with DTensors is read only at such points from now on;
+            # this first read also serves a heal in this step.
+            self._state_snapshot = self._manager_state_dict()
+            self._read_state_on_training_thread = _hsdp.SHARDS_KEY in self._state_snapshot
 
         curr_device = torch.accelerator.current_device_index() if _accelerator() else -1
         quorum_timeout = timeout or self._quorum_timeout
@@ -647,6 +677,31 @@ class Manager:
         error."""
         assert self._quorum_future is not None, "must call start_quorum before wait_quorum"
         self._quorum_future.result()
+
+    def _defers_state_reads(self) -> bool:
+        """Whether this step's state reads wait for should_commit: a state
+        read only on the training thread, and a quorum that runs while that
+        thread is in the forward and backward passes."""
+        return bool(self._read_state_on_training_thread) and self._use_async_quorum
+
+    def _wait_configured(self) -> None:
+        """Waits until this step's quorum has configured the process group
+        and decided the participants.  Where state reads are deferred the
+        quorum's recovery can only finish in should_commit, after this
+        step's collectives: those wait for this much only.  Elsewhere it is
+        ``wait_quorum`` (torchft's behaviour)."""
+        fut = self._quorum_future
+        assert fut is not None, "must call start_quorum before wait_quorum"
+        if not self._defers_state_reads():
+            fut.result()
+            return
+        configured = getattr(fut, "configured", None)
+        if configured is not None:
+            configured()
+            return
+        self._configured.wait()
+        if fut.done():
+            fut.result()
 
     def _reconfigure_pg(self, quorum_id: int, handles: List[str]) -> None:
         """Joins the process group of quorum ``quorum_id``: over the handles
@@ -698,6 +753,19 @@ class Manager:
     ) -> None:
         """The quorum on the executor thread (a client that cannot start a
         call in the background)."""
+        configured = self._configured
+        try:
+            self._async_quorum_body(allow_heal, shrink_only, quorum_timeout, curr_device)
+        finally:
+            configured.set()
+
+    def _async_quorum_body(
+        self,
+        allow_heal: bool,
+        shrink_only: bool,
+        quorum_timeout: timedelta,
+        curr_device: int,
+    ) -> None:
         if curr_device >= 0 and _accelerator():
             torch.accelerator.set_device_index(curr_device)
 
@@ -766,6 +834,20 @@ class Manager:
     def _apply_quorum(self, quorum: QuorumResult, allow_heal: bool, curr_device: int) -> None:
         """Everything a quorum entails after the call: participation,
         reconfiguring the process group, sending and fetching state."""
+        configured = self._configured
+        try:
+            self._apply_quorum_body(quorum, allow_heal, curr_device, configured)
+        finally:
+            configured.set()
+            self._state_snapshot = None
+
+    def _apply_quorum_body(
+        self,
+        quorum: QuorumResult,
+        allow_heal: bool,
+        curr_device: int,
+        configured: threading.Event,
+    ) -> None:
         if curr_device >= 0 and _accelerator():
             torch.accelerator.set_device_index(curr_device)
 
@@ -818,11 +900,20 @@ class Manager:
                 self.report_error(e)
                 return
 
+        with self._lost_lock:
+            self._active_quorum_id = quorum_id
         if self._step < 0 and not (allow_heal and heal):
             # A failed in-place fetch left this replica's state half loaded:
             # it must not train or commit until a later heal succeeds.
             self.report_error(RuntimeError("state lost in a failed recovery; waiting to heal"))
             return
+
+        if heal and allow_heal:
+            self._healing = True
+        # the step's collectives may start; what follows is recovery
+        configured.set()
+        # whether the state may be read here (see "When state is read")
+        may_read = not self._defers_state_reads()
 
         if allow_heal:
             with _stream_context(self._recovery_stream):
@@ -831,52 +922,30 @@ class Manager:
                         self._logger.info(
                             f"peers need recovery from us {quorum.recover_dst_replica_ranks}"
                         )
-                        self._checkpoint_transport.send_checkpoint(
-                            dst_ranks=quorum.recover_dst_replica_ranks,
-                            step=max_step,
-                            state_dict=self._manager_state_dict(),
-                            timeout=self._timeout,
-                        )
-                    if heal:
-                        self._healing = True
-                        src = quorum.recover_src_manager_address
-                        self._logger.info(
-                            f"healing required, fetching checkpoint metadata from {src} max_step={max_step}"
-                        )
-                        metadata = self._peer_checkpoint_metadata(src)
-                        src_rank = quorum.recover_src_replica_rank
-                        assert src_rank is not None, "must have a recover rank when healing"
-                        sources = self._stripe_sources(quorum, src, metadata)
-                        into: Dict[str, object] = {}
-                        if getattr(self._checkpoint_transport, "fetches_in_place", False):
-                            # Into this replica's own tensors: until the fetch
-                            # completes it reports step -1, never a source.
-                            self._step = -1
-                            into["into"] = self._manager_state_dict()
-                        if len(sources) > 1:
-                            self._logger.info(
-                                f"fetching checkpoint striped over {len(sources)} replicas: {sources}"
+                        if may_read and self._read_state_on_training_thread:
+                            # (sync quorum) served from a copy as well: see
+                            # _send_deferred
+                            self._deferred_send = (
+                                list(quorum.recover_dst_replica_ranks),
+                                max_step,
                             )
-                            self._pending_state_dict = (
-                                self._checkpoint_transport.recv_checkpoint_striped(  # type: ignore[attr-defined]
-                                    sources, step=max_step, timeout=self._timeout, **into
-                                )
+                            self._send_deferred()
+                        elif may_read:
+                            _at("serve", self)
+                            self._checkpoint_transport.send_checkpoint(
+                                dst_ranks=quorum.recover_dst_replica_ranks,
+                                step=max_step,
+                                state_dict=self._manager_state_dict(),
+                                timeout=self._timeout,
                             )
                         else:
-                            self._logger.info(
-                                f"fetching checkpoint from replica {src_rank} with metadata {metadata}"
+                            # served from should_commit, on the training thread
+                            self._deferred_send = (
+                                list(quorum.recover_dst_replica_ranks),
+                                max_step,
                             )
-                            self._pending_state_dict = self._checkpoint_transport.recv_checkpoint(
-                                src_rank=src_rank,
-                                metadata=metadata,
-                                step=max_step,
-                                timeout=self._timeout,
-                                **into,
-                            )
-                        self.load_state_dict(
-                            cast(Dict[str, int], self._pending_state_dict["torchft"])
-                        )
-                        self._step = max_step
+                    if heal:
+                        self._fetch(quorum, may_read)
                 except Exception as e:  # noqa: BLE001 - a failed step, not a crash
                     self._logger.exception(f"got exception in recovery: {e}")
                     self.report_error(e)
@@ -885,6 +954,50 @@ class Manager:
                     if self._recovery_stream is not None
                     else None
                 )
+
+    def _fetch(self, quorum: QuorumResult, may_read: bool) -> None:
+        """Fetches the state this replica heals from (kept pending until
+        it is loaded on the training thread)."""
+        max_step = quorum.max_step
+        src = quorum.recover_src_manager_address
+        self._logger.info(
+            f"healing required, fetching checkpoint metadata from {src} max_step={max_step}"
+        )
+        metadata = self._peer_checkpoint_metadata(src)
+        src_rank = quorum.recover_src_replica_rank
+        assert src_rank is not None, "must have a recover rank when healing"
+        sources = self._stripe_sources(quorum, src, metadata)
+        _at("fetch", self)
+        into: Dict[str, object] = {}
+        if getattr(self._checkpoint_transport, "fetches_in_place", False):
+            # Into this replica's own tensors: until the fetch completes it
+            # reports step -1, never a source.  Its state is read here only
+            # where it may be (else from the first start_quorum's read).
+            own = self._manager_state_dict() if may_read else self._state_snapshot
+            if own is not None:
+                self._step = -1
+                into["into"] = own
+        if len(sources) > 1:
+            self._logger.info(
+                f"fetching checkpoint striped over {len(sources)} replicas: {sources}"
+            )
+            self._pending_state_dict = (
+                self._checkpoint_transport.recv_checkpoint_striped(  # type: ignore[attr-defined]
+                    sources, step=max_step, timeout=self._timeout, **into
+                )
+            )
+        else:
+            self._logger.info(f"fetching checkpoint from replica {src_rank} with metadata {metadata}")
+            self._pending_state_dict = self._checkpoint_transport.recv_checkpoint(
+                src_rank=src_rank,
+                metadata=metadata,
+                step=max_step,
+                timeout=self._timeout,
+                **into,
+            )
+        _at("fetched", self)
+        self.load_state_dict(cast(Dict[str, int], self._pending_state_dict["torchft"]))
+        self._step = max_step
 
     def _stripes(self) -> bool:
         """Whether the transport fetches from several sources at once."""
@@ -953,9 +1066,27 @@ class Manager:
         self._logger.info("applying pending state dict")
         assert len(self._load_state_dict_fns) > 0, "user load_state_dict is not initialized."
         user = cast(Dict[str, object], pending["user"])
+        shards = pending.get(_hsdp.SHARDS_KEY)
+        if shards:
+            # local shards: rebuilt as DTensors on this rank's own mesh (its
+            # state is read here, on the training thread after the backward)
+            with self._state_dict_lock.r_lock():
+                own = {key: fn() for key, fn in self._user_state_dicts.items()}
+            try:
+                user = cast(
+                    Dict[str, object],
+                    _hsdp.from_local_shards(user, cast(Dict[str, Any], shards), own),
+                )
+            except _hsdp.ShardMismatch as e:
+                self._pending_state_dict = None
+                self._step = -1  # not the step it fetched: heal again
+                self._logger.exception(f"cannot load the received state: {e}")
+                self.report_error(e)
+                return
         for key, load in self._load_state_dict_fns.items():
             load(user[key])
         self._pending_state_dict = None
+        _at("loaded", self)
         self._logger.info("Loaded state dict.")
 
     # -- commit ---------------------------------------------------------------
@@ -1002,6 +1133,11 @@ class Manager:
             if err is not None:
                 self.report_error(err)
 
+        if self._defers_state_reads() and self._quorum_future is not None:
+            # the quorum's recovery, which waited for this safe point
+            self._quorum_future.result()
+            self._send_deferred()
+
         if self._healing:
             self._apply_pending_state_dict()
 
@@ -1031,7 +1167,10 @@ class Manager:
                 },
             )
 
-        self._checkpoint_transport.disallow_checkpoint()
+        if self._serving_copy:
+            self._serving_copy = False  # served until the next should_commit
+        else:
+            self._checkpoint_transport.disallow_checkpoint()
 
         if should_commit:
             self._step += 1
@@ -1048,6 +1187,36 @@ class Manager:
                 raise RuntimeError(msg)
         return should_commit
 
+    def _send_deferred(self) -> None:
+        """Serves the state this step's quorum asked for, read here on the
+        training thread (after the backward pass, before the optimizer
+        step)."""
+        req = self._deferred_send
+        self._deferred_send = None
+        if req is None:
+            return
+        dst_ranks, step = req
+        try:
+            _at("serve", self)
+            state: Dict[str, object] = self._manager_state_dict()
+            if getattr(self._checkpoint_transport, "serves_in_background", False):
+                # Served from a copy, until the next should_commit: a
+                # healer that has not asked yet still gets this step while
+                # our own tensors move on.  By then every healer has it: it
+                # loads it in its own should_commit, before its next
+                # step's collectives, which ours wait for.
+                def copy(leaf: object) -> object:
+                    return leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf
+
+                state = tree_map(copy, state)
+                self._serving_copy = True
+            self._checkpoint_transport.send_checkpoint(
+                dst_ranks=dst_ranks, step=step, state_dict=state, timeout=self._timeout
+            )
+        except Exception as e:  # noqa: BLE001 - a failed step, not a crash
+            self._logger.exception(f"got exception in recovery: {e}")
+            self.report_error(e)
+
     # -- manager state ----------------------------------------------------------
 
     def load_state_dict(self, state_dict: Dict[str, int]) -> None:
@@ -1057,12 +1226,17 @@ class Manager:
         self._batches_committed = state_dict["batches_committed"]
 
     def _manager_state_dict(self) -> Dict[str, object]:
+        """The state sent to a healing replica: the user's (every DTensor
+        replaced by its local shard, described under a third key) and the
+        manager's own."""
         with self._state_dict_lock.r_lock():
             assert len(self._user_state_dicts) > 0, "user state_dict is not initialized."
-            return {
-                "user": {key: fn() for key, fn in self._user_state_dicts.items()},
-                "torchft": self.state_dict(),
-            }
+            user = {key: fn() for key, fn in self._user_state_dicts.items()}
+            local, shards = _hsdp.local_shards(user)
+            out: Dict[str, object] = {"user": local, "torchft": self.state_dict()}
+            if shards:
+                out[_hsdp.SHARDS_KEY] = shards
+            return out
 
     def state_dict(self) -> Dict[str, int]:
         """The manager's own state, to save with periodic checkpoints."""
@@ -1081,7 +1255,7 @@ class Manager:
         participate (or no quorum was started).  Waits for the quorum."""
         if self._quorum_future is None:
             return None
-        self.wait_quorum()
+        self._wait_configured()
         return self._participating_replica_rank
 
     def num_participants(self) -> int:
@@ -1089,7 +1263,7 @@ class Manager:
         quorum).  Waits for the quorum."""
         if self._quorum_future is None:
             return 0
-        self.wait_quorum()
+        self._wait_configured()
         assert self._participating_replica_world_size >= 0, "internal error"
         return self._participating_replica_world_size
 
@@ -1118,12 +1292,14 @@ class _NativeQuorum:
     its workers, or handed to the in-process manager server), in place of
     the executor's future.
 
-    The first ``result()`` collects the call and applies it.  A quorum that
-    only records the participation (the usual step) is applied right there;
-    one that reconfigures the process group or moves state is applied on
-    the executor thread, as a quorum without a native client is, and waited
-    for.  Either way ``result()`` returns None or raises what the quorum
-    raised, every time it is called.
+    The first ``result()`` or ``configured()`` collects the call and
+    applies it.  A quorum that only records the participation (the usual
+    step) is applied right there; one that reconfigures the process group
+    or moves state is applied on the executor thread, as a quorum without a
+    native client is: ``result()`` waits for all of it, ``configured()``
+    until the participants are known and the process group is ready.
+    Either returns None or raises what the quorum raised, every time it is
+    called.
     """
 
     def __init__(
@@ -1142,6 +1318,8 @@ class _NativeQuorum:
         self._lock = threading.Lock()
         self._done = False
         self._exc: Optional[BaseException] = None
+        self._apply: Optional[concurrent.futures.Future] = None
+        self._configured = manager._configured
         self._args = (
             manager._group_rank,
             manager._step,
@@ -1155,30 +1333,69 @@ class _NativeQuorum:
         client._quorum_start(*self._args)
 
     def result(self) -> None:
-        if not self._done:
-            with self._lock:
-                if not self._done:
-                    self._finish()
+        self._collect()
         if self._exc is not None:
             raise self._exc
+        if self._apply is not None:
+            self._apply.result()
 
-    def _finish(self) -> None:
-        m = self._manager
-        try:
-            quorum = m._through_outages(
-                self._client._quorum_wait,
-                lambda: self._client._quorum_start(*self._args),
-            )
-            if m._quorum_is_quiet(quorum, self._allow_heal):
-                m._apply_quorum(quorum, self._allow_heal, -1)
-            else:
-                m._executor.submit(
-                    m._apply_quorum, quorum, self._allow_heal, self._curr_device
-                ).result()
-        except BaseException as e:  # noqa: BLE001 - raised by every result()
-            self._exc = e
-        finally:
-            self._done = True
+    def configured(self) -> None:
+        """Waits until the quorum has configured the process group and
+        decided the participants (its recovery may still run); raises the
+        quorum's error."""
+        self._collect()
+        if self._exc is not None:
+            raise self._exc
+        apply = self._apply
+        if apply is not None:
+            self._configured.wait()
+            if apply.done():
+                apply.result()
+
+    def _collect(self) -> None:
+        if self._done:
+            return
+        with self._lock:
+            if self._done:
+                return
+            m = self._manager
+            try:
+                quorum = m._through_outages(
+                    self._client._quorum_wait,
+                    lambda: self._client._quorum_start(*self._args),
+                )
+                if m._quorum_is_quiet(quorum, self._allow_heal):
+                    m._apply_quorum(quorum, self._allow_heal, -1)
+                else:
+                    self._apply = m._executor.submit(
+                        m._apply_quorum, quorum, self._allow_heal, self._curr_device
+                    )
+            except BaseException as e:  # noqa: BLE001 - raised by every result()
+                self._exc = e
+                self._configured.set()
+            finally:
+                self._done = True
+
+
+_heal_hook: Optional[Callable[[str, "Manager"], None]] = None
+
+
+def set_heal_hook(hook: Optional[Callable[[str, "Manager"], None]]) -> None:
+    """For fault-injection tests: ``hook(point, manager)`` is called at
+    fixed points of a heal, so a test can kill or stall a process exactly
+    there instead of by luck.  Points: ``"serve"`` (a source, before it
+    reads its state for a healer), ``"fetch"`` (a healer, after it has the
+    source's address, before the transfer), ``"fetched"`` (a healer, the
+    transfer done, nothing loaded yet), ``"loaded"`` (a healer, after its
+    load functions ran).  None removes it."""
+    global _heal_hook
+    _heal_hook = hook
+
+
+def _at(point: str, manager: "Manager") -> None:
+    hook = _heal_hook
+    if hook is not None:
+        hook(point, manager)
 
 
 class _ManagerLogger:

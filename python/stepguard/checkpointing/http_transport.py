@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -101,6 +102,10 @@ class HTTPTransport(CheckpointTransport[T]):
     """Serves the state dict from an HTTP server in this process and fetches
     from peers over HTTP.
 
+    Fetching, a source that answers it still serves an earlier step is
+    asked again until ``timeout``: a replica that serves at a safe point of
+    its step (see the Manager) is about to serve the step asked for.
+
     Args:
         timeout: deadline of a request: socket reads and writes on both
             sides, and the wait while serving is disallowed.
@@ -131,6 +136,10 @@ class HTTPTransport(CheckpointTransport[T]):
         self._disallowed = True
         self._checkpoint_lock = _GateView(self)
         logger.info("serving checkpoints on %s", self.address())
+
+    #: serves from a background thread until disallowed (the Manager keeps
+    #: a copy served where a healer may ask late)
+    serves_in_background = True
 
     @classmethod
     def _load_from_address(cls, address: str, timeout: timedelta) -> object:
@@ -195,6 +204,22 @@ class HTTPTransport(CheckpointTransport[T]):
         self, src_rank: int, metadata: str, step: int, timeout: timedelta
     ) -> T:
         base = f"{metadata}{step}"
+        deadline = time.monotonic() + timeout.total_seconds()
+        pause = 0.005
+        while True:
+            try:
+                return self._recv(base, timeout)
+            except urllib.error.HTTPError as e:
+                # (the reason line names the step served)
+                served = _SERVING.search(str(e)) if e.code == 400 else None
+                if served is None or int(served.group(1)) >= step:
+                    raise
+                if time.monotonic() + pause >= deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
+
+    def _recv(self, base: str, timeout: timedelta) -> T:
         if self._num_chunks == 0:
             return cast(T, self._load_from_address(f"{base}/full", timeout))
         urls = [f"{base}/metadata"] + [f"{base}/{i}" for i in range(self._num_chunks)]
@@ -207,6 +232,10 @@ class HTTPTransport(CheckpointTransport[T]):
     def shutdown(self, wait: bool = True) -> None:
         """Stops the server; ``wait`` joins its thread."""
         self._server.close(wait)
+
+
+# a source's refusal: the step it serves is not the one asked for
+_SERVING = re.compile(r"serving (-?\d+) but got step=")
 
 
 class _GateView:

@@ -62,6 +62,7 @@ import gc
 import logging
 import math
 import pickle
+import re
 import socket
 import threading
 import time
@@ -95,6 +96,8 @@ _HEADER_VERSION = 1
 _MALLOC_MIN = 1 << 20  # staging in [MIN, MAX] bytes comes from malloc
 _MALLOC_MAX = 32 << 20
 _STRIPE_GRACE_S = 1.0  # how long other sources may lag the first one
+# a source's refusal: the step it serves (-1: none) is not the one asked for
+_SERVING = re.compile(r"serving (-?\d+) but got step=")
 
 
 @contextlib.contextmanager
@@ -294,6 +297,9 @@ class NativeTransport(CheckpointTransport[T]):
         self._timeout = timeout
         # read by the Manager: pass the replica's state as ``into``
         self.fetches_in_place = bool(in_place)
+        # serves from a C thread until disallowed (the Manager keeps a copy
+        # served where a healer may ask late)
+        self.serves_in_background = True
         self._token = config.auth_token(auth_token)
         self._streams = int(streams_per_source)
         if not 1 <= self._streams <= 64:
@@ -694,7 +700,9 @@ class NativeTransport(CheckpointTransport[T]):
         ``step``.
 
         A source whose quorum returned at the same moment as ours may not
-        have started serving yet ("serving -1"): like torchft's HTTP server,
+        have started serving yet ("serving -1"), or still serve the step
+        before (a source that serves at a safe point of its step, see the
+        Manager): like torchft's HTTP server,
         which holds a request until serving is allowed, we wait for it, the
         first to answer up to the deadline and the others up to
         ``_STRIPE_GRACE_S`` after it; a source that refuses
@@ -718,7 +726,10 @@ class NativeTransport(CheckpointTransport[T]):
                 except TimeoutError:
                     raise
                 except RuntimeError as e:
-                    if "serving -1 " in str(e):
+                    served = _SERVING.search(str(e))
+                    if served is not None and int(served.group(1)) < step:
+                        # not serving yet, or still an earlier step: a
+                        # source serves at a safe point of its step
                         waiting[addr] = str(e)
                     else:
                         failed[addr] = str(e)

@@ -137,9 +137,10 @@ class Zygote:
             self._eof = True
             self._cv.notify_all()
 
-    def spawn(self, argv: list[str], log: Path, lighthouse: bool = False) -> ZChild:
+    def spawn(self, argv: list[str], log: Path, lighthouse: bool = False,
+              worker: str = "train_worker") -> ZChild:
         assert self.popen.stdin is not None
-        req = {"argv": argv, "log": str(log), "lighthouse": lighthouse}
+        req = {"argv": argv, "log": str(log), "lighthouse": lighthouse, "worker": worker}
         with self._cv:
             n = len(self._pids)
             self.popen.stdin.write((json.dumps(req) + "\n").encode())
@@ -218,8 +219,10 @@ class Job:
                  join_timeout_ms: int = 200, heartbeat_timeout_ms: int | None = None,
                  impl: str = IMPL, lighthouse: str = LIGHTHOUSE,
                  zygote: Zygote | None = None,
-                 lighthouse_args: Iterable[str] = ()) -> None:
+                 lighthouse_args: Iterable[str] = (),
+                 worker: str = "train_worker") -> None:
         self.dir = tmp
+        self.worker = worker  # the helper module every trainer runs
         self.zygote = zygote
         self.impl = impl
         (tmp / "events").mkdir(parents=True, exist_ok=True)
@@ -306,10 +309,12 @@ class Job:
                 for r in range(g.ranks):
                     g.popens.append(self.zygote.spawn(
                         [*common, "--group-rank", str(r), "--group-world-size", str(g.ranks)],
-                        self.dir / "logs" / f"{g.rid}.i{g.incarnation}.log"))
+                        self.dir / "logs" / f"{g.rid}.i{g.incarnation}.log",
+                        worker=self.worker))
             else:
+                script = str(Path(WORKER).with_name(f"{self.worker}.py"))
                 for r in range(g.ranks):
-                    cmd = [sys.executable, WORKER, *common, "--group-rank", str(r),
+                    cmd = [sys.executable, script, *common, "--group-rank", str(r),
                            "--group-world-size", str(g.ranks)]
                     g.popens.append(subprocess.Popen(cmd, stdout=log, stderr=log,
                                                      env=worker_env()))

@@ -6,7 +6,8 @@ processes start in milliseconds instead of seconds each on a loaded machine.
 
 Reads one JSON request per line on stdin, ``{"argv": [...], "log": PATH}``
 (``"lighthouse": true`` runs stepguard's lighthouse CLI with argv instead
-of a trainer), and writes one JSON line per event on stdout: ``{"pid": P}`` for each fork
+of a trainer; ``"worker": MODULE`` runs that helper module's ``main``
+instead of train_worker's), and writes one JSON line per event on stdout: ``{"pid": P}`` for each fork
 (in request order) and ``{"exit": P, "rc": RC}`` when a child ends (RC is
 negative for a signal, like Popen.returncode).  It stays single-threaded so
 that forking is safe.  When stdin closes (the harness is done or died) it
@@ -24,7 +25,8 @@ import sys
 import traceback
 
 
-def child(argv: list[str], log: str, lighthouse: bool = False) -> None:
+def child(argv: list[str], log: str, lighthouse: bool = False,
+          worker: str = "train_worker") -> None:
     """Runs in the forked child: never returns."""
     rc = 1
     try:
@@ -38,10 +40,8 @@ def child(argv: list[str], log: str, lighthouse: bool = False) -> None:
 
             rc = lighthouse_main(["stepguard-lighthouse", *argv])
         else:
-            sys.argv = ["train_worker.py", *argv]
-            import train_worker
-
-            rc = train_worker.main(argv) or 0
+            sys.argv = [f"{worker}.py", *argv]
+            rc = importlib.import_module(worker).main(argv) or 0
     except SystemExit as e:
         rc = e.code if isinstance(e.code, int) else 1
     except BaseException:
@@ -76,6 +76,7 @@ def main() -> int:
     import torch._dynamo  # noqa: F401  (DDP's first construction imports it: ~3 s)
     import torch.nn.parallel  # noqa: F401
     import torch.utils.data  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401  (hsdp_worker's trainers)
 
     torch.set_num_threads(1)
     for mod in (impl, f"{impl}.manager", f"{impl}.process_group"):
@@ -107,7 +108,8 @@ def main() -> int:
             req = json.loads(line)
             pid = os.fork()
             if pid == 0:
-                child(req["argv"], req["log"], req.get("lighthouse", False))
+                child(req["argv"], req["log"], req.get("lighthouse", False),
+                      req.get("worker", "train_worker"))
             children.add(pid)
             out.write(json.dumps({"pid": pid}) + "\n")
             out.flush()

@@ -230,6 +230,21 @@ SG_EXPORT int sg_mgr_client_should_commit(sg_mgr_client_t *c,
 SG_EXPORT int sg_mgr_client_kill(sg_mgr_client_t *c, const char *msg,
                                  sg_deadline_t deadline, sg_err_t *err);
 
+/*
+ * sg_mgr_client_wait_lost: stepguard's ManagerService/WaitLost, a long poll:
+ * *qid gets the newest quorum, newer than `after_quorum_id`, of which the
+ * lighthouse reported a member lost to the group's manager (so that group
+ * ranks other than the manager's abort that quorum's collectives too).
+ * Returns 0; SG_ETIMEDOUT when none was reported by `deadline`; SG_EPEER
+ * with UNIMPLEMENTED in err from a manager without the method (torchft's);
+ * otherwise errors as sg_mgr_client_quorum.  Use a client of its own: a
+ * rank's liveness is judged on the connection of its other calls.
+ */
+SG_EXPORT int sg_mgr_client_wait_lost(sg_mgr_client_t *c,
+                                      int64_t after_quorum_id,
+                                      sg_deadline_t deadline, int64_t *qid,
+                                      sg_err_t *err);
+
 /* sg_mgr_client_abort: from any thread, fail every call in progress and
  * every later one with SG_EABORTED.  Idempotent. */
 SG_EXPORT void sg_mgr_client_abort(sg_mgr_client_t *c);

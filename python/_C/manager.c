@@ -401,7 +401,7 @@ static int mgrclient_guard(mgr_client_obj *self) {
   return 0;
 }
 
-enum mcall_kind { MC_QUORUM, MC_METADATA, MC_COMMIT, MC_KILL };
+enum mcall_kind { MC_QUORUM, MC_METADATA, MC_COMMIT, MC_KILL, MC_LOST };
 
 struct mcall {
   mgr_client_obj *self;
@@ -413,6 +413,7 @@ struct mcall {
   sg_mgr_quorum_result_t r;
   char *metadata;
   int decision;
+  int64_t lost_qid; /* MC_LOST: the answer */
   sg_err_t err;
   int rc;
   sg_py_task_t task; /* _quorum_start: the worker running it */
@@ -439,6 +440,10 @@ static void mcall_run(void *arg) {
     break;
   case MC_KILL:
     c->rc = sg_mgr_client_kill(cli, c->str, c->deadline, &c->err);
+    break;
+  case MC_LOST:
+    c->rc = sg_mgr_client_wait_lost(cli, c->step, c->deadline, &c->lost_qid,
+                                    &c->err);
     break;
   }
 }
@@ -788,6 +793,41 @@ static PyObject *mgrclient_kill(PyObject *self_obj, PyObject *args,
   Py_RETURN_NONE;
 }
 
+/* _wait_lost(after_quorum_id, timeout_s): the lost quorum's id, or None
+ * when the manager reported none newer by the deadline. */
+static PyObject *mgrclient_wait_lost(PyObject *self_obj, PyObject *args,
+                                     PyObject *kw) {
+  static char *kwlist[] = {"after_quorum_id", "timeout_s", NULL};
+  struct mcall c;
+  memset(&c, 0, sizeof(c));
+  c.self = (mgr_client_obj *)self_obj;
+  c.kind = MC_LOST;
+  long long after;
+  double timeout_s;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "Ld:_wait_lost", kwlist, &after,
+                                   &timeout_s))
+    return NULL;
+  c.step = after;
+  if (mgrclient_guard(c.self) < 0)
+    return NULL;
+  int64_t ms = sg_py_timeout_ms(timeout_s);
+  if (ms < 0)
+    return NULL;
+  c.deadline = sg_deadline_in_ms(ms);
+  sg_err_clear(&c.err);
+  c.self->inflight++;
+  int rc = sg_py_blocking(mcall_run, mcall_abort, &c);
+  c.self->inflight--;
+  if (rc < 0)
+    return NULL;
+  if (c.rc == SG_ETIMEDOUT)
+    Py_RETURN_NONE;
+  if (c.rc)
+    return sg_py_raise_rpc(sg_py_state_of_type(Py_TYPE(c.self)), c.rc,
+                           c.err.msg);
+  return PyLong_FromLongLong(c.lost_qid);
+}
+
 static PyObject *mgrclient_abort(PyObject *self_obj, PyObject *unused) {
   mgr_client_obj *self = (mgr_client_obj *)self_obj;
   if (self->cli)
@@ -863,6 +903,9 @@ static PyMethodDef mgrclient_methods[] = {
      "should_commit(group_rank, step, should_commit, timeout_s) -> bool"},
     {"kill", (PyCFunction)(void (*)(void))mgrclient_kill,
      METH_VARARGS | METH_KEYWORDS, "kill(msg, timeout_s=10.0)"},
+    {"_wait_lost", (PyCFunction)(void (*)(void))mgrclient_wait_lost,
+     METH_VARARGS | METH_KEYWORDS,
+     "_wait_lost(after_quorum_id, timeout_s) -> int | None"},
     {"abort", mgrclient_abort, METH_NOARGS,
      "abort(): fail every call in progress and later ones."},
     {"close", mgrclient_close, METH_NOARGS, "close(): drop the connection."},

@@ -11,8 +11,9 @@ stepguard additions, all keyword-only: ``auth_token`` (default: the
 ``disconnect_grace_ms``, ``prune_after_ms``, ``quorum_id_file``,
 ``hostname``, ``max_replicas`` and ``max_connections``; on the manager
 server ``disconnect_grace_ms`` and ``kill_handler``; on the manager client
-``server`` (in-process calls to this process's manager) and
-``_quorum_start``/``_quorum_wait`` (a quorum started without a thread).
+``server`` (in-process calls to this process's manager),
+``_quorum_start``/``_quorum_wait`` (a quorum started without a thread) and
+``_wait_lost`` (a long poll for a lost member of the quorum).
 """
 
 from __future__ import annotations
@@ -499,6 +500,21 @@ class ManagerClient:
     def kill(self, msg: str, timeout: timedelta = timedelta(seconds=10)) -> None:
         """Asks the manager's process to end (its Kill handler runs)."""
         self._client.kill(msg, config.seconds(timeout))
+
+    def _wait_lost(self, after_quorum_id: int, timeout: timedelta) -> Optional[int]:
+        """stepguard: waits up to ``timeout`` for the manager to learn from
+        the lighthouse that a member of a quorum newer than
+        ``after_quorum_id`` was lost (a long poll, so that every group rank
+        can abort that quorum's collectives): that quorum's id, or None.
+
+        Use a client of its own for it (a rank's liveness is judged on the
+        connection of its quorum and commit calls).
+
+        Raises:
+            RuntimeError: the call failed (a torchft manager, which lacks
+                the method, answers UNIMPLEMENTED).
+        """
+        return self._client._wait_lost(after_quorum_id, config.seconds(timeout))
 
     def abort(self) -> None:
         """Fails every call in progress and every later one."""

@@ -702,6 +702,31 @@ static void lost_answer(sg_lh_server_t *s, int64_t now, const uint8_t **body,
   *len = s->lost_resp_len;
 }
 
+/*
+ * left_out_answer: the answer to a heartbeat from a replica that says it
+ * was answered quorum `qid` (a stepguard manager's extension field) while
+ * the last issued quorum is newer and leaves it out: that quorum `qid` is
+ * over for it, so that a member cut off or hung while the others went on
+ * without it stops waiting in that quorum's collectives once it is heard
+ * again.  Encoded into buf (cap bytes); *len 0 when there is nothing to say.
+ */
+static void left_out_answer(const sg_lh_server_t *s, int64_t qid,
+                            const char *id, uint8_t *buf, size_t cap,
+                            size_t *len) {
+  const sg__lh_quorum_t *q = sg__lh_prev_quorum(s->st);
+  *len = 0;
+  if (qid <= 0 || !q || qid >= q->quorum_id)
+    return;
+  Torchft__LighthouseHeartbeatResponse r =
+      TORCHFT__LIGHTHOUSE_HEARTBEAT_RESPONSE__INIT;
+  char *ids[1] = {(char *)id};
+  r.lost_quorum_id = qid;
+  r.n_lost_members = 1;
+  r.lost_members = ids;
+  if (torchft__lighthouse_heartbeat_response__get_packed_size(&r) <= cap)
+    *len = torchft__lighthouse_heartbeat_response__pack(&r, buf);
+}
+
 static void handle_heartbeat(sg_lh_server_t *s, sg_rpc_call_t *call,
                              const uint8_t *body, size_t len,
                              int64_t event_ns) {
@@ -733,8 +758,14 @@ static void handle_heartbeat(sg_lh_server_t *s, sg_rpc_call_t *call,
   note_speaker(s, req->replica_id, sg_rpc_call_conn_id(call));
   const uint8_t *answer = NULL;
   size_t answer_len = 0;
-  if (sg__lh_is_member(s->st, req->replica_id))
+  uint8_t own[MAX_ID_LEN + 32];
+  if (sg__lh_is_member(s->st, req->replica_id)) {
     lost_answer(s, now, &answer, &answer_len);
+  } else {
+    left_out_answer(s, req->quorum_id, req->replica_id, own, sizeof(own),
+                    &answer_len);
+    answer = answer_len ? own : NULL;
+  }
   sg_rpc_call_respond(call, SG_GRPC_OK, NULL, answer, answer_len);
   /* A heartbeat of a replica that was already healthy cannot change the
    * decision; skip the work (1,000 replicas heartbeat 10,000 times/s). */

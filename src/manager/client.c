@@ -1,8 +1,8 @@
 /*
  * client.c: ManagerService calls (Quorum, CheckpointMetadata, ShouldCommit,
- * Kill) over one gRPC channel, with protobuf encoding and checks of what
- * comes back (strings must be UTF-8 without NUL, as torchft's clients
- * require).
+ * Kill, and stepguard's WaitLost) over one gRPC channel, with protobuf encoding
+ * and checks of what comes back (strings must be UTF-8 without NUL, as
+ * torchft's clients require).
  */
 #include <string.h>
 
@@ -283,4 +283,27 @@ int sg_mgr_client_kill(sg_mgr_client_t *c, const char *msg,
                 deadline, &resp, &resp_len, err);
   sg_free(resp);
   return rc;
+}
+
+int sg_mgr_client_wait_lost(sg_mgr_client_t *c, int64_t after_quorum_id,
+                            sg_deadline_t deadline, int64_t *qid,
+                            sg_err_t *err) {
+  uint8_t *resp = NULL;
+  size_t resp_len = 0;
+  *qid = 0;
+  Torchft__ManagerWaitLostRequest q = TORCHFT__MANAGER_WAIT_LOST_REQUEST__INIT;
+  q.after_quorum_id = after_quorum_id;
+  int rc = call(c, "/torchft.ManagerService/WaitLost", &q.base,
+                &no_strings_spec, deadline, &resp, &resp_len, err);
+  if (rc)
+    return rc;
+  Torchft__ManagerWaitLostResponse *m =
+      torchft__manager_wait_lost_response__unpack(&sg__pb_allocator, resp_len,
+                                                  resp);
+  sg_free(resp);
+  if (!m)
+    return sg_err_set(err, SG_EPROTO, "invalid ManagerWaitLostResponse");
+  *qid = m->lost_quorum_id;
+  torchft__manager_wait_lost_response__free_unpacked(m, &sg__pb_allocator);
+  return 0;
 }

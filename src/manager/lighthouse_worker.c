@@ -112,6 +112,9 @@ static void note_lost(sg_mgr_server_t *s, const uint8_t *resp,
     if (news) {
       s->lost_qid = r->lost_quorum_id;
       pthread_cond_broadcast(&s->lost_cv);
+      /* the loop answers the other group ranks' WaitLost calls; the loop
+       * runs while this thread does (stop joins this thread first) */
+      uv_async_send(&s->lost_async);
     }
     pthread_mutex_unlock(&s->mu);
     if (news)
@@ -125,14 +128,28 @@ static void note_lost(sg_mgr_server_t *s, const uint8_t *resp,
   torchft__lighthouse_heartbeat_response__free_unpacked(r, &sg__pb_allocator);
 }
 
-/* lh_heartbeat: one Heartbeat call (the request is encoded at start). */
+/* lh_heartbeat: one Heartbeat call, with the last quorum this manager was
+ * answered (a stepguard lighthouse tells a member that a newer quorum left
+ * out that its quorum is over); out of memory sends the request encoded at
+ * start, without it. */
 static int lh_heartbeat(sg_mgr_server_t *s, sg_deadline_t deadline,
                         sg_err_t *err) {
   uint8_t *resp = NULL;
   size_t resp_len = 0;
+  Torchft__LighthouseHeartbeatRequest h =
+      TORCHFT__LIGHTHOUSE_HEARTBEAT_REQUEST__INIT;
+  h.replica_id = s->replica_id;
+  pthread_mutex_lock(&s->quorum_mu);
+  h.quorum_id = s->last_qid;
+  pthread_mutex_unlock(&s->quorum_mu);
+  size_t len = torchft__lighthouse_heartbeat_request__get_packed_size(&h);
+  uint8_t *req = sg_malloc(len ? len : 1);
+  if (req)
+    len = torchft__lighthouse_heartbeat_request__pack(&h, req);
   int rc = sg_rpc_channel_call(s->lh, "/torchft.LighthouseService/Heartbeat",
-                               s->hb_req, s->hb_req_len, deadline, &resp,
-                               &resp_len, NULL, err);
+                               req ? req : s->hb_req, req ? len : s->hb_req_len,
+                               deadline, &resp, &resp_len, NULL, err);
+  sg_free(req);
   if (!rc)
     note_lost(s, resp, resp_len);
   sg_free(resp);

@@ -76,7 +76,8 @@ typedef struct sg__mgr_qargs_s sg__mgr_qargs_t;
  * votes (ShouldCommit). */
 typedef enum sg__mgr_kind_e {
   SG__MGR_QUORUM = 1,
-  SG__MGR_COMMIT = 2
+  SG__MGR_COMMIT = 2,
+  SG__MGR_LOST = 3 /* WaitLost from the wire (loop thread only) */
 } sg__mgr_kind_t;
 
 /* Where an answer goes: a call from the wire, or one from this process
@@ -92,7 +93,8 @@ struct sg__mgr_waiter_s {
   sg__mgr_reply_t to;
   int64_t group_rank;
   int init_sync;
-  int in_round; /* Quorum: its round's lighthouse call is under way */
+  int in_round;      /* Quorum: its round's lighthouse call is under way */
+  int64_t after_qid; /* WaitLost: answer once a newer quorum lost a member */
   sg__mgr_waiter_t *prev, *next;
 };
 
@@ -169,6 +171,7 @@ struct sg_mgr_server_s {
   uv_loop_t loop;
   uv_thread_t thread;
   uv_async_t stop_async, result_async, local_async;
+  uv_async_t lost_async; /* lost_qid grew: answer the WaitLost calls */
   uv_timer_t grace_timer, kill_timer;
   sg_rpc_server_t *rpc;
   int port;
@@ -196,7 +199,8 @@ struct sg_mgr_server_s {
   int last_shrink_only;
   int64_t last_timeout_ms;
   sg__mgr_waiter_t *quorum_waiters, *commit_waiters;
-  sg_map_t conns; /* "%llu" conn id -> struct conn * */
+  sg__mgr_waiter_t *lost_calls; /* WaitLost calls (no lock: loop only) */
+  sg_map_t conns;               /* "%llu" conn id -> struct conn * */
   int round_in_flight;
   char *kill_msg;
 

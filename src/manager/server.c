@@ -8,8 +8,8 @@
  *   liveness     which group ranks spoke on which connection; the grace
  *   rounds       starting a quorum round (its decision is round.c's) and
  *                delivering its outcome (each rank's view is results.c's)
- *   calls        Quorum, ShouldCommit, CheckpointMetadata and Kill from the
- *                wire; the votes of the commit round
+ *   calls        Quorum, ShouldCommit, CheckpointMetadata, Kill and WaitLost
+ *                from the wire; the votes of the commit round
  *   lifecycle    the loop thread, start, stop
  */
 #include <arpa/inet.h>
@@ -196,6 +196,12 @@ static void fail_all(sg_mgr_server_t *s, int status, const char *msg) {
     waiter_free(w);
   }
   pthread_mutex_unlock(&s->commit_mu);
+  while (s->lost_calls) {
+    sg__mgr_waiter_t *w = s->lost_calls;
+    waiter_unlink(&s->lost_calls, w);
+    respond(w->to, status, msg, NULL, 0);
+    waiter_free(w);
+  }
 }
 
 /* ---- leaving ------------------------------------------------------------ */
@@ -900,6 +906,88 @@ static void handle_checkpoint_metadata(sg_mgr_server_t *s, sg_rpc_call_t *call,
   torchft__checkpoint_metadata_request__free_unpacked(req, &sg__pb_allocator);
 }
 
+/* current_lost_qid: the newest quorum the lighthouse reported a member of
+ * lost (0: none). */
+static int64_t current_lost_qid(sg_mgr_server_t *s) {
+  pthread_mutex_lock(&s->mu);
+  int64_t q = s->lost_qid;
+  pthread_mutex_unlock(&s->mu);
+  return q;
+}
+
+/* respond_lost: answer a WaitLost call with quorum `qid`. */
+static void respond_lost(sg__mgr_reply_t to, int64_t qid) {
+  Torchft__ManagerWaitLostResponse m =
+      TORCHFT__MANAGER_WAIT_LOST_RESPONSE__INIT;
+  m.lost_quorum_id = qid;
+  respond_msg(to, &m.base);
+}
+
+/*
+ * on_lost: the heartbeat thread saw the lighthouse report a member of a
+ * newer quorum lost (lost_async): answer every WaitLost call waiting for a
+ * quorum older than it.  Loop thread.
+ */
+static void on_lost(uv_async_t *a) {
+  sg_mgr_server_t *s = a->data;
+  int64_t qid = current_lost_qid(s);
+  sg__mgr_waiter_t *w = s->lost_calls;
+  while (w) {
+    sg__mgr_waiter_t *next = w->next;
+    if (w->after_qid < qid) {
+      waiter_unlink(&s->lost_calls, w);
+      respond_lost(w->to, qid);
+      waiter_free(w);
+    }
+    w = next;
+  }
+}
+
+/*
+ * handle_wait_lost: a group rank's long poll for a lost member (stepguard
+ * extension): answered at once when the lighthouse already reported a
+ * quorum newer than after_quorum_id lost, else when it does (on_lost), else
+ * DEADLINE_EXCEEDED at the call's deadline, which it must have.  Not a
+ * liveness signal: the connection it comes on is not the rank's.
+ */
+static void handle_wait_lost(sg_mgr_server_t *s, sg_rpc_call_t *call,
+                             const uint8_t *body, size_t len) {
+  if (!sg_rpc_call_metadata(call, "grpc-timeout")) {
+    sg__mgr_respond_err(wire(call), SG_GRPC_INVALID_ARGUMENT,
+                        "missing timeout");
+    return;
+  }
+  if (check_wire(call, body, len, &no_strings_spec))
+    return;
+  Torchft__ManagerWaitLostRequest *req =
+      torchft__manager_wait_lost_request__unpack(&sg__pb_allocator, len, body);
+  if (!req) {
+    sg__mgr_respond_err(wire(call), SG_GRPC_INVALID_ARGUMENT,
+                        "invalid ManagerWaitLostRequest");
+    return;
+  }
+  int64_t after = req->after_quorum_id;
+  torchft__manager_wait_lost_request__free_unpacked(req, &sg__pb_allocator);
+  if (check_left(s, wire(call)))
+    return;
+  int64_t qid = current_lost_qid(s);
+  if (qid > after) {
+    respond_lost(wire(call), qid);
+    return;
+  }
+  sg__mgr_waiter_t *w = sg_calloc(1, sizeof(*w));
+  if (!w) {
+    sg__mgr_respond_err(wire(call), SG_GRPC_RESOURCE_EXHAUSTED,
+                        "manager out of memory");
+    return;
+  }
+  w->kind = SG__MGR_LOST;
+  w->to = wire(call);
+  w->after_qid = after;
+  waiter_push(&s->lost_calls, w);
+  sg_rpc_call_set_user(call, w);
+}
+
 static void on_kill_timer(uv_timer_t *t) {
   sg_mgr_server_t *s = t->data;
   char *msg = s->kill_msg;
@@ -950,6 +1038,8 @@ static void on_call(void *ud, sg_rpc_call_t *call) {
     handle_checkpoint_metadata(s, call, body, len);
   } else if (strcmp(method, "/torchft.ManagerService/Kill") == 0) {
     handle_kill(s, call, body, len);
+  } else if (strcmp(method, "/torchft.ManagerService/WaitLost") == 0) {
+    handle_wait_lost(s, call, body, len);
   } else {
     sg__mgr_respond_err(wire(call), SG_GRPC_UNIMPLEMENTED,
                         "unknown method %.200s", method);
@@ -962,8 +1052,14 @@ static void on_call(void *ud, sg_rpc_call_t *call) {
 static void on_call_cancel(void *ud, sg_rpc_call_t *call) {
   sg_mgr_server_t *s = ud;
   sg__mgr_waiter_t *w = sg_rpc_call_user(call);
-  if (w)
+  if (!w)
+    return;
+  if (w->kind == SG__MGR_LOST) {
+    waiter_unlink(&s->lost_calls, w);
+    waiter_free(w);
+  } else {
     waiter_cancel(s, w);
+  }
 }
 
 /* ---- loop thread and lifecycle ------------------------------------------ */
@@ -979,6 +1075,7 @@ static void close_handles(sg_mgr_server_t *s) {
   uv_close((uv_handle_t *)&s->stop_async, on_handle_closed);
   uv_close((uv_handle_t *)&s->result_async, on_handle_closed);
   uv_close((uv_handle_t *)&s->local_async, on_handle_closed);
+  uv_close((uv_handle_t *)&s->lost_async, on_handle_closed);
 }
 
 static void on_rpc_closed(void *ud) {
@@ -1221,9 +1318,11 @@ int sg_mgr_server_start(const sg_mgr_server_opts_t *o, sg_mgr_server_t **out,
   uv_async_init(&s->loop, &s->stop_async, on_stop);
   uv_async_init(&s->loop, &s->result_async, on_result);
   uv_async_init(&s->loop, &s->local_async, sg__mgr_on_local);
+  uv_async_init(&s->loop, &s->lost_async, on_lost);
   s->grace_timer.data = s->kill_timer.data = s;
   s->stop_async.data = s->result_async.data = s->local_async.data = s;
-  s->handles_open = 5;
+  s->lost_async.data = s;
+  s->handles_open = 6;
 
   sg_rpc_server_opts_t ro = {0};
   ro.bind = s->bind;

@@ -1181,6 +1181,124 @@ static void test_lost_member_reported_in_heartbeats(void **state) {
   lh_group_stop(&gs[0], lh);
 }
 
+/* A WaitLost long poll of another group rank, on a client of its own. */
+struct lreq {
+  sg_mgr_client_t *c;
+  int64_t after, timeout_ms;
+  int rc;
+  int64_t qid, elapsed_ms;
+  sg_err_t err;
+  pthread_t t;
+};
+
+static void *wait_lost_thread(void *arg) {
+  struct lreq *l = arg;
+  int64_t t0 = sg_now_ns();
+  sg_err_clear(&l->err);
+  l->rc = sg_mgr_client_wait_lost(
+      l->c, l->after, sg_deadline_in_ms(l->timeout_ms), &l->qid, &l->err);
+  l->elapsed_ms = (sg_now_ns() - t0) / 1000000;
+  return NULL;
+}
+
+/* WaitLost (stepguard's long poll, what group ranks other than 0 use): it
+ * waits while nothing is lost, ends with the quorum's id once the
+ * lighthouse names a member of it lost in the manager's heartbeat answer,
+ * answers at once for an older after_quorum_id, times out for the same one,
+ * and is failed (not left hanging) when the manager stops. */
+static void test_wait_lost_long_poll(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 60000);
+  group_t gs[2];
+  group_start(&gs[0], "a", sg_lh_server_address(lh), "storeA:1");
+  group_start(&gs[1], "b", sg_lh_server_address(lh), "storeB:1");
+  usleep(200 * 1000);
+  struct qreq q[4];
+  const int64_t steps[2][2] = {{1, 1}, {1, 1}};
+  run_round(gs, 2, steps, 0, q);
+  int64_t qid = q[0].r.quorum_id;
+  q_free(q, 4);
+
+  sg_err_t err;
+  sg_err_clear(&err);
+  sg_mgr_client_t *c = NULL;
+  assert_int_equal(
+      sg_mgr_client_new(sg_mgr_server_address(gs[0].srv), 5000, NULL, &c, &err),
+      0);
+  int64_t got = -1;
+  assert_int_equal(
+      sg_mgr_client_wait_lost(c, 0, sg_deadline_in_ms(300), &got, &err),
+      SG_ETIMEDOUT);
+  struct lreq l = {c, 0, 10000, -1, 0, 0, {0}, 0};
+  assert_int_equal(pthread_create(&l.t, NULL, wait_lost_thread, &l), 0);
+  usleep(200 * 1000); /* the call waits in the server */
+  group_stop(&gs[1]);
+  pthread_join(l.t, NULL);
+  if (l.rc)
+    fail_msg("WaitLost: %s", l.err.msg);
+  assert_int_equal(l.qid, qid);
+  assert_true(l.elapsed_ms < 5000);
+  /* already reported: at once; the same quorum again: nothing new */
+  assert_int_equal(
+      sg_mgr_client_wait_lost(c, qid - 1, sg_deadline_in_ms(5000), &got, &err),
+      0);
+  assert_int_equal(got, qid);
+  assert_int_equal(
+      sg_mgr_client_wait_lost(c, qid, sg_deadline_in_ms(200), &got, &err),
+      SG_ETIMEDOUT);
+  /* a poll in progress when the manager stops fails with it */
+  struct lreq l2 = {c, qid, 30000, -1, 0, 0, {0}, 0};
+  assert_int_equal(pthread_create(&l2.t, NULL, wait_lost_thread, &l2), 0);
+  usleep(200 * 1000);
+  lh_group_stop(&gs[0], lh);
+  pthread_join(l2.t, NULL);
+  assert_int_not_equal(l2.rc, 0);
+  assert_int_not_equal(l2.rc, SG_ETIMEDOUT);
+  assert_true(l2.elapsed_ms < 10000);
+  sg_mgr_client_free(c);
+}
+
+/* A member that a newer quorum left out while it still heartbeats (cut
+ * off, then back) learns that its quorum is over: its heartbeat carries
+ * the last quorum it was answered, and the lighthouse names it lost in
+ * that quorum.  Groups a and c go on as two (b, silent in the round, is
+ * a straggler past the join timeout); b's manager reports quorum 1 lost,
+ * a's reports nothing (its quorum lost no one). */
+static void test_left_out_member_learns_its_quorum_is_over(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 60000);
+  group_t gs[3]; /* a, c, b: run_round takes the first ones */
+  group_start(&gs[0], "a", sg_lh_server_address(lh), "storeA:1");
+  group_start(&gs[1], "c", sg_lh_server_address(lh), "storeC:1");
+  group_start(&gs[2], "b", sg_lh_server_address(lh), "storeB:1");
+  usleep(200 * 1000);
+  struct qreq q[6];
+  const int64_t steps[3][2] = {{1, 1}, {1, 1}, {1, 1}};
+  run_round(gs, 3, steps, 0, q);
+  int64_t q1 = q[0].r.quorum_id;
+  assert_int_equal(q[0].r.replica_world_size, 3);
+  q_free(q, 6);
+  int64_t got = -1;
+  /* before: nothing to say to b */
+  assert_int_equal(
+      sg_mgr_server_wait_lost(gs[2].srv, 0, sg_deadline_in_ms(300), &got),
+      SG_ETIMEDOUT);
+  const int64_t steps2[2][2] = {{2, 2}, {2, 2}};
+  run_round(gs, 2, steps2, 0, q);
+  assert_int_equal(q[0].r.replica_world_size, 2);
+  assert_true(q[0].r.quorum_id > q1);
+  q_free(q, 4);
+  assert_int_equal(
+      sg_mgr_server_wait_lost(gs[2].srv, 0, sg_deadline_in_ms(10000), &got), 0);
+  assert_int_equal(got, q1);
+  assert_int_equal(
+      sg_mgr_server_wait_lost(gs[0].srv, 0, sg_deadline_in_ms(300), &got),
+      SG_ETIMEDOUT);
+  group_stop(&gs[2]);
+  group_stop(&gs[1]);
+  lh_group_stop(&gs[0], lh);
+}
+
 /* A quorum asked while the lighthouse connection is down (it restarted)
  * gets the whole timeout, not just the connect timeout, once it connects. */
 static void test_quorum_after_restart_gets_full_timeout(void **state) {
@@ -1721,6 +1839,8 @@ int main(void) {
       cmocka_unit_test(test_cancelled_call_no_longer_counts),
       cmocka_unit_test(test_lighthouse_stops_during_round),
       cmocka_unit_test(test_lost_member_reported_in_heartbeats),
+      cmocka_unit_test(test_wait_lost_long_poll),
+      cmocka_unit_test(test_left_out_member_learns_its_quorum_is_over),
       cmocka_unit_test(test_quorum_after_restart_gets_full_timeout),
       cmocka_unit_test(test_allocation_failures),
       cmocka_unit_test(test_stop_with_calls_in_flight),

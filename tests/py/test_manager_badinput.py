@@ -20,6 +20,7 @@ import time
 import pytest
 
 from lighthouse_util import (
+    DEADLINE_EXCEEDED,
     H2_PREFACE,
     INVALID_ARGUMENT,
     NOT_FOUND,
@@ -195,7 +196,7 @@ def test_invalid_protobuf_and_strings(mgr):
     # field 2 of ShouldCommit (an int64) sent length-delimited; protobuf-c
     # reads a length-delimited bool as a packed one, so field 1 is not used
     for method, f in (("Quorum", 1), ("ShouldCommit", 2),
-                      ("CheckpointMetadata", 1), ("Kill", 1)):
+                      ("CheckpointMetadata", 1), ("Kill", 1), ("WaitLost", 100)):
         for body in (b"\xff\xff\xff", b"\x08", pb_bytes(f, b"\xff" * 4)):
             res = call(mgr, method, body)
             assert res.grpc_status == INVALID_ARGUMENT, (method, body, res)
@@ -224,6 +225,11 @@ def test_timeouts_methods_and_framing(mgr):
         res = call(mgr, "Quorum", qreq(), extra=[("grpc-timeout", v)])
         assert res.grpc_status == INVALID_ARGUMENT, (v, res)
     assert call(mgr, "NoSuch", b"").grpc_status == UNIMPLEMENTED
+    # stepguard's long poll: it must have a deadline, and ends at it
+    res = call(mgr, "WaitLost", pb_int(100, 0), extra=[])
+    assert res.grpc_status == INVALID_ARGUMENT and "timeout" in res.grpc_message
+    res = call(mgr, "WaitLost", pb_int(100, 1 << 40), extra=[("grpc-timeout", "200m")])
+    assert res.grpc_status == DEADLINE_EXCEEDED, res
     with H2Client(mgr.port) as h:
         res = h.call("Heartbeat", b"", service="torchft.LighthouseService",
                      extra=TIMEOUT)

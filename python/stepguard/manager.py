@@ -363,18 +363,22 @@ class Manager:
         self._logger = _ManagerLogger(self, full_replica_id, self._group_rank)
         # stepguard: the lighthouse tells the members of a quorum when one of
         # them stops heartbeating; the step's collectives are aborted then,
-        # not at the operation timeout (group rank 0, which runs the server)
+        # not at the operation timeout.  Group rank 0 hears it from the
+        # server it runs, the other group ranks from a long poll to it, on a
+        # client of their own that the watcher makes (their liveness is
+        # judged on self._client's connection; shutdown aborts this one to
+        # end the poll).
         self._lost_stop = threading.Event()
+        self._lost_lock = threading.Lock()
         # the quorum whose step runs now (-1 from start_quorum until the new
         # one is applied), under _lost_lock: a lost-member report that comes
         # late must not fail, or abort, the next step
-        self._lost_lock = threading.Lock()
         self._active_quorum_id = -1
-        self._lost_watcher: Optional[threading.Thread] = None
-        if self._manager is not None:
-            self._lost_watcher = threading.Thread(
-                target=self._watch_lost, name="stepguard-lost", daemon=True
-            )
+        self._lost_addr = addr
+        self._lost_client: Optional[ManagerClient] = None
+        self._lost_watcher: Optional[threading.Thread] = threading.Thread(
+            target=self._watch_lost, name="stepguard-lost", daemon=True
+        )
 
         self._step = 0
         self._quorum_id = -1
@@ -469,7 +473,10 @@ class Manager:
         self._checkpoint_transport.shutdown(wait=wait)
         lost_stop = getattr(self, "_lost_stop", None)
         if lost_stop is not None:
-            lost_stop.set()
+            with self._lost_lock:
+                lost_stop.set()
+                if self._lost_client is not None:
+                    self._lost_client.abort()  # ends its long poll now
             if self._lost_watcher is not None and self._lost_watcher.is_alive():
                 self._lost_watcher.join()
         if self._manager is not None:
@@ -548,32 +555,69 @@ class Manager:
     def _watch_lost(self) -> None:
         """Aborts the process group's collectives when the lighthouse
         reports a member of the current quorum lost (a hung or cut-off
-        replica): the step fails as for a crash, within the heartbeat
-        timeout, and the next quorum goes on without it."""
+        replica, or this replica itself once a newer quorum left it out):
+        the step fails as for a crash, within the heartbeat timeout, and
+        the next quorum goes on without it.  Every group rank does it; a
+        report of a quorum this rank has not joined yet is kept, and acted
+        on if it joins that quorum."""
         server = self._manager
-        assert server is not None
-        seen = 0
+        poll = timedelta(milliseconds=200 if server is not None else 500)
+        seen = 0  # the newest quorum reported lost
+        acted = 0  # the last quorum whose collectives were aborted
+        failures = 0
         while not self._lost_stop.is_set():
-            qid = server.wait_lost(seen, timedelta(milliseconds=200))
-            if qid is None:
+            try:
+                if server is not None:
+                    qid = server.wait_lost(seen, poll)
+                else:
+                    qid = self._lost_client_poll(seen, poll)
+                failures = 0
+            except Exception as e:  # noqa: BLE001 - never fatal to training
+                if self._lost_stop.is_set():
+                    return
+                if "UNIMPLEMENTED" in str(e):
+                    self._logger.info("the manager reports no lost members (torchft's)")
+                    return
+                failures += 1
+                if failures == 1:
+                    self._logger.warn(f"waiting for lost members failed (retrying): {e}")
+                self._lost_stop.wait(1.0)
                 continue
-            seen = qid
+            if isinstance(qid, int):
+                seen = max(seen, qid)
+            current = self._quorum_id
+            if seen != current or acted == current:
+                continue
+            acted = current
+            qid = current
+            self._logger.warn(
+                f"the lighthouse holds a member of quorum {qid} unhealthy: "
+                "aborting this step's collectives"
+            )
+            self.report_error(
+                RuntimeError(f"quorum {qid} lost a member (the lighthouse holds it unhealthy)")
+            )
+            abort = getattr(self._pg, "abort", None)
+            if abort is not None:
+                try:
+                    abort()
+                except Exception as e:  # noqa: BLE001 - the step fails anyway
+                    self._logger.warn(f"process group abort failed: {e}")
+
+    def _lost_client_poll(self, after: int, poll: timedelta) -> Optional[int]:
+        """One long poll to group rank 0's manager (group ranks > 0), on a
+        client made on first use (a failed connection raises, and the next
+        poll tries again)."""
+        client = self._lost_client
+        if client is None:
+            client = _coordination.ManagerClient(
+                self._lost_addr, connect_timeout=self._connect_timeout
+            )
             with self._lost_lock:
-                if qid != self._active_quorum_id:
-                    continue
-                self._logger.warn(
-                    f"the lighthouse holds a member of quorum {qid} unhealthy: "
-                    "aborting this step's collectives"
-                )
-                self.report_error(
-                    RuntimeError(f"quorum {qid} lost a member (lighthouse heartbeat timeout)")
-                )
-                abort = getattr(self._pg, "abort", None)
-                if abort is not None:
-                    try:
-                        abort()
-                    except Exception as e:  # noqa: BLE001 - the step fails anyway
-                        self._logger.warn(f"process group abort failed: {e}")
+                self._lost_client = client
+                if self._lost_stop.is_set():
+                    client.abort()
+        return client._wait_lost(after, poll)
 
     def report_error(self, e: Exception) -> None:
         """Marks this step failed (it will not commit); the process group

@@ -154,6 +154,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fixed-with-spares", action="store_true")
     ap.add_argument("--pg", choices=("gloo", "tcp"), default="gloo")
     ap.add_argument("--timeout", type=float, default=10.0)
+    ap.add_argument("--progress-timeout", type=float, default=None,
+                    help="--pg tcp: its peer progress deadline in seconds "
+                    "(0: off; default: the group's own)")
     ap.add_argument("--quorum-timeout", type=float, default=30.0)
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--same-init", action="store_true",
@@ -202,7 +205,9 @@ def load_impl(name: str):
 def make_pg(a: argparse.Namespace, ft, pg_mod):
     pg_timeout = timedelta(seconds=a.timeout)
     if a.pg == "tcp":
-        pg = pg_mod.ProcessGroupTCP(timeout=pg_timeout)
+        kw = ({} if a.progress_timeout is None
+              else {"progress_timeout": timedelta(seconds=a.progress_timeout)})
+        pg = pg_mod.ProcessGroupTCP(timeout=pg_timeout, **kw)
     else:
         pg = ft.ProcessGroupGloo(timeout=pg_timeout)
     if a.fail_allreduce_at >= 0:

@@ -323,3 +323,163 @@ def test_partition_drops_the_group_then_it_rejoins(tmp_path: Path) -> None:
         for other in saved[1:]:
             assert torch.equal(t, other["params"][name]), name
     assert _ours(f"sgln{os.getpid()}") == []
+
+
+
+# A small trainer (stepguard's Manager, DDP and ProcessGroupTCP with a 60 s
+# operation timeout, its progress deadline off) whose group VICTIM stops for
+# MID_SLEEP seconds in the middle of its first step from MID_AT on that all
+# three groups join, after joining the quorum: the others then wait in that
+# step's allreduce, and a partition injected at its "mid" event cuts the
+# group off while they do.
+PART_WORKER = r'''
+import os, sys, time
+from datetime import timedelta
+import torch
+import stepguard as ft
+from stepguard.process_group import ProcessGroupTCP
+from stepguard.launch import report, stop_step
+
+mid_at, mid_sleep, victim, save = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+group, rank = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ["RANK"])
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+
+def load(sd):
+    model.load_state_dict(sd["model"])
+    inner.load_state_dict(sd["optim"])
+
+pg = ProcessGroupTCP(timeout=timedelta(seconds=60), progress_timeout=0)
+manager = ft.Manager(pg=pg, min_replica_size=1, load_state_dict=load,
+                     state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
+                     replica_id=f"part_{group}", timeout=timedelta(seconds=30),
+                     quorum_timeout=timedelta(seconds=30), connect_timeout=timedelta(seconds=30))
+ddp = ft.DistributedDataParallel(manager, model)
+opt = ft.Optimizer(manager, inner)
+stopped_mid = False
+while True:
+    current = manager.current_step()
+    stop = stop_step()
+    if stop is not None and current >= stop:
+        break
+    opt.zero_grad()
+    gen = torch.Generator().manual_seed(group * 1000 + rank * 100003 + manager.current_step())
+    x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)
+    loss = torch.nn.functional.mse_loss(ddp(x), y)
+    if group == victim and manager.current_step() >= mid_at and not stopped_mid:
+        manager.wait_quorum()
+        if manager.num_participants() == 3 and not manager.errored():
+            report("mid", step=manager.current_step())
+            time.sleep(mid_sleep)
+            stopped_mid = True
+    loss.backward()
+    before = manager.current_step()
+    opt.step()
+    report("step", step=before, committed=manager.current_step() == before + 1,
+           healed=before != current, participants=manager.num_participants(),
+           quorum_id=manager._quorum_id)
+    time.sleep(0.05)
+final = manager.current_step()
+os.makedirs(save, exist_ok=True)
+torch.save({"step": final, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}},
+           os.path.join(save, f"params_g{group}_r{rank}.pt"))
+report("finished", step=final)
+manager.shutdown(wait=False)
+'''
+
+
+def test_partition_of_a_two_rank_group_costs_a_heartbeat_timeout(tmp_path: Path) -> None:
+    """Three groups of two ranks train with a 60 s operation timeout and
+    ProcessGroupTCP's progress deadline off, so that only the lighthouse
+    can end a wait on a cut-off peer.  Group 2 is cut off for 8 s while the
+    others wait for it in a step's allreduce: every rank of the two others
+    commits as two within 10 s of the cut (group rank 0 hears it from the
+    lighthouse, group rank 1 from its long poll to rank 0's manager).
+    Healed, group 2 fails that step, heals from a peer and commits with all
+    three again, in the same processes, well before the 60 s operation
+    timeout (its heartbeat names its last quorum, and the lighthouse tells
+    it the others went on without it); every replica ends with the same
+    parameters at the same step, rank by rank, no step committed twice."""
+    worker = tmp_path / "part_worker.py"
+    worker.write_text(PART_WORKER)
+    mid_at = 6
+    spec = parse_failure_spec("partition:start=600s,duration=8s,group=2")
+    seen: dict[str, float] = {}
+    launcher: Launcher | None = None
+
+    def on_event(rec: dict) -> None:
+        ev = rec["event"]
+        if ev == "mid" and rec.get("group") == 2 and "inject" not in seen:
+            seen["inject"] = rec["t"]
+            seen["mid"] = rec["step"]
+            launcher.injectors[0].next_at = launcher.elapsed()  # now
+        if ev == "recovery" and rec.get("kind") == "partition_heal":
+            seen["healed"] = rec["t"]
+        if (ev == "commit" and "healed" in seen and rec.get("group") == 2
+                and rec.get("participants") == 3 and not launcher._finishing):
+            launcher.finish(step=rec["step"] + 5)
+
+    cfg = LaunchConfig(
+        cmd=[sys.executable, str(worker), str(mid_at), "4", "2", str(tmp_path / "params")],
+        groups=3, nproc_per_group=2, failures=[spec], heartbeat_timeout_ms=1000,
+        timeline=str(tmp_path / "tl.jsonl"), log_dir=str(tmp_path / "logs"),
+        stop_file=str(tmp_path / "stop"), quiet=True, duration=200, omp_threads=1)
+    _LOG_DIRS[:] = [tmp_path / "logs"]
+    launcher = Launcher(cfg, on_event=on_event)
+    rc = launcher.run()
+    tl = _timeline(tmp_path / "tl.jsonl")
+    assert rc == 0 and not _of(tl, "duration_reached"), \
+        [r for r in tl if r["event"] not in ("commit", "discard")][-20:]
+    inj = _of(tl, "inject", kind="partition")
+    assert len(inj) == 1 and inj[0]["group"] == 2
+    end = _of(tl, "partition_end", failure=inj[0]["failure"])
+    assert len(end) == 1
+    t0, t1 = inj[0]["t"], end[0]["t"]
+    commits = _of(tl, "commit")
+    mid_at = int(seen["mid"])
+    # the others were waiting in step mid_at's allreduce when the cut came
+    for g in (0, 1):
+        for r in (0, 1):
+            assert not [c for c in commits if c["group"] == g and c["rank"] == r
+                        and c["step"] == mid_at and c["t"] < t0], (g, r)
+    # every rank of the others commits as two within 10 s of the cut
+    for g in (0, 1):
+        for r in (0, 1):
+            alone = [c for c in commits if c["group"] == g and c["rank"] == r
+                     and c["t"] > t0 and c["participants"] == 2]
+            assert alone, (g, r)
+            stall = alone[0]["t"] - t0
+            print(f"group {g} rank {r}: first commit as two {stall:.2f} s after the cut")
+            assert stall < 10, (g, r, stall)
+    # group 2 commits nothing from the cut until it is healed
+    assert [c for c in commits if c["group"] == 2 and t0 < c["t"] < t1] == []
+    # its step mid_at failed (no zombie commit); healed, both its ranks
+    # commit with all three again, in the same processes
+    for r in (0, 1):
+        d = [x for x in _of(tl, "discard", group=2, rank=r) if x["step"] == mid_at]
+        assert d, r
+        back = [c for c in commits if c["group"] == 2 and c["rank"] == r
+                and c["t"] > t1 and c["participants"] == 3]
+        assert back, r
+        print(f"group 2 rank {r}: back with all three {back[0]['t'] - t1:.2f} s after the heal")
+        assert back[0]["t"] - t1 < 30, (r, back[0]["t"] - t1)
+        assert any(c["healed"] for c in commits if c["group"] == 2 and c["rank"] == r
+                   and t1 < c["t"] <= back[0]["t"]), back[0]
+    assert not [x for x in _of(tl, "restart", group=2) if x["t"] > t0]
+    # each rank's committed steps only go up (none committed twice)
+    for g in range(3):
+        for r in range(2):
+            steps = [c["step"] for c in commits if c["group"] == g and c["rank"] == r]
+            assert steps == sorted(set(steps)), (g, r, steps)
+    # bit-identical replicas at the stop step, rank by rank
+    import torch
+
+    for r in range(2):
+        saved = [torch.load(tmp_path / "params" / f"params_g{g}_r{r}.pt") for g in range(3)]
+        assert len({s["step"] for s in saved}) == 1
+        for name, t in saved[0]["params"].items():
+            for other in saved[1:]:
+                assert torch.equal(t, other["params"][name]), (r, name)
+    assert _ours(f"sgln{os.getpid()}") == []

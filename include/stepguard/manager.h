@@ -27,7 +27,13 @@
  *     job (see sg_mgr_server_start);
  *   - Kill calls a handler instead of exiting the process;
  *   - ManagerQuorumResponse carries an extension field,
- *     up_to_date_manager_addresses = 100, that torchft peers skip.
+ *     up_to_date_manager_addresses = 100, that torchft peers skip;
+ *   - the heartbeat request carries the last quorum this manager was
+ *     answered (extension field 100), and a heartbeat answer that names
+ *     members of a quorum lost (fields 100 and 101) wakes
+ *     sg_mgr_server_wait_lost and the WaitLost calls;
+ *   - WaitLost, a method torchft's clients never call: the other group
+ *     ranks' long poll for such a report (sg_mgr_client_wait_lost).
  */
 #ifndef STEPGUARD_MANAGER_H
 #define STEPGUARD_MANAGER_H

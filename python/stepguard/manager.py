@@ -559,7 +559,16 @@ class Manager:
         the step fails as for a crash, within the heartbeat timeout, and
         the next quorum goes on without it.  Every group rank does it; a
         report of a quorum this rank has not joined yet is kept, and acted
-        on if it joins that quorum."""
+        on if it joins that quorum.
+
+        The step fails through the process group (its operations fail, and
+        ``errored()`` reports the abort to ``should_commit``), not through
+        ``report_error``: the report can arrive when this rank has already
+        left that quorum's step (its own collective failed first) and waits
+        for the next quorum, whose step it must not fail (a rank whose step
+        failed skips its collectives, and the others would wait for it).
+        The quorum id is checked again just before the abort, so that a
+        process group being rebuilt for a newer quorum is left alone."""
         server = self._manager
         poll = timedelta(milliseconds=200 if server is not None else 500)
         seen = 0  # the newest quorum reported lost
@@ -590,12 +599,11 @@ class Manager:
                 continue
             acted = current
             qid = current
+            if self._quorum_id != qid:
+                continue  # moved on to a newer quorum meanwhile
             self._logger.warn(
                 f"the lighthouse holds a member of quorum {qid} unhealthy: "
                 "aborting this step's collectives"
-            )
-            self.report_error(
-                RuntimeError(f"quorum {qid} lost a member (the lighthouse holds it unhealthy)")
             )
             abort = getattr(self._pg, "abort", None)
             if abort is not None:

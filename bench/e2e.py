@@ -25,6 +25,20 @@ lighthouse, which isolates what the lighthouse changes).  Medians, maxima and ra
 
 Run with ``.venv/bin/python bench/e2e.py`` (about five minutes on two
 CPUs), or ``--duration 60 --kill-every 15 --configs torchft,stepguard``.
+
+``--scenarios hang,partition`` (default ``kill``) adds the survivors' stall
+after a hang (every rank of a group SIGSTOPped for ``--fault-duration``
+seconds, then SIGCONT) and after a partition (a group cut off the network
+for as long, in a network namespace per group: root only, skipped with the
+reason otherwise), with the same ``--heartbeat-timeout-ms`` and operation
+timeout (``--op-timeout``: the trainer's process group and manager
+timeouts) for every configuration: the time from the injection to the
+first commit by another group of a quorum without the victim (or, if no
+quorum dropped it, to the first commit after the fault ended).  A fault
+longer than the operation timeout lets a survivor that waits in a
+collective give up on the victim at that timeout; stepguard's manager
+aborts the collective once the lighthouse holds the victim unhealthy.
+Results go to ``bench/results/e2e-faults.md``.
 """
 
 from __future__ import annotations
@@ -54,8 +68,10 @@ def stepguard_has_trainer() -> bool:
     return all(hasattr(stepguard, n) for n in TRAINER_API)
 
 
-def run_config(name: str, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
-    """Runs one configuration; returns its timeline."""
+def run_config(name: str, args: argparse.Namespace, out: Path,
+               scenario: str = "kill") -> list[dict[str, Any]]:
+    """Runs one configuration under one failure scenario; returns its
+    timeline."""
     trainer, lh, pg = {
         "plain": ("plain", "stepguard", "gloo"),
         "torchft": ("torchft", "torchft", "gloo"),
@@ -65,29 +81,88 @@ def run_config(name: str, args: argparse.Namespace, out: Path) -> list[dict[str,
     }[name]
     train_args = ["--device", "cpu", "--pg", pg, *args.train_args]
     failures = []
+    hb = 5000
     if trainer == "plain":
         train_args += ["--plain", "--steps", str(args.plain_steps)]
         groups, nproc, duration = 1, args.groups, None
     else:
         train_args += ["--impl", trainer]
         groups, nproc, duration = args.groups, 1, args.duration
-        failures = [parse_failure_spec(f"kill:every={args.kill_every}s,seed={args.seed}")]
+        if scenario == "kill":
+            spec = f"kill:every={args.kill_every}s,seed={args.seed}"
+        else:
+            spec = (f"{scenario}:every={args.fault_every}s,duration={args.fault_duration}s,"
+                    f"seed={args.seed}")
+            train_args += ["--pg-timeout", str(args.op_timeout), "--timeout",
+                           str(args.op_timeout)]
+            hb = args.heartbeat_timeout_ms
+        failures = [parse_failure_spec(spec)]
+    tag = name if scenario == "kill" else f"{name}-{scenario}"
     cfg = LaunchConfig(
         cmd=[sys.executable, str(TRAIN), *train_args], groups=groups, nproc_per_group=nproc,
         lighthouse_impl=lh, min_replicas=1, join_timeout_ms=10000, quorum_tick_ms=100,
+        heartbeat_timeout_ms=hb,
         omp_threads=args.omp_threads, duration=duration, failures=failures,
-        timeline=str(out / f"{name}.jsonl"), log_dir=str(out / f"logs-{name}"), quiet=True,
+        timeline=str(out / f"{tag}.jsonl"), log_dir=str(out / f"logs-{tag}"), quiet=True,
         max_restarts=1000,
     )
-    print(f"e2e: {name}: trainer {trainer}, lighthouse {lh}, process group {pg}, "
+    print(f"e2e: {tag}: trainer {trainer}, lighthouse {lh}, process group {pg}, "
           f"{'%d ranks of plain DDP' % nproc if trainer == 'plain' else '%d groups' % groups}",
           flush=True)
     t0 = time.monotonic()
     rc = Launcher(cfg).run()
     if rc != 0:
-        raise SystemExit(f"e2e: {name}: launcher exited with {rc}; see {out}/logs-{name}/")
-    print(f"e2e: {name}: done in {time.monotonic() - t0:.0f} s", flush=True)
-    return [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
+        raise SystemExit(f"e2e: {tag}: launcher exited with {rc}; see {out}/logs-{tag}/")
+    print(f"e2e: {tag}: done in {time.monotonic() - t0:.0f} s", flush=True)
+    return [json.loads(line) for line in (out / f"{tag}.jsonl").read_text().splitlines()]
+
+
+def fault_stalls(tl: list[dict[str, Any]], groups: int) -> dict[str, Any]:
+    """Per hang or partition that hit a member of a full quorum: seconds
+    from the injection to the first commit by another group of a quorum
+    without the victim, or (when no quorum dropped it) to the first commit
+    by another group after the fault ended."""
+    stalls, kept = [], 0
+    injects = [r for r in tl if r["event"] == "inject" and r["kind"] in ("hang", "partition")]
+    ends = {r["failure"]: r["t"] for r in tl
+            if r["event"] in ("hang_end", "partition_end")}
+    commits = [r for r in tl if r["event"] == "commit"]
+    for inj in injects:
+        t0, victim = inj["t"], inj["group"]
+        before = [c for c in commits if c["group"] != victim and c["t"] <= t0]
+        if not before or before[-1].get("participants") != groups:
+            continue  # the victim was not in the survivors' quorum
+        after = [c for c in commits if c["group"] != victim and c["t"] > t0]
+        dropped = [c for c in after if (c.get("participants") or groups) < groups]
+        end = ends.get(inj["failure"])
+        if dropped and (end is None or dropped[0]["t"] <= end + 1.0):
+            stalls.append(dropped[0]["t"] - t0)
+        elif end is not None:
+            late = [c for c in after if c["t"] > end]
+            if late:
+                stalls.append(late[0]["t"] - t0)
+                kept += 1
+    return {"faults": len(injects), "stalls": sorted(stalls), "kept": kept}
+
+
+def fault_table(res: dict[str, dict[str, dict[str, Any]]], cols: list[str]) -> str:
+    fast = next((c for c in ("stepguard-tcp", "stepguard") if c in cols), None)
+    head = "| scenario | metric | " + " | ".join(cols) + (
+        f" | torchft / {fast} |" if fast and "torchft" in cols else " |")
+    sep = "|---" * (len(cols) + 2 + (1 if fast and "torchft" in cols else 0)) + "|"
+    lines = [head, sep]
+    for scen, by in res.items():
+        for label, fn in (("stall, median", med), ("stall, max", lambda v: max(v) if v else None)):
+            vals = {c: fn(by[c]["stalls"]) if c in by else None for c in cols}
+            line = f"| {scen} | {label} | " + " | ".join(fmt(vals[c]) for c in cols)
+            if fast and "torchft" in cols:
+                line += f" | {ratio(vals.get('torchft'), vals.get(fast))}"
+            lines.append(line + " |")
+        line = f"| {scen} | faults / measured / victim kept | " + " | ".join(
+            f"{by[c]['faults']} / {len(by[c]['stalls'])} / {by[c]['kept']}" if c in by else "n/a"
+            for c in cols)
+        lines.append(line + (" | |" if fast and "torchft" in cols else " |"))
+    return "\n".join(lines)
 
 
 def measure(tl: list[dict[str, Any]], groups: int, warmup: int) -> dict[str, Any]:
@@ -192,6 +267,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default="plain,torchft,stepguard,stepguard-tcp,sg-lighthouse")
     p.add_argument("--out", default=str(ROOT / "build" / "bench-e2e"))
     p.add_argument("--results", default=str(ROOT / "bench" / "results" / "e2e.md"))
+    p.add_argument("--scenarios", default="kill",
+                   help="comma-separated: kill (the table above), hang, partition")
+    p.add_argument("--fault-every", type=float, default=30.0,
+                   help="hang/partition: seconds between injections")
+    p.add_argument("--fault-duration", type=float, default=15.0,
+                   help="hang/partition: how long each lasts")
+    p.add_argument("--op-timeout", type=float, default=10.0,
+                   help="hang/partition: the trainer's process group and manager timeouts")
+    p.add_argument("--heartbeat-timeout-ms", type=int, default=2000,
+                   help="hang/partition: the lighthouse's heartbeat timeout")
+    p.add_argument("--fault-results", default=str(ROOT / "bench" / "results" / "e2e-faults.md"))
     p.add_argument("train_args", nargs="*", help="extra train_llama.py arguments (after --)")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -207,6 +293,46 @@ def main(argv: list[str] | None = None) -> int:
                  "stepguard's native ProcessGroupTCP; `sg-lighthouse` runs torchft's "
                  "trainer under stepguard's lighthouse.  The ratio column is torchft over "
                  "the first of stepguard-tcp, stepguard, sg-lighthouse present.")
+    scenarios = [x.strip() for x in args.scenarios.split(",") if x.strip()]
+    faults = [x for x in scenarios if x in ("hang", "partition")]
+    if "partition" in faults:
+        from stepguard.launch import netns_unavailable
+
+        why = netns_unavailable()
+        if why is not None:
+            print(f"e2e: SKIP partition: {why}", flush=True)
+            faults.remove("partition")
+    if faults:
+        fcols = [c for c in configs if c not in ("plain", "sg-lighthouse")]
+        fres: dict[str, dict[str, dict[str, Any]]] = {}
+        for scen in faults:
+            fres[scen] = {}
+            for c in fcols:
+                fres[scen][c] = fault_stalls(run_config(c, args, out, scen), args.groups)
+                m = fres[scen][c]
+                print(f"e2e: {c}-{scen}: {m['faults']} faults, stalls "
+                      f"{[round(x, 2) for x in m['stalls']]}", flush=True)
+        ftbl = fault_table(fres, fcols)
+        fheader = (
+            f"# End-to-end: survivors' stall after a hang or a partition\n\n"
+            f"`bench/e2e.py --scenarios {','.join(faults)}`, "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()} "
+            f"with {os.cpu_count()} CPUs (shared).  {args.groups} replica groups x 1 rank of "
+            f"the small Llama, {args.duration:.0f} s per configuration and scenario, one "
+            f"fault every {args.fault_every:g} s lasting {args.fault_duration:g} s "
+            f"(seed {args.seed}), the same lighthouse heartbeat timeout "
+            f"({args.heartbeat_timeout_ms} ms) and operation timeout ({args.op_timeout:g} s: "
+            f"`--pg-timeout` and `--timeout`) for every configuration.  Stall: injection to "
+            f"the first commit by another group of a quorum without the victim (or, where "
+            f"no quorum dropped it, to the first commit after the fault ended: 'victim "
+            f"kept').  Only faults that hit a member of a full quorum are measured.\n\n")
+        print()
+        print(ftbl)
+        Path(args.fault_results).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.fault_results).write_text(fheader + ftbl + "\n")
+        print(f"\nwrote {args.fault_results}")
+    if "kill" not in scenarios:
+        return 0
     res = {}
     for c in configs:
         tl = run_config(c, args, out)

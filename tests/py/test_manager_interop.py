@@ -168,3 +168,29 @@ def test_our_manager_under_torchft_lighthouse_many_steps(procs):
             c.close()
         for s in servers:
             s.shutdown()
+
+
+@pytest.mark.parametrize("lighthouse", ["ours", "torchft"])
+def test_wait_lost_against_each_manager(lighthouse):
+    """stepguard's WaitLost long poll: a torchft manager answers
+    UNIMPLEMENTED (what makes a Manager stop asking), ours waits out the
+    deadline and reports nothing lost; under torchft's lighthouse, whose
+    heartbeat answers never name a lost member, and under ours."""
+    lh = (tf.LighthouseServer("127.0.0.1:0", 1) if lighthouse == "torchft"
+          else sg.LighthouseServer("127.0.0.1:0", 1))
+    try:
+        addr = "http://127.0.0.1:" + lh.address().rsplit(":", 1)[1]
+        for mod in (tf, sg):
+            m = server(mod, f"wl-{mod.__name__}", addr, 1)
+            try:
+                c = sg.ManagerClient(m.address(), td(5))
+                if mod is tf:
+                    with pytest.raises(RuntimeError, match="UNIMPLEMENTED"):
+                        c._wait_lost(0, td(2))
+                else:
+                    assert c._wait_lost(0, td(0.3)) is None
+                c.close()
+            finally:
+                m.shutdown()
+    finally:
+        lh.shutdown()

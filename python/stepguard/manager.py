@@ -594,23 +594,23 @@ class Manager:
                 continue
             if isinstance(qid, int):
                 seen = max(seen, qid)
-            current = self._quorum_id
-            if seen != current or acted == current:
-                continue
-            acted = current
-            qid = current
-            if self._quorum_id != qid:
-                continue  # moved on to a newer quorum meanwhile
-            self._logger.warn(
-                f"the lighthouse holds a member of quorum {qid} unhealthy: "
-                "aborting this step's collectives"
-            )
-            abort = getattr(self._pg, "abort", None)
-            if abort is not None:
-                try:
-                    abort()
-                except Exception as e:  # noqa: BLE001 - the step fails anyway
-                    self._logger.warn(f"process group abort failed: {e}")
+            # under the lock: start_quorum cannot move on to the next step
+            # (and its process group) between the check and the abort
+            with self._lost_lock:
+                current = self._active_quorum_id
+                if seen != current or acted == current:
+                    continue
+                acted = current
+                self._logger.warn(
+                    f"the lighthouse holds a member of quorum {current} unhealthy: "
+                    "aborting this step's collectives"
+                )
+                abort = getattr(self._pg, "abort", None)
+                if abort is not None:
+                    try:
+                        abort()
+                    except Exception as e:  # noqa: BLE001 - the step fails anyway
+                        self._logger.warn(f"process group abort failed: {e}")
 
     def _lost_client_poll(self, after: int, poll: timedelta) -> Optional[int]:
         """One long poll to group rank 0's manager (group ranks > 0), on a

@@ -33,6 +33,12 @@ typedef struct sg_lh_opts_s {
   size_t max_replicas;          /* 10000 tracked replica ids */
   unsigned max_connections;     /* 4096 */
   size_t max_message;           /* 4 MiB per request */
+  const char *etcd;             /* NULL: one lighthouse.  Else etcd endpoints
+                                   ("http://h:p,..."): lighthouses of one job
+                                   elect a leader there (docs/lighthouse.md,
+                                   "Replicated lighthouses") */
+  const char *etcd_prefix;      /* "/stepguard/lighthouse": the job's keys */
+  int64_t etcd_ttl_s;           /* 2: the leader's lease TTL in etcd */
 } sg_lh_opts_t;
 
 /* sg_lh_opts_init: torchft's CLI defaults plus ours; min_replicas = -1
@@ -43,8 +49,12 @@ typedef struct sg_lh_server_s sg_lh_server_t;
 
 /*
  * sg_lh_server_start: bind, start the lighthouse's thread, return once it
- * serves.  Strings in `o` are copied.  Returns 0, SG_EINVAL (bad option,
- * detail in err), SG_EADDRINUSE, SG_ENOMEM or another -errno.
+ * serves.  Strings in `o` are copied.  With o->etcd, it first needs a
+ * lease from etcd: when no endpoint grants one within 5 s it returns
+ * SG_ECONNREFUSED or SG_ETIMEDOUT ("etcd unreachable ...") and starts
+ * nothing; later losses of etcd are survived (it stops deciding).  Returns
+ * 0, SG_EINVAL (bad option, detail in err), SG_EADDRINUSE, SG_ENOMEM or
+ * another -errno.
  */
 SG_EXPORT int sg_lh_server_start(const sg_lh_opts_t *o, sg_lh_server_t **out,
                                  sg_err_t *err);

@@ -43,6 +43,11 @@ static const char usage[] =
     "                            across restarts (default: a floor taken\n"
     "                            from the wall clock, in us)\n"
     "  --hostname NAME           host name in the advertised address\n"
+    "  --etcd ENDPOINTS          replicated lighthouses: elect a leader in\n"
+    "                            etcd (http://h:p,http://h:p); only the\n"
+    "                            leader decides, followers redirect\n"
+    "  --etcd_prefix P           the job's etcd keys (/stepguard/lighthouse)\n"
+    "  --etcd_ttl_s S            the leader's lease TTL in etcd (2)\n"
     "  --max_replicas N          replica ids tracked at once (10000)\n"
     "  --max_connections N       open connections (4096)\n"
     "  --log_level LEVEL         error, warn, info, debug, trace (info)\n"
@@ -149,6 +154,7 @@ int sg_lh_main(int argc, char **argv) {
     INT_FLAG("prune_after_ms", prune_after_ms)
     INT_FLAG("max_replicas", max_replicas)
     INT_FLAG("max_connections", max_connections)
+    INT_FLAG("etcd_ttl_s", etcd_ttl_s)
 #undef INT_FLAG
     if (name_is(name, nlen, "bind")) {
       o.bind = val;
@@ -156,6 +162,10 @@ int sg_lh_main(int argc, char **argv) {
       o.hostname = val;
     } else if (name_is(name, nlen, "quorum_id_file")) {
       o.quorum_id_file = val;
+    } else if (name_is(name, nlen, "etcd")) {
+      o.etcd = val;
+    } else if (name_is(name, nlen, "etcd_prefix")) {
+      o.etcd_prefix = val;
     } else if (name_is(name, nlen, "auth_token_file")) {
       free(token);
       if (!(token = read_token(val)))

@@ -317,11 +317,25 @@ out:
  *    "prev_quorum": null | {"quorum_id", "age_ms", "max_step",
  *                           "num_participants", "members": [...]},
  *    "heartbeats": [{"replica_id", "age_ms", "expired", "connected",
- *                    "participating"}]}
+ *                    "participating"}],
+ *    "role": "single" | "follower" | "candidate" | "leader",
+ *    "leader": null | address, "term", "lease_ttl_s", "lease_left_ms",
+ *    "elections_won", "etcd_errors", "fenced_total"}
  */
 int sg__lh_render_status_json(const sg__lh_status_t *s, sg_buf_t *b) {
   int rc;
-  TRY(putf(b, "{\"quorum_id\":%" PRId64 ",\"reason\":", s->quorum_id));
+  TRY(putf(b, "{\"role\":\"%s\",\"leader\":", s->role ? s->role : "single"));
+  if (s->leader)
+    TRY(put_json_str(b, s->leader));
+  else
+    TRY(put(b, "null"));
+  TRY(putf(b,
+           ",\"term\":%" PRId64 ",\"lease_ttl_s\":%" PRId64
+           ",\"lease_left_ms\":%" PRId64 ",\"elections_won\":%" PRIu64
+           ",\"etcd_errors\":%" PRIu64 ",\"fenced_total\":%" PRIu64 ",",
+           s->term, s->lease_ttl_s, s->lease_left_ms, s->elections_won,
+           s->etcd_errors, s->fenced_total));
+  TRY(putf(b, "\"quorum_id\":%" PRId64 ",\"reason\":", s->quorum_id));
   TRY(put_json_str(b, s->reason));
   TRY(putf(b,
            ",\"heartbeat_timeout_ms\":%" PRId64 ",\"pending\":%zu"
@@ -439,6 +453,26 @@ int sg__lh_render_metrics(const sg__lh_status_t *s, sg_buf_t *b) {
                    s->connections));
   TRY(put_metric_u(b, "pruned_heartbeats_total", "counter",
                    "Heartbeat entries pruned since start.", s->pruned_total));
+  TRY(put_metric_u(b, "is_leader", "gauge",
+                   "1: this lighthouse decides (the leader, or the only one).",
+                   s->role && (strcmp(s->role, "leader") == 0 ||
+                               strcmp(s->role, "single") == 0)));
+  snprintf(num, sizeof(num), "%" PRId64, s->term);
+  TRY(put_metric(b, "leader_term", "gauge",
+                 "Create revision of the leader key in etcd (0: no etcd).",
+                 num));
+  snprintf(num, sizeof(num), "%" PRId64, s->lease_left_ms);
+  TRY(put_metric(b, "lease_left_ms", "gauge",
+                 "Leader: time to its local lease deadline; -1 otherwise.",
+                 num));
+  TRY(put_metric_u(b, "elections_won_total", "counter",
+                   "Elections this lighthouse won in etcd.", s->elections_won));
+  TRY(put_metric_u(b, "etcd_errors_total", "counter", "Failed etcd calls.",
+                   s->etcd_errors));
+  TRY(put_metric_u(b, "fenced_total", "counter",
+                   "Decisions skipped while calls waited: not a leader "
+                   "inside its lease.",
+                   s->fenced_total));
 
   sg__lh_hist_t lat = {s->n_lat_buckets, s->lat_bucket_le_s,
                        s->lat_bucket_counts, s->lat_sum_s, s->lat_count};
@@ -499,6 +533,8 @@ static const char index_html[] =
     "<span id=\"err\"></span>\n"
     "</div>\n"
     "<h2>Quorum</h2>\n"
+    "<div>Role: <b id=\"role\">?</b> <span id=\"lead\" "
+    "class=\"muted\"></span></div>\n"
     "<div>Current quorum_id: <b id=\"qid\">?</b></div>\n"
     "<div>Next quorum status: <code id=\"reason\"></code></div>\n"
     "<div id=\"prev\"></div>\n"
@@ -536,6 +572,11 @@ static const char index_html[] =
     "  }\n"
     "}\n"
     "function render(s) {\n"
+    "  $('role').textContent = s.role;\n"
+    "  $('lead').textContent = s.role === 'single' ? '' :\n"
+    "    'leader ' + (s.leader || 'none') + ', term ' + s.term +\n"
+    "    (s.lease_left_ms >= 0 ? ', lease ' + s.lease_left_ms + ' ms left' "
+    ": '');\n"
     "  $('qid').textContent = s.quorum_id;\n"
     "  $('reason').textContent = s.reason;\n"
     "  const prev = $('prev'), members = $('members');\n"

@@ -13,6 +13,11 @@
  *             it is unhealthy at once
  *   ids       quorum ids never go backwards, also across restarts (a file,
  *             or a floor taken from the wall clock; docs/lighthouse.md)
+ *   etcd      with --etcd, a thread of its own (etcd_main) holds a lease and
+ *             campaigns for the leader key; only the leader decides, and
+ *             only inside its lease; a new id is written to etcd (fenced by
+ *             the leader key's create revision) before it is answered;
+ *             followers answer UNAVAILABLE naming the leader
  *
  * A quorum response is encoded once and shared by every waiter.
  */
@@ -21,12 +26,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <uv.h>
 
 #include "lighthouse/answer.h"
+#include "lighthouse/etcd.h"
 #include "lighthouse/http.h"
+#include "lighthouse/lease.h"
 #include "lighthouse/quorum.h"
 #include "lighthouse/status.h"
 #include "rpc/grpc.h"
@@ -117,6 +125,31 @@ struct sg_lh_server_s {
 
   uint64_t quorums_issued, heartbeats_total, disconnects_total,
       quorum_requests_total, rejected_total;
+
+  /* etcd leadership (o.etcd set); under mu unless said otherwise */
+  sg__etcd_t *etcd; /* used by the etcd thread only (and by start) */
+  pthread_t etcd_thread;
+  int etcd_started;
+  pthread_cond_t etcd_cv; /* wakes the etcd thread: a record, or stop */
+  uv_async_t etcd_async;  /* wakes the loop: promoted, demoted, confirmed */
+  int etcd_stop;
+  sg__lh_fence_t fence; /* role, lease deadline, confirmed id */
+  char *leader_addr;    /* owned: the leader's address as etcd holds it */
+  int64_t term;         /* the leader key's create revision we hold/saw */
+  int64_t lease_ttl_s;  /* the TTL etcd granted */
+  int64_t lease_id;
+  int promote;         /* the etcd thread won: the loop installs */
+  int64_t promote_qid; /* the last quorum read from etcd */
+  char **promote_ids;
+  size_t promote_n;
+  int demote;     /* the loop fails what waits and drops `held` */
+  char *want_rec; /* owned: a record for the etcd thread to write */
+  int64_t want_id;
+  sg_rpc_blob_t *held; /* the answer of quorum held_id, waiting for its
+                          record to be confirmed */
+  int64_t held_id, held_event_ns;
+  uint64_t elections_won, etcd_errors, fenced_total;
+
   uint64_t lat_counts[N_LAT];
   double lat_sum_s;
   uint64_t lat_count;
@@ -381,10 +414,13 @@ static void log_quorum(sg_lh_server_t *s, const sg__lh_quorum_t *q,
  * The decision time ends once the one shared answer is encoded; `event_ns`
  * is when the event that completed the quorum reached the lighthouse.
  */
-static void answer_quorum(sg_lh_server_t *s, const sg__lh_quorum_t *q,
-                          int64_t event_ns) {
-  sg_rpc_blob_t *blob = sg__lh_answer_encode(q);
-  observe_decision(s, sg_now_ns() - event_ns);
+/*
+ * deliver: answer every pending call whose replica is a member of the last
+ * issued quorum with `blob` (NULL: out of memory).  `held`: the answer was
+ * held for etcd's confirmation, so a member may have asked again meanwhile:
+ * its newer participant entry is answered too and must not linger.
+ */
+static void deliver(sg_lh_server_t *s, sg_rpc_blob_t *blob, int held) {
   struct pending *p = s->pending;
   while (p) {
     struct pending *next = p->next;
@@ -396,12 +432,86 @@ static void answer_quorum(sg_lh_server_t *s, const sg__lh_quorum_t *q,
       else
         sg_rpc_call_respond(p->call, SG_GRPC_RESOURCE_EXHAUSTED,
                             "lighthouse out of memory", NULL, 0);
+      if (held)
+        sg__lh_leave(s->st, p->replica_id);
       pending_free(p);
     }
     p = next;
   }
+}
+
+static void answer_quorum(sg_lh_server_t *s, const sg__lh_quorum_t *q,
+                          int64_t event_ns) {
+  sg_rpc_blob_t *blob = sg__lh_answer_encode(q);
+  observe_decision(s, sg_now_ns() - event_ns);
+  deliver(s, blob, 0);
   if (blob)
     sg_rpc_blob_unref(blob);
+}
+
+/* fail_pending: answer every waiting call with UNAVAILABLE `msg` (a
+ * lighthouse that stopped leading; clients try the next address). */
+static void fail_pending(sg_lh_server_t *s, const char *msg) {
+  while (s->pending) {
+    struct pending *p = s->pending;
+    pending_unlink(s, p);
+    sg_rpc_call_respond(p->call, SG_GRPC_UNAVAILABLE, msg, NULL, 0);
+    pending_free(p);
+  }
+}
+
+/*
+ * hold_quorum: quorum `q` has a new id: its record (id and members) goes to
+ * etcd first, written by the etcd thread under the condition that our
+ * leader key still has the create revision we won it with; the answer is
+ * encoded now and sent once etcd confirmed it (fence_step).  Without
+ * memory for the record its members are failed (they ask again).
+ */
+static void hold_quorum(sg_lh_server_t *s, const sg__lh_quorum_t *q,
+                        int64_t event_ns) {
+  const char **ids = sg_calloc(q->n ? q->n : 1, sizeof(*ids));
+  char *rec = NULL;
+  int rc = ids ? 0 : SG_ENOMEM;
+  for (size_t i = 0; !rc && i < q->n; i++)
+    ids[i] = q->members[i].replica_id;
+  if (!rc)
+    rc = sg__lh_record_encode(q->quorum_id, ids, q->n, &rec);
+  sg_free(ids);
+  sg_rpc_blob_t *blob = rc ? NULL : sg__lh_answer_encode(q);
+  observe_decision(s, sg_now_ns() - event_ns);
+  if (!blob) {
+    sg_log(SG_LOG_ERROR, LOG, "quorum %lld: cannot encode its record: %s",
+           (long long)q->quorum_id, sg_strerror(rc ? rc : SG_ENOMEM));
+    sg_free(rec);
+    deliver(s, NULL, 0);
+    return;
+  }
+  if (s->held)
+    sg_rpc_blob_unref(s->held);
+  s->held = blob;
+  s->held_id = q->quorum_id;
+  s->held_event_ns = event_ns;
+  sg_free(s->want_rec);
+  s->want_rec = rec;
+  s->want_id = q->quorum_id;
+  s->fence.write_in_flight = 1;
+  pthread_cond_signal(&s->etcd_cv);
+}
+
+/*
+ * fence_step: with etcd, before any decision: send a held answer once etcd
+ * has confirmed its id and the lease still runs, and say whether the
+ * decision may run now (sg__lh_fence_may_decide).  Caller holds mu.
+ */
+static int fence_step(sg_lh_server_t *s, int64_t now) {
+  if (s->held) {
+    if (!sg__lh_fence_may_answer(&s->fence, s->held_id, now))
+      return 0;
+    deliver(s, s->held, 1);
+    sg_rpc_blob_unref(s->held);
+    s->held = NULL;
+  }
+  return sg__lh_fence_may_decide(&s->fence, now);
 }
 
 /* expire_graces: replicas whose connections all closed and stayed silent. */
@@ -499,6 +609,11 @@ static void after_join(sg_lh_server_t *s, int64_t now) {
  */
 static void process(sg_lh_server_t *s, int64_t event_ns, int join) {
   int64_t now = sg_now_ns();
+  if (s->o.etcd && !fence_step(s, now)) {
+    if (s->n_pending)
+      s->fenced_total++;
+    return; /* etcd_async runs this again when the lease or a write moves */
+  }
   if (join && s->graces == 0 && now < s->next_prune_ns &&
       now - s->status_logged_ns < ms_to_ns(STATUS_LOG_MS) &&
       !sg__lh_may_meet(s->st, &s->qopts)) {
@@ -536,7 +651,13 @@ static void process(sg_lh_server_t *s, int64_t event_ns, int join) {
       s->quorums_issued++;
       /* before any answer: ids must not repeat after a crash */
       persist_quorum(s, q);
-      answer_quorum(s, q, event_ns);
+      if (s->o.etcd && q->quorum_id > s->fence.confirmed_id)
+        hold_quorum(s, q, event_ns);
+      else if (s->o.etcd &&
+               !sg__lh_fence_may_answer(&s->fence, q->quorum_id, sg_now_ns()))
+        hold_quorum(s, q, event_ns); /* the lease ran out meanwhile */
+      else
+        answer_quorum(s, q, event_ns);
       if (q->quorum_id != before)
         sg_log(SG_LOG_INFO, LOG,
                "Detected quorum change, quorum id is now %lld",
@@ -911,6 +1032,16 @@ static void on_call(void *ud, sg_rpc_call_t *call) {
   } else if (!authorized(s, call)) {
     reject(s, call, SG_GRPC_UNAUTHENTICATED, "%s",
            "missing or wrong authorization token");
+  } else if (s->o.etcd && s->fence.role != SG__LH_ROLE_LEADER) {
+    /* a follower: the client tries its next address (docs/lighthouse.md) */
+    char msg[1200];
+    if (s->leader_addr)
+      snprintf(msg, sizeof(msg), "not the leader; the leader is %.1024s",
+               s->leader_addr);
+    else
+      snprintf(msg, sizeof(msg), "not the leader; no leader elected yet");
+    s->rejected_total++;
+    sg_rpc_call_respond(call, SG_GRPC_UNAVAILABLE, msg, NULL, 0);
   } else if (strcmp(method, "/torchft.LighthouseService/Heartbeat") == 0) {
     handle_heartbeat(s, call, body, len, event_ns);
   } else if (strcmp(method, "/torchft.LighthouseService/Quorum") == 0) {
@@ -937,6 +1068,360 @@ static void on_call_cancel(void *ud, sg_rpc_call_t *call) {
   if (!s->closing)
     process(s, event_ns, 0);
   pthread_mutex_unlock(&s->mu);
+}
+
+/* ---- leadership in etcd ----------------------------------------------------
+ *
+ * The etcd thread (etcd_main) holds a lease, campaigns for the leader key
+ * <prefix>/leader (value: our address) and keeps the lease alive; the
+ * leader also writes each new quorum's record to <prefix>/quorum.  It
+ * talks to the loop only through the fields under mu and etcd_async.
+ */
+
+#define ETCD_POLL_MS                                                           \
+  100 /* a follower campaigns (reads the holder) this often */
+#define ETCD_START_MS 5000 /* start gives up without a lease after this */
+#define ETCD_LOG_MS 5000   /* one line per etcd error kind this often */
+
+static int64_t call_ms(const sg_lh_server_t *s) {
+  int64_t ms = s->lease_ttl_s * 1000 / 4;
+  return ms < 100 ? 100 : ms > 1000 ? 1000 : ms;
+}
+
+/* lease_margin_ns: a tenth of the TTL plus 100 ms (clock rates, the
+ * keepalive's answer in flight, the answer leaving the socket). */
+static int64_t lease_margin_ns(int64_t ttl_s) {
+  return ttl_s * 100000000 + 100000000;
+}
+
+/* demote: stop leading at once (mu held): no call is answered from here;
+ * the loop fails what waits (etcd_async). */
+static void demote(sg_lh_server_t *s, const char *why) {
+  if (s->fence.role == SG__LH_ROLE_LEADER || s->promote)
+    sg_log(SG_LOG_WARN, LOG, "no longer the leader (term %lld): %s",
+           (long long)s->term, why);
+  s->fence.role = SG__LH_ROLE_FOLLOWER;
+  s->fence.ready = 0;
+  s->fence.write_in_flight = 0;
+  s->fence.lease_deadline = 0;
+  s->promote = 0;
+  sg__lh_record_ids_free(s->promote_ids, s->promote_n);
+  s->promote_ids = NULL;
+  s->promote_n = 0;
+  sg_free(s->want_rec);
+  s->want_rec = NULL;
+  sg_free(s->leader_addr);
+  s->leader_addr = NULL;
+  s->demote = 1;
+  uv_async_send(&s->etcd_async);
+}
+
+/* install: the loop side of winning (mu held): a fresh quorum state whose
+ * ids start above the wall clock, the last quorum in etcd and our id file,
+ * and which waits for that quorum's members (or their silence) before its
+ * first quorum (sg__lh_expect: the restart hold). */
+static void install(sg_lh_server_t *s, int64_t now) {
+  sg__lh_state_t *st = NULL;
+  if (sg__lh_state_new(s->o.max_replicas, &st) == 0) {
+    fail_pending(s, "lighthouse became the leader; ask again");
+    sg__lh_state_free(s->st);
+    s->st = st;
+    s->lost_for_qid = -1;
+  } else {
+    sg_log(SG_LOG_ERROR, LOG, "out of memory for a fresh quorum state");
+  }
+  int64_t floor = sg_wall_ns() / 1000;
+  if (s->promote_qid > floor)
+    floor = s->promote_qid;
+  if (s->persisted_id > floor)
+    floor = s->persisted_id;
+  sg__lh_set_quorum_id_floor(s->st, floor);
+  if (s->promote_n)
+    sg__lh_expect(s->st, s->promote_qid, (const char *const *)s->promote_ids,
+                  s->promote_n, now);
+  s->fence.confirmed_id = s->promote_qid;
+  s->fence.role = SG__LH_ROLE_LEADER;
+  s->fence.ready = 1;
+  sg_log(SG_LOG_INFO, LOG,
+         "leader (term %lld): the last quorum in etcd is %lld with %zu "
+         "members; ids continue above %lld",
+         (long long)s->term, (long long)s->promote_qid, s->promote_n,
+         (long long)floor);
+  sg__lh_record_ids_free(s->promote_ids, s->promote_n);
+  s->promote_ids = NULL;
+  s->promote_n = 0;
+  s->promote = 0;
+}
+
+static void on_etcd_async(uv_async_t *a) {
+  sg_lh_server_t *s = a->data;
+  int64_t now = sg_now_ns();
+  pthread_mutex_lock(&s->mu);
+  if (!s->closing) {
+    if (s->demote) {
+      s->demote = 0;
+      if (s->held) {
+        sg_rpc_blob_unref(s->held);
+        s->held = NULL;
+      }
+      fail_pending(s, "not the leader; the lighthouse lost its leadership");
+    }
+    if (s->promote)
+      install(s, now);
+    process(s, now, 0);
+  }
+  pthread_mutex_unlock(&s->mu);
+}
+
+/* etcd_wait: sleep on etcd_cv until `until` (monotonic ns), stop, or (with
+ * `on_record`) a record to write.  mu held. */
+static void etcd_wait(sg_lh_server_t *s, int64_t until, int on_record) {
+  while (!s->etcd_stop &&
+         !(on_record && s->want_rec && s->fence.role == SG__LH_ROLE_LEADER)) {
+    int64_t now = sg_now_ns();
+    if (now >= until)
+      return;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    int64_t left = until - now;
+    ts.tv_sec += left / 1000000000;
+    ts.tv_nsec += left % 1000000000;
+    if (ts.tv_nsec >= 1000000000) {
+      ts.tv_sec++;
+      ts.tv_nsec -= 1000000000;
+    }
+    pthread_cond_timedwait(&s->etcd_cv, &s->mu, &ts);
+  }
+}
+
+/* etcd_error: count and log (at most one line per ETCD_LOG_MS). */
+static void etcd_error(sg_lh_server_t *s, const char *what, const sg_err_t *e,
+                       int rc, int64_t *logged) {
+  s->etcd_errors++;
+  int64_t now = sg_now_ns();
+  if (now - *logged >= ms_to_ns(ETCD_LOG_MS)) {
+    *logged = now;
+    sg_log(SG_LOG_WARN, LOG, "etcd %s failed: %s%s", what,
+           e->msg[0] ? e->msg : sg_strerror(rc),
+           s->fence.role == SG__LH_ROLE_LEADER
+               ? " (the leader decides only inside its lease)"
+               : "");
+  }
+}
+
+static void *etcd_main(void *arg) {
+  sg_lh_server_t *s = arg;
+  sg_thread_name("sg-lh-etcd");
+  char kl[600], kq[600];
+  snprintf(kl, sizeof(kl), "%s/leader", s->o.etcd_prefix);
+  snprintf(kq, sizeof(kq), "%s/quorum", s->o.etcd_prefix);
+  int64_t logged = INT64_MIN / 2;
+  int leading = 0, have_record = 0;
+  int64_t rev = 0, lease_sent = sg_now_ns(), next_campaign = 0;
+  int64_t ka_ns = s->lease_ttl_s * 1000000000 / 4;
+  int64_t next_ka = lease_sent + ka_ns;
+  pthread_mutex_lock(&s->mu);
+  while (!s->etcd_stop) {
+    int64_t now = sg_now_ns(), cms = call_ms(s);
+    sg_err_t e;
+    sg_err_clear(&e);
+    int rc;
+    if (leading && now >= s->fence.lease_deadline) {
+      /* no keepalive came back in time: etcd may already have let the key
+       * go.  Stop, so clients move on, and start over with a new lease. */
+      demote(s, "the lease ran out before a keepalive came back");
+      leading = 0;
+      s->lease_id = 0;
+      continue;
+    }
+    if (leading && have_record && s->want_rec) {
+      /* fencing 2: the write holds only while our leader key does */
+      char *rec = s->want_rec;
+      int64_t id = s->want_id;
+      int ok = 0;
+      s->want_rec = NULL;
+      pthread_mutex_unlock(&s->mu);
+      rc = sg__etcd_put_if(s->etcd, kl, rev, kq, rec, cms, &ok, &e);
+      pthread_mutex_lock(&s->mu);
+      if (rc) {
+        etcd_error(s, "quorum write", &e, rc, &logged);
+        if (!s->want_rec && s->fence.role == SG__LH_ROLE_LEADER)
+          s->want_rec = rec; /* again, while the lease lasts */
+        else
+          sg_free(rec);
+        etcd_wait(s, sg_now_ns() + ms_to_ns(ETCD_POLL_MS), 0);
+        continue;
+      }
+      sg_free(rec);
+      if (!ok) {
+        demote(s, "etcd refused the quorum write: another lighthouse holds "
+                  "the leader key");
+        leading = 0;
+        continue;
+      }
+      if (id > s->fence.confirmed_id)
+        s->fence.confirmed_id = id;
+      if (!s->want_rec)
+        s->fence.write_in_flight = 0;
+      uv_async_send(&s->etcd_async);
+      continue;
+    }
+    if (s->lease_id && now >= next_ka) {
+      int64_t id = s->lease_id, ttl = 0;
+      pthread_mutex_unlock(&s->mu);
+      int64_t sent = sg_now_ns();
+      rc = sg__etcd_keepalive(s->etcd, id, cms, &ttl, &e);
+      pthread_mutex_lock(&s->mu);
+      if (rc) {
+        etcd_error(s, "lease keepalive", &e, rc, &logged);
+        next_ka = sg_now_ns() + ms_to_ns(ETCD_POLL_MS);
+      } else if (ttl <= 0) {
+        if (leading)
+          demote(s, "the lease expired in etcd");
+        leading = 0;
+        s->lease_id = 0;
+      } else {
+        lease_sent = sent;
+        next_ka = sent + ka_ns;
+        if (leading) {
+          /* fencing 1: no answer after this instant unless renewed */
+          s->fence.lease_deadline =
+              sg__lh_lease_deadline(sent, ttl, lease_margin_ns(ttl));
+          uv_async_send(&s->etcd_async);
+        }
+      }
+      continue;
+    }
+    if (!s->lease_id) {
+      int64_t id = 0, ttl = 0;
+      pthread_mutex_unlock(&s->mu);
+      int64_t sent = sg_now_ns();
+      rc = sg__etcd_grant(s->etcd, s->o.etcd_ttl_s, cms, &id, &ttl, &e);
+      pthread_mutex_lock(&s->mu);
+      if (rc) {
+        etcd_error(s, "lease grant", &e, rc, &logged);
+        etcd_wait(s, sg_now_ns() + ms_to_ns(ETCD_POLL_MS), 0);
+        continue;
+      }
+      s->lease_id = id;
+      s->lease_ttl_s = ttl;
+      lease_sent = sent;
+      ka_ns = ttl * 1000000000 / 4;
+      next_ka = sent + ka_ns;
+      continue;
+    }
+    if (!leading && now >= next_campaign) {
+      int won = 0;
+      int64_t crev = 0, id = s->lease_id;
+      char *holder = NULL;
+      pthread_mutex_unlock(&s->mu);
+      rc = sg__etcd_campaign(s->etcd, kl, s->address, id, cms, &won, &crev,
+                             &holder, &e);
+      pthread_mutex_lock(&s->mu);
+      next_campaign = sg_now_ns() + ms_to_ns(ETCD_POLL_MS);
+      if (rc) {
+        etcd_error(s, "campaign", &e, rc, &logged);
+      } else if (won) {
+        leading = 1;
+        have_record = 0;
+        rev = crev;
+        s->term = crev;
+        s->elections_won++;
+        s->fence.lease_deadline = sg__lh_lease_deadline(
+            lease_sent, s->lease_ttl_s, lease_margin_ns(s->lease_ttl_s));
+        sg_free(s->leader_addr);
+        s->leader_addr = sg_strdup(s->address);
+        sg_log(SG_LOG_INFO, LOG, "won the election in etcd (term %lld)",
+               (long long)crev);
+      } else {
+        if (crev != s->term ||
+            (holder && (!s->leader_addr || strcmp(holder, s->leader_addr))))
+          sg_log(SG_LOG_INFO, LOG, "following the leader %s (term %lld)",
+                 holder ? holder : "(none)", (long long)crev);
+        s->term = crev;
+        sg_free(s->leader_addr);
+        s->leader_addr = holder;
+        holder = NULL;
+      }
+      sg_free(holder);
+      continue;
+    }
+    if (leading && !have_record) {
+      /* fencing 3: the last quorum etcd holds, before the first decision */
+      char *val = NULL;
+      size_t vlen = 0;
+      int64_t qrev = 0, qid = 0;
+      char **ids = NULL;
+      size_t n = 0;
+      pthread_mutex_unlock(&s->mu);
+      rc = sg__etcd_get(s->etcd, kq, cms, &val, &vlen, &qrev, &e);
+      if (!rc && val &&
+          sg__lh_record_decode(val, vlen, s->o.max_replicas, &qid, &ids, &n))
+        sg_log(SG_LOG_WARN, LOG, "%s in etcd is not a quorum record: ignored",
+               kq);
+      sg_free(val);
+      pthread_mutex_lock(&s->mu);
+      if (rc) {
+        etcd_error(s, "read of the last quorum", &e, rc, &logged);
+        etcd_wait(s, sg_now_ns() + ms_to_ns(ETCD_POLL_MS), 0);
+        continue;
+      }
+      have_record = 1;
+      sg__lh_record_ids_free(s->promote_ids, s->promote_n);
+      s->promote_ids = ids;
+      s->promote_n = n;
+      s->promote_qid = qid;
+      s->promote = 1;
+      uv_async_send(&s->etcd_async);
+      continue;
+    }
+    int64_t until = next_ka;
+    if (!leading && next_campaign < until)
+      until = next_campaign;
+    if (leading && s->fence.lease_deadline < until)
+      until = s->fence.lease_deadline;
+    etcd_wait(s, until, 1);
+  }
+  int64_t id = s->lease_id;
+  s->lease_id = 0;
+  pthread_mutex_unlock(&s->mu);
+  if (id) { /* a successor need not wait for the TTL */
+    sg_err_t e;
+    sg_err_clear(&e);
+    sg__etcd_revoke(s->etcd, id, call_ms(s), &e);
+  }
+  return NULL;
+}
+
+/* etcd_start: the client and a first lease, before anything serves: an
+ * unreachable etcd at start is a clear error, not a silent follower. */
+static int etcd_start(sg_lh_server_t *s, sg_err_t *err) {
+  int rc = sg__etcd_new(s->o.etcd, &s->etcd, err);
+  if (rc)
+    return rc;
+  sg_deadline_t until = sg_deadline_in_ms(ETCD_START_MS);
+  for (;;) {
+    sg_err_t e;
+    sg_err_clear(&e);
+    int64_t id = 0, ttl = 0;
+    rc = sg__etcd_grant(s->etcd, s->o.etcd_ttl_s, 1000, &id, &ttl, &e);
+    if (!rc) {
+      s->lease_id = id;
+      s->lease_ttl_s = ttl;
+      sg_log(SG_LOG_INFO, LOG,
+             "etcd at %s granted lease %llx with a TTL of %lld s (asked %lld)",
+             sg__etcd_endpoint(s->etcd), (unsigned long long)id, (long long)ttl,
+             (long long)s->o.etcd_ttl_s);
+      return 0;
+    }
+    if (rc == SG_EPEER || sg_deadline_passed(until))
+      return sg_err_set(err, rc,
+                        "etcd unreachable at start (--etcd %s, tried for "
+                        "%d ms): %s",
+                        s->o.etcd, ETCD_START_MS,
+                        e.msg[0] ? e.msg : sg_strerror(rc));
+    usleep(100000);
+  }
 }
 
 /* ---- HTTP/1.1 side
@@ -1040,6 +1525,19 @@ static int snapshot(void *ud, sg__lh_status_t *out) {
   out->rejected_total = s->rejected_total;
   out->participants = sg__lh_participant_count(s->st);
   out->connections = s->conns.len;
+  out->role = sg__lh_role_name(s->fence.role);
+  if (s->o.etcd && s->fence.role == SG__LH_ROLE_LEADER && !s->fence.ready)
+    out->role = "candidate";
+  out->term = s->term;
+  out->lease_ttl_s = s->o.etcd ? s->lease_ttl_s : 0;
+  out->lease_left_ms = s->fence.role == SG__LH_ROLE_LEADER
+                           ? (s->fence.lease_deadline - now) / 1000000
+                           : -1;
+  out->elections_won = s->elections_won;
+  out->etcd_errors = s->etcd_errors;
+  out->fenced_total = s->fenced_total;
+  if (s->o.etcd && s->leader_addr && !(out->leader = sg_strdup(s->leader_addr)))
+    goto out;
   rc = 0;
 out:
   pthread_mutex_unlock(&s->mu);
@@ -1125,6 +1623,8 @@ static void on_rpc_closed(void *ud) {
   uv_close((uv_handle_t *)&s->tick_timer, on_handle_closed);
   uv_close((uv_handle_t *)&s->wake_timer, on_handle_closed);
   uv_close((uv_handle_t *)&s->stop_async, on_handle_closed);
+  if (s->o.etcd)
+    uv_close((uv_handle_t *)&s->etcd_async, on_handle_closed);
 }
 
 static void on_stop(uv_async_t *a) {
@@ -1174,6 +1674,15 @@ static void server_free(sg_lh_server_t *s) {
     sg__lh_http_free(s->http);
   sg__lh_state_free(s->st);
   sg_free(s->lost_resp);
+  sg__etcd_free(s->etcd);
+  sg_free(s->leader_addr);
+  sg_free(s->want_rec);
+  sg__lh_record_ids_free(s->promote_ids, s->promote_n);
+  if (s->held)
+    sg_rpc_blob_unref(s->held);
+  sg_free((char *)s->o.etcd);
+  sg_free((char *)s->o.etcd_prefix);
+  pthread_cond_destroy(&s->etcd_cv);
   sg_free((char *)s->o.bind);
   sg_free((char *)s->o.auth_token);
   sg_free((char *)s->o.quorum_id_file);
@@ -1195,6 +1704,8 @@ void sg_lh_opts_init(sg_lh_opts_t *o) {
   o->max_replicas = 10000;
   o->max_connections = 4096;
   o->max_message = 4 << 20;
+  o->etcd_prefix = "/stepguard/lighthouse";
+  o->etcd_ttl_s = 2;
 }
 
 static char *dup_or_null(const char *v, int *fail) {
@@ -1219,6 +1730,12 @@ static int validate(const sg_lh_opts_t *o, sg_err_t *err) {
     return sg_err_set(err, SG_EINVAL, "limits must be > 0");
   if (!o->bind || !o->bind[0])
     return sg_err_set(err, SG_EINVAL, "bind address is empty");
+  if (o->etcd && (o->etcd_ttl_s < 1 || o->etcd_ttl_s > 3600 ||
+                  !o->etcd_prefix || strlen(o->etcd_prefix) > 512 ||
+                  strchr(o->etcd_prefix, '"') || strchr(o->etcd_prefix, '\\')))
+    return sg_err_set(err, SG_EINVAL,
+                      "--etcd_ttl_s must be 1 .. 3600 and --etcd_prefix at "
+                      "most 512 bytes without quotes");
   return 0;
 }
 
@@ -1237,6 +1754,11 @@ int sg_lh_server_start(const sg_lh_opts_t *o, sg_lh_server_t **out,
   if (!s)
     return sg_err_set(err, SG_ENOMEM, "out of memory");
   pthread_mutex_init(&s->mu, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&s->etcd_cv, &ca);
+  pthread_condattr_destroy(&ca);
   s->dec_last_ns = -1;
   s->status_logged_ns = INT64_MIN / 2; /* the first status is logged */
   s->quorum_logged_id = -1;
@@ -1248,6 +1770,9 @@ int sg_lh_server_start(const sg_lh_opts_t *o, sg_lh_server_t **out,
   s->o.auth_token = dup_or_null(o->auth_token, &fail);
   s->o.quorum_id_file = dup_or_null(o->quorum_id_file, &fail);
   s->o.hostname = dup_or_null(o->hostname, &fail);
+  s->o.etcd = o->etcd && o->etcd[0] ? dup_or_null(o->etcd, &fail) : NULL;
+  s->o.etcd_prefix = dup_or_null(o->etcd_prefix, &fail);
+  s->fence.role = s->o.etcd ? SG__LH_ROLE_FOLLOWER : SG__LH_ROLE_SINGLE;
   if (fail) {
     rc = sg_err_set(err, SG_ENOMEM, "out of memory");
     goto fail;
@@ -1263,6 +1788,8 @@ int sg_lh_server_start(const sg_lh_opts_t *o, sg_lh_server_t **out,
   int64_t floor = load_last_quorum(s);
   sg__lh_set_quorum_id_floor(s->st, floor);
   s->persisted_id = floor;
+  if (s->o.etcd && (rc = etcd_start(s, err)) != 0)
+    goto fail;
   s->next_prune_ns = sg_now_ns() + ms_to_ns(o->prune_after_ms / 10 + 1);
 
   sg__lh_http_opts_t ho = {0};
@@ -1286,6 +1813,11 @@ int sg_lh_server_start(const sg_lh_opts_t *o, sg_lh_server_t **out,
   uv_async_init(&s->loop, &s->stop_async, on_stop);
   s->tick_timer.data = s->wake_timer.data = s->stop_async.data = s;
   s->handles_open = 3;
+  if (s->o.etcd) {
+    uv_async_init(&s->loop, &s->etcd_async, on_etcd_async);
+    s->etcd_async.data = s;
+    s->handles_open++;
+  }
 
   sg_rpc_server_opts_t ro = {0};
   ro.bind = s->o.bind;
@@ -1301,6 +1833,8 @@ int sg_lh_server_start(const sg_lh_opts_t *o, sg_lh_server_t **out,
     uv_close((uv_handle_t *)&s->tick_timer, NULL);
     uv_close((uv_handle_t *)&s->wake_timer, NULL);
     uv_close((uv_handle_t *)&s->stop_async, NULL);
+    if (s->o.etcd)
+      uv_close((uv_handle_t *)&s->etcd_async, NULL);
     uv_run(&s->loop, UV_RUN_DEFAULT);
     uv_loop_close(&s->loop);
     goto fail;
@@ -1328,6 +1862,16 @@ int sg_lh_server_start(const sg_lh_opts_t *o, sg_lh_server_t **out,
     uv_loop_close(&s->loop);
     goto fail;
   }
+  if (s->o.etcd) {
+    if (!s->address || pthread_create(&s->etcd_thread, NULL, etcd_main, s)) {
+      rc = sg_err_set(err, SG_ENOMEM, "cannot start the etcd thread");
+      uv_async_send(&s->stop_async);
+      uv_thread_join(&s->thread);
+      uv_loop_close(&s->loop);
+      goto fail;
+    }
+    s->etcd_started = 1;
+  }
   if (!o->auth_token && !is_loopback_bind(s->o.bind))
     sg_log(SG_LOG_WARN, LOG,
            "listening on %s without an auth token: anyone who reaches this "
@@ -1351,6 +1895,13 @@ const char *sg_lh_server_address(const sg_lh_server_t *s) {
 void sg_lh_server_stop(sg_lh_server_t *s) {
   if (!s)
     return;
+  if (s->etcd_started) { /* before the loop: it posts to etcd_async */
+    pthread_mutex_lock(&s->mu);
+    s->etcd_stop = 1;
+    pthread_cond_signal(&s->etcd_cv);
+    pthread_mutex_unlock(&s->mu);
+    pthread_join(s->etcd_thread, NULL);
+  }
   uv_async_send(&s->stop_async);
   uv_thread_join(&s->thread);
   if (uv_loop_close(&s->loop) != 0)

@@ -79,6 +79,15 @@ typedef struct sg__lh_status_s {
    * the last request, complete and parsed) to its answer encoded. */
   sg__lh_hist_t decision;
   int64_t decision_last_ns; /* the last quorum's; -1 when none yet */
+
+  /* replicated lighthouses (--etcd) */
+  const char *role;      /* static: "single", "follower", "leader" */
+  char *leader;          /* owned: the leader's address; NULL: none known */
+  int64_t term;          /* the leader key's create revision; 0: none */
+  int64_t lease_ttl_s;   /* granted TTL; 0 without etcd */
+  int64_t lease_left_ms; /* leader: to its local lease deadline; else -1 */
+  uint64_t elections_won, etcd_errors;
+  uint64_t fenced_total; /* decisions skipped: not a leader inside its lease */
 } sg__lh_status_t;
 
 /*

@@ -30,12 +30,16 @@ extern "C" {
 typedef struct sg_rpc_channel_s sg_rpc_channel_t;
 
 typedef struct sg_rpc_channel_opts_s {
-  const char *target; /* "http://host:port", "host:port", "[::1]:port" */
-  int64_t connect_timeout_ms;    /* <= 0: 10000.  Bounds construction's connect
-                                    and each later connect attempt */
-  const char *auth_token;        /* NULL or "": none; else every call sends
-                                    "authorization: Bearer <token>" */
-  size_t max_message;            /* response message limit; 0: 64 MiB */
+  const char *target;         /* "http://host:port", "host:port", "[::1]:port",
+                                 or up to 16 of them comma-separated (replicated
+                                 servers): each connect attempt after the first,
+                                 after a failed one or a dropped connection, goes
+                                 to the next */
+  int64_t connect_timeout_ms; /* <= 0: 10000.  Bounds construction's connect
+                                 and each later connect attempt */
+  const char *auth_token;     /* NULL or "": none; else every call sends
+                                 "authorization: Bearer <token>" */
+  size_t max_message;         /* response message limit; 0: 64 MiB */
   int64_t keepalive_interval_ms; /* HTTP/2 PING this often while connected
                                     (idle or not); 0: 60000; < 0: never */
   int64_t keepalive_timeout_ms;  /* no PING ACK within this: the connection

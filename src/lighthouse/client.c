@@ -1,8 +1,12 @@
 /*
  * client.c: LighthouseService calls (Quorum, Heartbeat) over one gRPC
- * channel, with protobuf encoding and validation of what comes back.
+ * channel, with protobuf encoding and validation of what comes back.  With
+ * several comma-separated addresses (replicated lighthouses) a call that
+ * finds a follower or a dead lighthouse is made again on the next address
+ * within its deadline (call_any).
  */
 #include <string.h>
+#include <time.h>
 
 #include "rpc/grpc.h"
 #include "rpc/pb.h"
@@ -14,7 +18,10 @@
 
 struct sg_lh_client_s {
   sg_rpc_channel_t *ch;
+  size_t n_addrs; /* comma-separated addresses given */
 };
+
+#define RETRY_PAUSE_MS 50 /* between addresses: a follower answers at once */
 
 int sg_lh_client_new(const char *addr, int64_t connect_timeout_ms,
                      const char *auth_token, sg_lh_client_t **out,
@@ -28,6 +35,9 @@ int sg_lh_client_new(const char *addr, int64_t connect_timeout_ms,
   o.auth_token = auth_token;
   o.max_message = MAX_RESPONSE;
   o.fail_fast = 1; /* as tonic's channels: no waiting out a dead server */
+  c->n_addrs = 1;
+  for (const char *p = addr; p && *p; p++)
+    c->n_addrs += *p == ',';
   int rc = sg_rpc_channel_new(&o, &c->ch, err);
   if (rc) {
     sg_free(c);
@@ -63,6 +73,36 @@ void sg_lh_quorum_free(sg_lh_quorum_t *q) {
 
 static const char *nz(const char *s) { return s ? s : ""; }
 
+/*
+ * call_any: sg_rpc_channel_call, and with several addresses again on the
+ * next one after an answer UNAVAILABLE (a follower, a lighthouse that lost
+ * its leadership or is stopping: the connection is dropped so the channel
+ * moves on) or a transport failure, pausing RETRY_PAUSE_MS, at most three
+ * rounds of the addresses and never past `deadline`.  One address: one
+ * call, as torchft's client.
+ */
+static int call_any(sg_lh_client_t *c, const char *path, const uint8_t *req,
+                    size_t len, sg_deadline_t deadline, uint8_t **resp,
+                    size_t *resp_len, sg_err_t *err) {
+  for (size_t tries = 1;; tries++) {
+    int status = -1;
+    sg_err_clear(err);
+    int rc = sg_rpc_channel_call(c->ch, path, req, len, deadline, resp,
+                                 resp_len, &status, err);
+    if (!rc || c->n_addrs <= 1 || tries >= 3 * c->n_addrs)
+      return rc;
+    int moved = status == SG_GRPC_UNAVAILABLE ||
+                (status < 0 && rc != SG_ETIMEDOUT && rc != SG_EABORTED &&
+                 rc != SG_ECLOSED && rc != SG_ENOMEM && rc != SG_ESTATE);
+    if (!moved || sg_deadline_left_ms(deadline) <= RETRY_PAUSE_MS)
+      return rc;
+    if (status == SG_GRPC_UNAVAILABLE)
+      sg_rpc_channel_disconnect(c->ch);
+    struct timespec ts = {0, RETRY_PAUSE_MS * 1000000L};
+    nanosleep(&ts, NULL);
+  }
+}
+
 static int copy_member(sg_lh_member_t *d, const Torchft__QuorumMember *m) {
   d->replica_id = sg_strdup(m->replica_id);
   d->address = sg_strdup(m->address);
@@ -84,7 +124,7 @@ int sg_lh_client_quorum(sg_lh_client_t *c, const sg_lh_member_t *r,
                         sg_err_t *err) {
   uint8_t *req = NULL, *resp = NULL;
   size_t resp_len = 0;
-  int status = -1, rc;
+  int rc;
   Torchft__LighthouseQuorumResponse *msg = NULL;
   memset(out, 0, sizeof(*out));
 
@@ -106,8 +146,8 @@ int sg_lh_client_quorum(sg_lh_client_t *c, const sg_lh_member_t *r,
     goto out;
   }
   torchft__lighthouse_quorum_request__pack(&q, req);
-  rc = sg_rpc_channel_call(c->ch, "/torchft.LighthouseService/Quorum", req, len,
-                           deadline, &resp, &resp_len, &status, err);
+  rc = call_any(c, "/torchft.LighthouseService/Quorum", req, len, deadline,
+                &resp, &resp_len, err);
   if (rc)
     goto out;
   msg = torchft__lighthouse_quorum_response__unpack(&sg__pb_allocator, resp_len,
@@ -154,13 +194,11 @@ int sg_lh_client_heartbeat(sg_lh_client_t *c, const char *replica_id,
   size_t len = torchft__lighthouse_heartbeat_request__get_packed_size(&h);
   uint8_t *req = sg_malloc(len ? len : 1), *resp = NULL;
   size_t resp_len = 0;
-  int status = -1;
   if (!req)
     return sg_err_set(err, SG_ENOMEM, "out of memory");
   torchft__lighthouse_heartbeat_request__pack(&h, req);
-  int rc =
-      sg_rpc_channel_call(c->ch, "/torchft.LighthouseService/Heartbeat", req,
-                          len, deadline, &resp, &resp_len, &status, err);
+  int rc = call_any(c, "/torchft.LighthouseService/Heartbeat", req, len,
+                    deadline, &resp, &resp_len, err);
   sg_free(resp);
   sg_free(req);
   return rc;

@@ -87,6 +87,33 @@ static int wait_ms(sg_mgr_server_t *s, int64_t ms) {
   return s->stopping || atomic_load(&s->left);
 }
 
+/* wait_outage_ms: wait_ms, also ended by a heartbeat getting through
+ * again (s->lh_back moved past `back`): a lighthouse back, or a new leader
+ * found, is asked at once instead of after the rest of a backoff. */
+static int wait_outage_ms(sg_mgr_server_t *s, int64_t ms, uint64_t back) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  int64_t ns = (int64_t)ts.tv_nsec + sg__mgr_ms_to_ns(ms);
+  ts.tv_sec += (time_t)(ns / 1000000000);
+  ts.tv_nsec = (long)(ns % 1000000000);
+  while (!s->stopping && !atomic_load(&s->left) && s->lh_back == back)
+    if (pthread_cond_timedwait(&s->cv, &s->mu, &ts) != 0)
+      break;
+  return s->stopping || atomic_load(&s->left);
+}
+
+/*
+ * not_leader: a lighthouse answered UNAVAILABLE: a follower of replicated
+ * lighthouses ("not the leader"), one that lost its leadership, or one
+ * shutting down.  Drop the connection so that the channel's next attempt
+ * goes to its next address (a channel of one address reconnects to it).
+ * Not on the channel's I/O thread.
+ */
+static void not_leader(sg_mgr_server_t *s, int grpc_status) {
+  if (grpc_status == SG_GRPC_UNAVAILABLE)
+    sg_rpc_channel_disconnect(s->lh);
+}
+
 /* LighthouseHeartbeatResponse: lost_members (101) */
 static const uint32_t hbresp_strings[] = {101};
 static const sg__pb_spec_t hbresp_spec = {hbresp_strings, 1, NULL, 0};
@@ -146,12 +173,15 @@ static int lh_heartbeat(sg_mgr_server_t *s, sg_deadline_t deadline,
   uint8_t *req = sg_malloc(len ? len : 1);
   if (req)
     len = torchft__lighthouse_heartbeat_request__pack(&h, req);
+  int status = -1;
   int rc = sg_rpc_channel_call(s->lh, "/torchft.LighthouseService/Heartbeat",
                                req ? req : s->hb_req, req ? len : s->hb_req_len,
-                               deadline, &resp, &resp_len, NULL, err);
+                               deadline, &resp, &resp_len, &status, err);
   sg_free(req);
   if (!rc)
     note_lost(s, resp, resp_len);
+  else
+    not_leader(s, status);
   sg_free(resp);
   return rc;
 }
@@ -222,6 +252,8 @@ static int local_timeout(int rc, int grpc_status, sg_deadline_t deadline) {
  * against quorum_retries (stepguard; torchft fails the round).
  */
 static int unreachable(int rc, int grpc_status, int local) {
+  if (rc != 0 && grpc_status == SG_GRPC_UNAVAILABLE)
+    return 1; /* not the leader (replicated lighthouses), or shutting down */
   return rc != 0 && grpc_status < 0 && !local && rc != SG_EABORTED &&
          rc != SG_ECLOSED && rc != SG_ECANCELED && rc != SG_ENOMEM;
 }
@@ -245,6 +277,7 @@ static int lh_quorum_once(sg_mgr_server_t *s, const sg__mgr_job_t *j,
   if (rc) {
     *local = local_timeout(rc, status, deadline);
     *gone = unreachable(rc, status, *local);
+    not_leader(s, status);
     goto out;
   }
   rc = lh_quorum_decode(resp, resp_len, out, err);
@@ -401,6 +434,9 @@ static int quorum_with_retries(sg_mgr_server_t *s, const sg__mgr_job_t *j,
     gone = gone || (outages > 0 && local);
     if (gone) {
       int64_t left_ms = sg_deadline_left_ms(answer_by);
+      pthread_mutex_lock(&s->mu);
+      uint64_t back = s->lh_back;
+      pthread_mutex_unlock(&s->mu);
       if (outages++ == 0)
         sg_log(SG_LOG_WARN, LOG,
                "[Replica %s] lighthouse %s unreachable (%s): retrying", s->name,
@@ -413,7 +449,7 @@ static int quorum_with_retries(sg_mgr_server_t *s, const sg__mgr_job_t *j,
                             ? MAX_OUTAGE_SLEEP_MS
                             : outage_sleep_ms * 2;
       pthread_mutex_lock(&s->mu);
-      int quit = wait_ms(s, sleep_ms);
+      int quit = wait_outage_ms(s, sleep_ms, back);
       pthread_mutex_unlock(&s->mu);
       if (quit)
         return sg_err_set(err, SG_ECANCELED, "manager stopping");
@@ -490,6 +526,12 @@ void *sg__mgr_heartbeat_main(void *arg) {
     else if (!rc && failing)
       sg_log(SG_LOG_INFO, LOG, "[Replica %s] heartbeats to %s resumed", s->name,
              s->lighthouse_addr);
+    if (!rc && failing) {
+      pthread_mutex_lock(&s->mu);
+      s->lh_back++;
+      pthread_cond_broadcast(&s->cv);
+      pthread_mutex_unlock(&s->mu);
+    }
     failing = rc != 0;
     pthread_mutex_lock(&s->mu);
     if (wait_ms(s, s->hb_interval_ms))

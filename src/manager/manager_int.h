@@ -209,6 +209,9 @@ struct sg_mgr_server_s {
   pthread_cond_t cv;      /* stop or leave (CLOCK_MONOTONIC) */
   pthread_cond_t job_cv;  /* job posted, or stop: the quorum worker only, so
                              posting a job does not wake the heartbeat one */
+  uint64_t lh_back;       /* heartbeats that got through after failing: an
+                             outage wait ends early (the lighthouse, or a
+                             new leader, answers again) */
   pthread_cond_t lost_cv; /* lost_qid grew, or stop (sg_mgr_server_wait_lost) */
   int64_t lost_qid;       /* the newest quorum the lighthouse reported a
                              member of as lost (0: none) */

@@ -80,6 +80,7 @@
 #define MAX_PATH_LEN 1024
 #define MAX_TOKEN_LEN 4096
 #define DISCONNECT_WAIT_MS 1000
+#define MAX_TARGETS 16 /* comma-separated targets of one channel */
 
 /* ---- intrusive lists ----------------------------------------------------- */
 
@@ -171,11 +172,16 @@ struct conn_s {
 
 struct sg_rpc_channel_s {
   /* Immutable after sg_rpc_channel_new. */
-  char *target;     /* as given, for messages */
-  char *host;       /* without brackets */
-  char port_str[8]; /* decimal port */
-  char *authority;  /* host:port as sent in :authority */
-  char *auth_value; /* "Bearer <token>" or NULL */
+  char *target; /* as given, for messages */
+  struct target_s {
+    char *host;       /* without brackets */
+    char port_str[8]; /* decimal port */
+    char *authority;  /* host:port as sent in :authority */
+  } tg[MAX_TARGETS];  /* "a,b,c": one each; connect attempts rotate */
+  size_t n_tg;
+  size_t cur_tg;     /* I/O thread: the target of the current attempt */
+  uint64_t attempts; /* I/O thread: connect attempts started */
+  char *auth_value;  /* "Bearer <token>" or NULL */
   size_t max_message;
   int64_t connect_timeout_ms;
   int64_t ka_interval_ms; /* keepalive PING period; 0: none */
@@ -264,7 +270,7 @@ static int header_value_ok(const char *s, size_t max) {
  * into host (brackets removed), port and authority.  Pure; the outputs are
  * sg_malloc'd into ch on success.
  */
-static int parse_target(sg_rpc_channel_t *ch, const char *t, sg_err_t *err) {
+static int parse_target(struct target_s *ch, const char *t, sg_err_t *err) {
   const char *p = t;
   if (strncmp(p, "http://", 7) == 0)
     p += 7;
@@ -717,7 +723,7 @@ static void handshake_done(sg_rpc_channel_t *ch) {
 /* TCP is up: start the HTTP/2 session (preface + SETTINGS). */
 static void tcp_connected(sg_rpc_channel_t *ch) {
   conn_t *conn = ch->conn;
-  sg__h2c_config_t cfg = {.authority = ch->authority,
+  sg__h2c_config_t cfg = {.authority = ch->tg[ch->cur_tg].authority,
                           .max_message = ch->max_message};
   if (sg__h2c_init(&conn->h2, &cfg, &h2_ops, conn) != 0) {
     char m[128];
@@ -796,9 +802,15 @@ static void attempt_start(sg_rpc_channel_t *ch) {
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_NUMERICSERV;
   free_addrs(ch);
+  /* several targets (replicated lighthouses): every attempt after the first
+   * (the last one failed, or its connection was dropped: a dead or demoted
+   * server) goes to the next target */
+  if (ch->attempts++ > 0 && ch->n_tg > 1)
+    ch->cur_tg = (ch->cur_tg + 1) % ch->n_tg;
   set_state(ch, ST_CONNECTING);
   uv_timer_start(&ch->timer, timer_cb, (uint64_t)ch->connect_timeout_ms, 0);
-  int r = getaddrinfo(ch->host, ch->port_str, &hints, &ch->ai);
+  int r = getaddrinfo(ch->tg[ch->cur_tg].host, ch->tg[ch->cur_tg].port_str,
+                      &hints, &ch->ai);
   if (r != 0) {
     char m[256];
     ch->ai = NULL;
@@ -1165,8 +1177,10 @@ static void *io_main(void *arg) {
 
 static void channel_release(sg_rpc_channel_t *ch) {
   sg_free(ch->target);
-  sg_free(ch->host);
-  sg_free(ch->authority);
+  for (size_t i = 0; i < ch->n_tg; i++) {
+    sg_free(ch->tg[i].host);
+    sg_free(ch->tg[i].authority);
+  }
   sg_free(ch->auth_value);
   sg_free(ch);
 }
@@ -1187,7 +1201,24 @@ int sg_rpc_channel_new(const sg_rpc_channel_opts_t *o, sg_rpc_channel_t **out,
     rc = sg_err_set(err, SG_ENOMEM, "out of memory");
     goto out;
   }
-  rc = parse_target(ch, o->target, err);
+  for (const char *t = o->target; !rc;) {
+    size_t l = strcspn(t, ",");
+    char one[320];
+    if (l == 0 || l >= sizeof(one) || ch->n_tg == MAX_TARGETS) {
+      rc = sg_err_set(err, SG_EINVAL,
+                      "target %s: expected up to %d comma-separated "
+                      "host:port",
+                      o->target, MAX_TARGETS);
+      break;
+    }
+    memcpy(one, t, l);
+    one[l] = '\0';
+    rc = parse_target(&ch->tg[ch->n_tg], one, err);
+    ch->n_tg++; /* freed with the channel, parsed or not */
+    if (!t[l])
+      break;
+    t += l + 1;
+  }
   if (rc)
     goto out;
   if (o->auth_token && o->auth_token[0]) {

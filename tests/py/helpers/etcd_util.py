@@ -25,7 +25,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from helpers.lighthouse_util import free_port
+from lighthouse_util import free_port
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 HEARTBEAT_MS = 50

@@ -220,7 +220,8 @@ class Job:
                  impl: str = IMPL, lighthouse: str = LIGHTHOUSE,
                  zygote: Zygote | None = None,
                  lighthouse_args: Iterable[str] = (),
-                 worker: str = "train_worker") -> None:
+                 worker: str = "train_worker",
+                 lighthouses: int = 1) -> None:
         self.dir = tmp
         self.worker = worker  # the helper module every trainer runs
         self.zygote = zygote
@@ -239,36 +240,49 @@ class Job:
                  "--join_timeout_ms", str(join_timeout_ms),
                  "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),
                  "--quorum_tick_ms", "20", *lighthouse_args]
-        self.lighthouse_log = tmp / "logs" / "lighthouse.log"
+        # several lighthouses (replicated, --etcd in lighthouse_args): logs
+        # lighthouse.log, lighthouse1.log, ...; addr lists them all
+        self.lighthouse_logs = [tmp / "logs" / ("lighthouse.log" if i == 0 else
+                                                f"lighthouse{i}.log")
+                                for i in range(lighthouses)]
+        self.lighthouse_log = self.lighthouse_logs[0]
         self._lh_kind = lighthouse
         self._lh_flags = flags
-        self._lh = self._start_lighthouse(flags)
+        self._lhs = [self._start_lighthouse(flags, log)
+                     for log in self.lighthouse_logs]
+        self._lh = self._lhs[0]
+        self.lh_addrs: list[str] = []
         try:
-            m = wait_for(lambda: LISTEN_RE.search(_read_text(self.lighthouse_log)),
-                         60, "the lighthouse to listen")
+            for log in self.lighthouse_logs:
+                m = wait_for(lambda: LISTEN_RE.search(_read_text(log)),
+                             60, "the lighthouse to listen")
+                port = m.group(1).rsplit(':', 1)[1].rstrip('/')
+                self.lh_addrs.append(f"http://127.0.0.1:{port}")
         except BaseException:
             self.close()
             raise
-        self.addr = f"http://127.0.0.1:{m.group(1).rsplit(':', 1)[1].rstrip('/')}"
+        self.addr = ",".join(self.lh_addrs)
 
-    def _start_lighthouse(self, flags: list[str]):
+    def _start_lighthouse(self, flags: list[str], log_path: Path | None = None):
         zygote = self.zygote
         lighthouse = self._lh_kind
+        log_path = log_path or self.lighthouse_log
         if lighthouse == "ours" and zygote is not None:
             # forked with stepguard already imported: no torch import to wait for
-            p = zygote.spawn(flags, self.lighthouse_log, lighthouse=True)
+            p = zygote.spawn(flags, log_path, lighthouse=True)
         else:
             cmd = ([str(TORCHFT_LIGHTHOUSE_SCRIPT)] if lighthouse == "torchft"
                    else [sys.executable, "-c", OURS_CODE]) + flags
-            with open(self.lighthouse_log, "ab") as log:
+            with open(log_path, "ab") as log:
                 p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         self._popens.append(p)
         return p
 
-    def kill_lighthouse(self) -> None:
-        """SIGKILLs the lighthouse."""
-        self._lh.kill()
-        self._lh.wait(timeout=30)
+    def kill_lighthouse(self, i: int = 0) -> None:
+        """SIGKILLs the lighthouse (the i-th of several)."""
+        p = self._lhs[i]
+        p.kill()
+        p.wait(timeout=30)
 
     def restart_lighthouse(self) -> None:
         """Starts the lighthouse again, same flags, on the same port."""
@@ -276,7 +290,7 @@ class Job:
         flags = list(self._lh_flags)
         flags[flags.index("--bind") + 1] = f"127.0.0.1:{port}"
         before = _read_text(self.lighthouse_log).count("listening on")
-        self._lh = self._start_lighthouse(flags)
+        self._lh = self._lhs[0] = self._start_lighthouse(flags)
         wait_for(lambda: _read_text(self.lighthouse_log).count("listening on") > before,
                  60, "the restarted lighthouse to listen")
 

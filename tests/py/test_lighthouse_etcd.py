@@ -1,0 +1,282 @@
+"""Replicated lighthouses with leadership in etcd (real processes: a real
+etcd from Debian on tmpfs, lighthouses, trainers; docs/lighthouse.md,
+"Replicated lighthouses").
+
+- the leader is SIGKILLed during training with 3 replica groups: a
+  follower takes over, training goes on (the stall is printed), no trainer
+  exits, ids never go back, replicas end identical;
+- etcd unreachable at start: a clear error and exit, no hang;
+- etcd lost mid-run: the leader stops deciding, trainers wait, training
+  resumes when etcd is back;
+- the leader alone cut off etcd (a TCP relay severed): it stops answering
+  before another is elected, and no quorum id is answered with two
+  different member sets.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from datetime import timedelta
+
+import pytest
+
+from etcd_util import EtcdCluster, Relay, etcd_version
+from lighthouse_util import NATIVE_LIGHTHOUSE, LogProc, free_port
+from train_harness import Job, job_factory, require_api, zygote, wait_for  # noqa: F401
+
+RIDS = ("train_0", "train_1", "train_2")
+# etcd 3.4 raises a TTL below ceil(1.5 x election timeout) = 1 s; 2 s is
+# the lighthouse's default
+TTL_S = 2
+
+
+def status(addr: str) -> dict | None:
+    try:
+        with urllib.request.urlopen(addr.split(",")[0] + "/status",
+                                    timeout=2) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError, urllib.error.URLError):
+        return None
+
+
+def leader_index(addrs: list[str]) -> int | None:
+    for i, a in enumerate(addrs):
+        st = status(a)
+        if st and st["role"] == "leader":
+            return i
+    return None
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    assert etcd_version().startswith("3."), etcd_version()
+    c = EtcdCluster(1, tmp_path).start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def etcd_job(job_factory, etcd: EtcdCluster, n: int = 3,
+             hard_timeout: int = 240) -> Job:
+    prefix = f"/test/{uuid.uuid4().hex}"
+    job = job_factory(hard_timeout=hard_timeout, lighthouses=n,
+                      heartbeat_timeout_ms=2000,
+                      lighthouse_args=("--etcd", etcd.endpoints,
+                                       "--etcd_prefix", prefix,
+                                       "--hostname", "127.0.0.1"))
+    wait_for(lambda: leader_index(job.lh_addrs) is not None, 30,
+             "a lighthouse to win the election", job)
+    return job
+
+
+def start_groups(job: Job) -> None:
+    for rid in RIDS:
+        job.start_group(rid, 1, "--steps", "100000", "--step-sleep", "0.05")
+    wait_for(lambda: job.all_committed(5, RIDS), 120,
+             "every group to commit 5 steps", job)
+
+
+def finish(job: Job, reached: dict[str, int]) -> None:
+    """Every trainer still the first incarnation, steps and ids never went
+    back, nothing committed lost, replicas identical at the end."""
+    for rid in RIDS:
+        assert job.alive(rid), job.summary()
+        ok = [e for e in job.steps(rid, inc=0) if e["ok"]]
+        steps = [e["step"] for e in ok]
+        assert steps == sorted(set(steps)), f"{rid} went back: {steps}"
+        after = [s for s in steps if s > reached[rid]]
+        assert after and after[0] == reached[rid] + 1 or any(
+            e["healed"] for e in job.steps(rid, inc=0)), (
+            f"{rid} lost committed steps: reached {reached[rid]}, "
+            f"then {after[:5]}")
+        qids = [e["qid"] for e in ok]
+        assert qids == sorted(qids), f"{rid} saw quorum ids go back: {qids}"
+    target = max(job.committed(rid) for rid in RIDS) + 3
+    job.stop_at(target)
+    for rid in RIDS:
+        assert job.wait_exit(rid, 60) == [0], job.summary()
+    job.assert_identical(target - 1)
+
+
+def test_leader_kill_training_goes_on(job_factory, etcd):
+    job = etcd_job(job_factory, etcd)
+    start_groups(job)
+    lead = leader_index(job.lh_addrs)
+    assert lead is not None
+    reached = {rid: job.committed(rid) for rid in RIDS}
+    t0 = time.monotonic()
+    job.kill_lighthouse(lead)
+    # a step in flight may still commit (votes do not involve the
+    # lighthouse); two more need a quorum from the new leader
+    top = max(reached.values())
+    wait_for(lambda: job.all_committed(top + 2, RIDS), 60,
+             "every group to commit after the leader's death", job)
+    stall = time.monotonic() - t0
+    others = [a for i, a in enumerate(job.lh_addrs) if i != lead]
+    new = leader_index(others)
+    assert new is not None, [status(a) for a in others]
+    st = status(others[new])
+    print(f"\nleader killed: every group committed 2 more steps after "
+          f"{stall:.2f} s (lease TTL {st['lease_ttl_s']} s, term "
+          f"{st['term']})")
+    # the bound is loose on purpose (sanitizers, a loaded machine): the
+    # TTL, a campaign poll and the hold for the last quorum's members
+    assert stall < 45, stall
+    assert st["elections_won"] == 1 and st["term"] > 0
+    wait_for(lambda: job.all_committed(top + 6, RIDS), 60,
+             "4 more steps under the new leader", job)
+    finish(job, reached)
+
+
+def test_etcd_unreachable_at_start_is_a_clear_error(tmp_path):
+    dead = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    p = subprocess.run([str(NATIVE_LIGHTHOUSE), "--min_replicas", "1",
+                        "--bind", "127.0.0.1:0", "--etcd", dead],
+                       capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    assert p.returncode == 1, (p.returncode, p.stderr[-2000:])
+    assert "etcd unreachable at start" in p.stderr, p.stderr[-2000:]
+    assert dead in p.stderr
+    assert "listening" not in p.stderr + p.stdout
+    # it tries for 5 s, each call bounded by 1 s
+    assert took < 30, took
+
+
+def test_etcd_lost_mid_run_then_back(job_factory, etcd):
+    job = etcd_job(job_factory, etcd, n=2)
+    start_groups(job)
+    etcd.members[0].kill()
+    # the leader's lease runs out locally (TTL - margin after its last
+    # acknowledged keepalive): it stops deciding and answering
+    wait_for(lambda: leader_index(job.lh_addrs) is None, 30,
+             "the leader to step down without etcd", job)
+    stopped = {rid: job.committed(rid) for rid in RIDS}
+    time.sleep(4)
+    for rid in RIDS:
+        assert job.alive(rid), job.summary()
+        # a step in flight may still commit, none after it
+        assert job.committed(rid) <= stopped[rid] + 1, (
+            rid, stopped[rid], job.committed(rid), job.summary())
+    for a in job.lh_addrs:
+        st = status(a)
+        assert st and st["role"] != "leader" and st["etcd_errors"] > 0, st
+    etcd.members[0].start(new=False)  # the same data directory
+    etcd.wait_healthy()
+    top = max(stopped.values())
+    wait_for(lambda: job.all_committed(top + 5, RIDS), 90,
+             "training to resume once etcd is back", job)
+    assert leader_index(job.lh_addrs) is not None
+    finish(job, {rid: stopped[rid] for rid in RIDS})
+
+
+def _start_lh(etcd_endpoint: str, prefix: str) -> tuple[LogProc, str]:
+    port = free_port()
+    p = subprocess.Popen(
+        [str(NATIVE_LIGHTHOUSE), "--min_replicas", "2", "--bind",
+         f"127.0.0.1:{port}", "--hostname", "127.0.0.1", "--join_timeout_ms",
+         "100", "--heartbeat_timeout_ms", "1000", "--etcd", etcd_endpoint,
+         "--etcd_prefix", prefix],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return LogProc(p), f"http://127.0.0.1:{port}"
+
+
+def _log_ts(lines: list[str], pattern: str) -> float | None:
+    """The wall time (s) of the first log line matching pattern."""
+    for line in lines:
+        if re.search(pattern, line):
+            ts = line.split()[0]  # 2026-12-06T04:13:09.271Z
+            return time.mktime(time.strptime(ts[:19], "%Y-%m-%dT%H:%M:%S")) + \
+                float("0" + ts[19:-1])
+    return None
+
+
+def test_leader_cut_from_etcd_stops_before_a_new_one_wins(etcd):
+    from stepguard.coordination import LighthouseClient
+
+    prefix = f"/test/{uuid.uuid4().hex}"
+    relay = Relay(etcd.members[0].client_port)
+    procs: list[LogProc] = []
+    clients: list[LighthouseClient] = []
+    stop = threading.Event()
+    answers: list[tuple[int, tuple[str, ...], str]] = []
+    errors: list[str] = []
+    try:
+        a, addr_a = _start_lh(relay.endpoint, prefix)
+        procs.append(a)
+        wait_for(lambda: (status(addr_a) or {}).get("role") == "leader", 30,
+                 "the relayed lighthouse to lead")
+        b, addr_b = _start_lh(etcd.endpoints, prefix)
+        procs.append(b)
+        wait_for(lambda: (status(addr_b) or {}).get("role") == "follower", 30,
+                 "the second lighthouse to follow")
+        addrs = f"{addr_a},{addr_b}"
+
+        def member(rid: str) -> None:
+            c = LighthouseClient(addrs, timedelta(seconds=5))
+            clients.append(c)
+            step = 0
+            while not stop.is_set():
+                try:
+                    q = c.quorum(rid, timedelta(seconds=3), step=step)
+                except Exception as e:  # noqa: BLE001 - retried, counted
+                    errors.append(str(e)[:200])
+                    time.sleep(0.05)
+                    continue
+                answers.append((q.quorum_id,
+                                tuple(sorted(m.replica_id for m in q.participants)),
+                                rid))
+                step += 1
+                time.sleep(0.02)
+
+        threads = [threading.Thread(target=member, args=(f"r{i}",), daemon=True)
+                   for i in range(3)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: len(answers) >= 30, 60, "quorums from the first leader")
+        n_before = len(answers)
+        relay.sever()
+        wait_for(lambda: (status(addr_b) or {}).get("role") == "leader", 30,
+                 "the second lighthouse to win")
+        wait_for(lambda: len(answers) >= n_before + 30, 60,
+                 "quorums from the second leader")
+        stop.set()
+        for t in threads:
+            t.join(timeout=10)
+        # the cut leader stopped before the other one won: both log on the
+        # same host's wall clock
+        for p in procs:
+            p.popen.kill()
+            p.popen.wait(timeout=30)
+        la, lb = a.lines, b.lines
+        t_stop = _log_ts(la, r"no longer the leader")
+        t_won = _log_ts(lb, r"won the election")
+        assert t_stop is not None, "\n".join(la[-20:])
+        assert t_won is not None, "\n".join(lb[-20:])
+        print(f"\ncut leader stopped {1000 * (t_won - t_stop):.0f} ms before "
+              f"the other won")
+        assert t_stop < t_won, (t_stop, t_won)
+        # no quorum id was answered with two different member sets
+        by_id: dict[int, set[tuple[str, ...]]] = {}
+        for qid, members, _ in answers:
+            by_id.setdefault(qid, set()).add(members)
+        assert all(len(v) == 1 for v in by_id.values()), by_id
+        ids = sorted(by_id)
+        assert len(ids) >= 2, ids
+    finally:
+        stop.set()
+        for c in clients:
+            c.close()
+        for p in procs:
+            if p.popen.poll() is None:
+                p.popen.kill()
+                p.popen.wait(timeout=30)
+        relay.close()

@@ -106,6 +106,14 @@ static int fill_status(sg__lh_status_t *s) {
   s->participants = 1;
   s->healthy_replicas = 2;
   s->connections = 2;
+  s->role = "leader"; /* replicated lighthouses (static string) */
+  s->term = 5;
+  s->lease_ttl_s = 2;
+  s->lease_left_ms = 1500;
+  s->elections_won = 1;
+  s->leader = sg_strdup("http://lh-a:29510");
+  if (!s->leader)
+    return SG_ENOMEM;
   s->lat_bucket_counts[0] = 1;
   s->lat_bucket_counts[1] = 5;
   s->lat_bucket_counts[2] = 9;
@@ -470,6 +478,9 @@ static void test_status_json(void **state) {
   assert_true(json_valid(j, strlen(j)));
   assert_non_null(strstr(j, "\"replica_id\":" TRICKY_ID_JSON));
   assert_non_null(strstr(j, "\"quorum_id\":7,"));
+  assert_non_null(strstr(j, "\"role\":\"leader\",\"leader\":"
+                            "\"http://lh-a:29510\",\"term\":5,"
+                            "\"lease_ttl_s\":2,\"lease_left_ms\":1500,"));
   assert_non_null(strstr(j, "\"prev_quorum\":{\"quorum_id\":6,"));
   assert_non_null(strstr(j, "\"age_ms\":1500"));
   assert_non_null(strstr(j, "\"max_step\":42"));
@@ -546,8 +557,9 @@ static void test_metrics_text(void **state) {
   assert_int_equal(sg__lh_render_metrics(&s, &b), 0);
   assert_int_equal(sg_buf_append(&b, "", 1), 0);
   const char *t = (const char *)sg_buf_head(&b);
-  /* 10 plain samples, then 4 + 3 buckets, each with +Inf, sum and count */
-  assert_int_equal(check_exposition(t), 10 + 4 + 3 + 3 + 3);
+  /* 10 plain samples, then 4 + 3 buckets, each with +Inf, sum and count,
+   * then 6 of replicated lighthouses */
+  assert_int_equal(check_exposition(t), 10 + 4 + 3 + 3 + 3 + 6);
   static const char *const want[] = {
       "\n# TYPE stepguard_lighthouse_quorums_issued_total counter\n",
       "\nstepguard_lighthouse_quorums_issued_total 6\n",
@@ -558,6 +570,10 @@ static void test_metrics_text(void **state) {
       "\nstepguard_lighthouse_disconnects_total 2\n",
       "\nstepguard_lighthouse_quorum_requests_total 99\n",
       "\nstepguard_lighthouse_rejected_total 1\n",
+      "\nstepguard_lighthouse_is_leader 1\n",
+      "\nstepguard_lighthouse_leader_term 5\n",
+      "\nstepguard_lighthouse_lease_left_ms 1500\n",
+      "\nstepguard_lighthouse_elections_won_total 1\n",
       "\nstepguard_lighthouse_connections 2\n",
       "\nstepguard_lighthouse_pruned_heartbeats_total 3\n",
       "\n# TYPE stepguard_lighthouse_quorum_request_duration_seconds "
@@ -596,7 +612,7 @@ static void test_metrics_text(void **state) {
   assert_int_equal(sg__lh_render_metrics(&s, &b), 0);
   assert_int_equal(sg_buf_append(&b, "", 1), 0);
   t = (const char *)sg_buf_head(&b);
-  assert_int_equal(check_exposition(t), 10 + 2 + 1 + 2 + 3 + 3);
+  assert_int_equal(check_exposition(t), 10 + 2 + 1 + 2 + 3 + 3 + 6);
   assert_null(strstr(t, "le=\"0.25\""));
   assert_non_null(strstr(t, "_sum NaN\n"));
   sg_buf_free(&b);
@@ -951,7 +967,7 @@ static void test_get_metrics(void **state) {
   assert_int_equal(r.status, 200);
   assert_true(has_header(
       &r, "Content-Type: text/plain; version=0.0.4; charset=utf-8\r\n"));
-  assert_int_equal(check_exposition(r.body), 10 + 4 + 3 + 3 + 3);
+  assert_int_equal(check_exposition(r.body), 10 + 4 + 3 + 3 + 3 + 6);
   assert_non_null(strstr(r.body, "stepguard_lighthouse_quorum_id 7\n"));
 }
 

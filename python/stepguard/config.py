@@ -82,7 +82,8 @@ _TORCHRUN = "set by torchrun"
 VARIABLES: Tuple[Var, ...] = (
     # --- the Manager (torchft's names, each also read as STEPGUARD_*) ---
     Var("TORCHFT_LIGHTHOUSE", "STEPGUARD_LIGHTHOUSE", "str", None,
-        "lighthouse address for group rank 0 when Manager gets no lighthouse_addr", _PY),
+        "lighthouse address for group rank 0 when Manager gets no lighthouse_addr; "
+        "several comma-separated for replicated lighthouses (docs/lighthouse.md)", _PY),
     Var("TORCHFT_MANAGER_PORT", "STEPGUARD_MANAGER_PORT", "int", 0,
         "port of the manager server on group rank 0 when Manager gets no port (0: any)",
         _PY),

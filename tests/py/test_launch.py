@@ -167,6 +167,45 @@ def test_environment_store_and_lighthouse(tmp_path: Path) -> None:
     assert _of(tl, "restart") == []
 
 
+def test_three_lighthouses_and_an_etcd(tmp_path: Path) -> None:
+    """--lighthouses 3: the launcher starts an etcd and three lighthouses
+    that elect one leader there; the groups get every address; all of them
+    end with the launcher."""
+    if shutil.which("etcd") is None:
+        pytest.skip("etcd is not installed (scripts/bootstrap installs etcd-server)")
+    import json as _json
+    import urllib.request
+
+    cfg = _config(tmp_path, groups=2, lighthouse=None, lighthouses=3,
+                  env={"FAKE_STEPS": "3"})
+    roles: list[list[str]] = []
+
+    def on_event(rec: dict) -> None:
+        if rec["event"] == "hello" and not roles:
+            addrs = rec["env"]["TORCHFT_LIGHTHOUSE"].split(",")
+            deadline = time.monotonic() + 30
+            while True:
+                got = []
+                for a in addrs:
+                    with urllib.request.urlopen(a + "/status", timeout=5) as r:
+                        got.append(_json.loads(r.read())["role"])
+                if got.count("leader") == 1 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            roles.append(got)
+
+    assert Launcher(cfg, on_event=on_event).run() == 0
+    tl = _timeline(tmp_path / "tl.jsonl")
+    lh = _of(tl, "lighthouse")
+    etcd = _of(tl, "etcd")
+    assert len(lh) == 3 and len(etcd) == 1, (lh, etcd)
+    addrs = ",".join(r["address"] for r in lh)
+    assert all(h["env"]["TORCHFT_LIGHTHOUSE"] == addrs for h in _of(tl, "hello"))
+    assert roles and sorted(roles[0]) == ["follower", "follower", "leader"], roles
+    assert _wait_gone([r["pid"] for r in lh + etcd], 10) == []
+    assert (tmp_path / "logs" / "lighthouse2.log").exists()
+
+
 def test_group_restarts_when_one_rank_dies(tmp_path: Path) -> None:
     """Rank 1 exits with status 3: rank 0 (and its child) are ended, the
     group restarts with a fresh store, and the new incarnation finishes."""

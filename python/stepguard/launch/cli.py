@@ -26,6 +26,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="address of a running lighthouse (default: start one)")
     p.add_argument("--lighthouse-impl", choices=("stepguard", "torchft"),
                    default="stepguard", help="which lighthouse to start")
+    p.add_argument("--lighthouses", type=int, default=1,
+                   help="start this many lighthouses electing a leader in etcd "
+                   "(replicated; stepguard's; default 1)")
+    p.add_argument("--etcd", default=None, metavar="ENDPOINTS",
+                   help="with --lighthouses N: the etcd to elect in (default: "
+                   "start a one-member etcd)")
     p.add_argument("--min-replicas", "--min_replicas", type=int, default=1)
     p.add_argument("--join-timeout-ms", "--join_timeout_ms", type=int, default=10000)
     p.add_argument("--quorum-tick-ms", "--quorum_tick_ms", type=int, default=100)
@@ -81,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = LaunchConfig(
         cmd=cmd, groups=args.groups, nproc_per_group=args.nproc_per_group,
         lighthouse=args.lighthouse, lighthouse_impl=args.lighthouse_impl,
+        lighthouses=args.lighthouses, etcd=args.etcd,
         min_replicas=args.min_replicas, join_timeout_ms=args.join_timeout_ms,
         quorum_tick_ms=args.quorum_tick_ms, heartbeat_timeout_ms=args.heartbeat_timeout_ms,
         omp_threads=args.omp_threads, max_restarts=args.max_restarts,

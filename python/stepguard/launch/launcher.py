@@ -52,6 +52,10 @@ class LaunchConfig:
     nproc_per_group: int = 1
     lighthouse: str | None = None  # use this lighthouse; else start one
     lighthouse_impl: str = "stepguard"  # or "torchft"
+    # Replicated lighthouses: start this many, electing a leader in etcd
+    # (stepguard's only); the groups get every address.
+    lighthouses: int = 1
+    etcd: str | None = None  # with lighthouses > 1: this etcd; else start one
     min_replicas: int = 1
     join_timeout_ms: int = 10000
     quorum_tick_ms: int = 100
@@ -159,6 +163,10 @@ class Launcher:
     ) -> None:
         if config.groups < 1 or config.nproc_per_group < 1:
             raise ValueError("groups and nproc_per_group must be at least 1")
+        if config.lighthouses < 1 or (config.lighthouses > 1 and (
+                config.lighthouse_impl != "stepguard" or config.lighthouse)):
+            raise ValueError("lighthouses must be at least 1; several are "
+                             "stepguard's, started by the launcher")
         if not config.cmd:
             raise ValueError("no worker command")
         self.cfg = config
@@ -168,8 +176,9 @@ class Launcher:
         self.groups = [_Group(g) for g in range(config.groups)]
         self.injectors = [_Injector(s, i) for i, s in enumerate(config.failures)]
         self.lighthouse_addr = config.lighthouse
-        self._lh_popen: subprocess.Popen | None = None
-        self._lh_log: TextIO | None = None
+        self._lh_popens: list[subprocess.Popen] = []
+        self._lh_logs: list[TextIO] = []
+        self._etcd: Any = None  # a LocalEtcd the launcher started
         self._timeline: TextIO | None = None
         self._events: queue.Queue[dict[str, Any]] = queue.Queue()
         self._pipe_r = -1
@@ -264,6 +273,8 @@ class Launcher:
     # -- lighthouse --
 
     def _start_lighthouse(self) -> None:
+        """Starts the lighthouse, or (lighthouses > 1) an etcd unless one
+        was given and that many lighthouses electing a leader in it."""
         c = self.cfg
         host = self.net.host_ip if self.net is not None else "127.0.0.1"
         flags = [
@@ -273,6 +284,26 @@ class Launcher:
             "--quorum_tick_ms", str(c.quorum_tick_ms),
             "--heartbeat_timeout_ms", str(c.heartbeat_timeout_ms),
         ]
+        if c.lighthouses > 1:
+            endpoints = c.etcd
+            if endpoints is None:
+                from stepguard.launch.etcd import LocalEtcd
+
+                log = Path(c.log_dir) / "etcd.log" if c.log_dir else None
+                self._etcd = LocalEtcd(host, log, preexec_fn=_die_with_parent)
+                self._etcd.wait_healthy()
+                endpoints = self._etcd.endpoint
+                self._record("etcd", address=endpoints, pid=self._etcd.popen.pid)
+                self._say(f"etcd at {endpoints}")
+            flags += ["--etcd", endpoints, "--etcd_prefix",
+                      f"/stepguard/launch/{os.getpid()}-{int(self.t0)}",
+                      "--hostname", host]
+        addrs = [self._start_one_lighthouse(i, host, flags)
+                 for i in range(c.lighthouses)]
+        self.lighthouse_addr = ",".join(addrs)
+
+    def _start_one_lighthouse(self, i: int, host: str, flags: list[str]) -> str:
+        c = self.cfg
         if c.lighthouse_impl == "stepguard":
             argv = [sys.executable, "-c", _OURS_LIGHTHOUSE, *flags]
         elif c.lighthouse_impl == "torchft":
@@ -280,14 +311,18 @@ class Launcher:
             argv = [str(exe) if exe.exists() else "torchft_lighthouse", *flags]
         else:
             raise ValueError(f"unknown lighthouse implementation {c.lighthouse_impl!r}")
-        self._lh_popen = subprocess.Popen(
+        popen = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True, close_fds=True, preexec_fn=_die_with_parent,
         )
-        assert self._lh_popen.stdout is not None
+        self._lh_popens.append(popen)
+        assert popen.stdout is not None
         found: queue.Queue[str | None] = queue.Queue()
-        log_path = Path(c.log_dir) / "lighthouse.log" if c.log_dir else None
-        self._lh_log = open(log_path, "w") if log_path else None  # noqa: SIM115
+        name = "lighthouse.log" if i == 0 else f"lighthouse{i}.log"
+        log_path = Path(c.log_dir) / name if c.log_dir else None
+        lh_log = open(log_path, "w") if log_path else None  # noqa: SIM115
+        if lh_log is not None:
+            self._lh_logs.append(lh_log)
 
         def drain(stream: Any, log: TextIO | None) -> None:
             sent = False
@@ -306,7 +341,7 @@ class Launcher:
                 found.put(None)
 
         threading.Thread(
-            target=drain, args=(self._lh_popen.stdout, self._lh_log),
+            target=drain, args=(popen.stdout, lh_log),
             name="lighthouse-log", daemon=True,
         ).start()
         try:
@@ -316,13 +351,14 @@ class Launcher:
         if advertised is None:
             raise RuntimeError(
                 f"the {c.lighthouse_impl} lighthouse did not start "
-                f"(exit status {self._lh_popen.poll()})"
+                f"(exit status {popen.poll()})"
             )
         port = int(advertised.rstrip("/").rsplit(":", 1)[1])
-        self.lighthouse_addr = f"http://{host}:{port}"
-        self._record("lighthouse", impl=c.lighthouse_impl, address=self.lighthouse_addr,
-                     pid=self._lh_popen.pid)
-        self._say(f"{c.lighthouse_impl} lighthouse at {self.lighthouse_addr}")
+        addr = f"http://{host}:{port}"
+        self._record("lighthouse", impl=c.lighthouse_impl, address=addr,
+                     pid=popen.pid, index=i)
+        self._say(f"{c.lighthouse_impl} lighthouse at {addr}")
+        return addr
 
     # -- groups --
 
@@ -890,10 +926,12 @@ class Launcher:
                     for w in g.workers:
                         if w.returncode is None:
                             w.returncode = w.popen.wait()
-                if self._lh_popen is not None:
+                for popen in self._lh_popens:
                     with contextlib.suppress(ProcessLookupError):
-                        os.killpg(self._lh_popen.pid, signal.SIGKILL)
-                    self._lh_popen.wait()
+                        os.killpg(popen.pid, signal.SIGKILL)
+                    popen.wait()
+                if self._etcd is not None:
+                    self._etcd.stop()
             finally:
                 for g in self.groups:
                     g.store = None  # a store's sockets keep its namespace alive
@@ -929,9 +967,9 @@ class Launcher:
             if self._timeline is not None:
                 self._timeline.close()
                 self._timeline = None
-            if self._lh_log is not None:
-                self._lh_log.close()
-                self._lh_log = None
+            for log in self._lh_logs:
+                log.close()
+            self._lh_logs = []
             if in_main and old_int is not None:
                 signal.signal(signal.SIGINT, old_int)
 

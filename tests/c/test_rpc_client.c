@@ -941,6 +941,48 @@ static void test_disconnect_then_reconnect(void **state) {
   peer_stop(p);
 }
 
+/* Several targets (replicated servers): a dead first one is skipped; a
+ * dropped connection makes the next attempt go to the next target. */
+static void test_targets_rotate_on_failure_and_drop(void **state) {
+  (void)state;
+  int lfd, dead;
+  assert_int_equal(sg_sock_listen("127.0.0.1", 0, 1, &lfd, &dead, NULL), 0);
+  sg_sock_close(lfd); /* nobody listens there */
+  peer_t *a = peer_start(P_H2, R_ECHO), *b = peer_start(P_H2, R_ECHO);
+  char target[160];
+  snprintf(target, sizeof(target),
+           "127.0.0.1:%d,http://127.0.0.1:%d,127.0.0.1:%d", dead, a->port,
+           b->port);
+  sg_rpc_channel_opts_t o = {.target = target, .connect_timeout_ms = 5000};
+  sg_rpc_channel_t *ch = NULL;
+  sg_err_t err;
+  assert_int_equal(sg_rpc_channel_new(&o, &ch, &err), 0);
+  int gs;
+  assert_int_equal(call_ms(ch, "/a/b", "x", 1, 5000, NULL, NULL, &gs, &err), 0);
+  assert_int_equal(atomic_load(&a->accepts), 1);
+  assert_int_equal(atomic_load(&b->accepts), 0);
+  sg_rpc_channel_disconnect(ch);
+  assert_int_equal(call_ms(ch, "/a/b", "y", 1, 5000, NULL, NULL, &gs, &err), 0);
+  assert_int_equal(atomic_load(&a->accepts), 1);
+  assert_int_equal(atomic_load(&b->accepts), 1);
+  sg_rpc_channel_disconnect(ch); /* wraps around: dead, then a */
+  assert_int_equal(call_ms(ch, "/a/b", "z", 1, 5000, NULL, NULL, &gs, &err), 0);
+  assert_int_equal(atomic_load(&a->accepts), 2);
+  sg_rpc_channel_free(ch);
+  peer_stop(a);
+  peer_stop(b);
+  /* a list with an empty or bad member is rejected whole */
+  const char *bad[] = {"127.0.0.1:1,", ",127.0.0.1:1", "127.0.0.1:1,,h:2",
+                       "127.0.0.1:1,h"};
+  for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+    sg_rpc_channel_opts_t ob = {.target = bad[i], .connect_timeout_ms = 100};
+    ch = NULL;
+    if (sg_rpc_channel_new(&ob, &ch, &err) != SG_EINVAL)
+      fail_msg("target '%s' accepted", bad[i]);
+    assert_null(ch);
+  }
+}
+
 typedef struct abort_arg_s {
   sg_rpc_channel_t *ch;
   int delay_ms;
@@ -1621,6 +1663,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_bad_targets_are_rejected),
       cmocka_unit_test(test_connect_refused_fails_within_timeout),
+      cmocka_unit_test(test_targets_rotate_on_failure_and_drop),
       cmocka_unit_test_teardown(test_peer_that_closes_fails_connect, teardown),
       cmocka_unit_test_teardown(test_peer_that_sends_garbage_fails_connect,
                                 teardown),

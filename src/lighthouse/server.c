@@ -138,8 +138,9 @@ struct sg_lh_server_s {
   int64_t term;         /* the leader key's create revision we hold/saw */
   int64_t lease_ttl_s;  /* the TTL etcd granted */
   int64_t lease_id;
-  int promote;         /* the etcd thread won: the loop installs */
-  int64_t promote_qid; /* the last quorum read from etcd */
+  int64_t lease_sent_ns; /* when the grant of lease_id was sent (start) */
+  int promote;           /* the etcd thread won: the loop installs */
+  int64_t promote_qid;   /* the last quorum read from etcd */
   char **promote_ids;
   size_t promote_n;
   int demote;     /* the loop fails what waits and drops `held` */
@@ -1217,7 +1218,7 @@ static void *etcd_main(void *arg) {
   snprintf(kq, sizeof(kq), "%s/quorum", s->o.etcd_prefix);
   int64_t logged = INT64_MIN / 2;
   int leading = 0, have_record = 0;
-  int64_t rev = 0, lease_sent = sg_now_ns(), next_campaign = 0;
+  int64_t rev = 0, lease_sent = s->lease_sent_ns, next_campaign = 0;
   int64_t ka_ns = s->lease_ttl_s * 1000000000 / 4;
   int64_t next_ka = lease_sent + ka_ns;
   pthread_mutex_lock(&s->mu);
@@ -1403,10 +1404,11 @@ static int etcd_start(sg_lh_server_t *s, sg_err_t *err) {
   for (;;) {
     sg_err_t e;
     sg_err_clear(&e);
-    int64_t id = 0, ttl = 0;
+    int64_t id = 0, ttl = 0, sent = sg_now_ns();
     rc = sg__etcd_grant(s->etcd, s->o.etcd_ttl_s, 1000, &id, &ttl, &e);
     if (!rc) {
       s->lease_id = id;
+      s->lease_sent_ns = sent;
       s->lease_ttl_s = ttl;
       sg_log(SG_LOG_INFO, LOG,
              "etcd at %s granted lease %llx with a TTL of %lld s (asked %lld)",

@@ -169,8 +169,9 @@ def test_etcd_lost_mid_run_then_back(job_factory, etcd):
     time.sleep(4)
     for rid in RIDS:
         assert job.alive(rid), job.summary()
-        # a step in flight may still commit, none after it
-        assert job.committed(rid) <= stopped[rid] + 1, (
+        # a step in flight may still commit (and the event of the one
+        # before it may land after the snapshot), none after those
+        assert job.committed(rid) <= stopped[rid] + 2, (
             rid, stopped[rid], job.committed(rid), job.summary())
     for a in job.lh_addrs:
         st = status(a)

@@ -320,7 +320,7 @@ out:
  *                    "participating"}],
  *    "role": "single" | "follower" | "candidate" | "leader",
  *    "leader": null | address, "term", "lease_ttl_s", "lease_left_ms",
- *    "elections_won", "etcd_errors", "fenced_total"}
+ *    "elections_won", "etcd_errors", "fenced_total", "proxied_total"}
  */
 int sg__lh_render_status_json(const sg__lh_status_t *s, sg_buf_t *b) {
   int rc;
@@ -332,9 +332,10 @@ int sg__lh_render_status_json(const sg__lh_status_t *s, sg_buf_t *b) {
   TRY(putf(b,
            ",\"term\":%" PRId64 ",\"lease_ttl_s\":%" PRId64
            ",\"lease_left_ms\":%" PRId64 ",\"elections_won\":%" PRIu64
-           ",\"etcd_errors\":%" PRIu64 ",\"fenced_total\":%" PRIu64 ",",
+           ",\"etcd_errors\":%" PRIu64 ",\"fenced_total\":%" PRIu64
+           ",\"proxied_total\":%" PRIu64 ",",
            s->term, s->lease_ttl_s, s->lease_left_ms, s->elections_won,
-           s->etcd_errors, s->fenced_total));
+           s->etcd_errors, s->fenced_total, s->proxied_total));
   TRY(putf(b, "\"quorum_id\":%" PRId64 ",\"reason\":", s->quorum_id));
   TRY(put_json_str(b, s->reason));
   TRY(putf(b,

@@ -17,7 +17,8 @@
  *             campaigns for the leader key; only the leader decides, and
  *             only inside its lease; a new id is written to etcd (fenced by
  *             the leader key's create revision) before it is answered;
- *             followers answer UNAVAILABLE naming the leader
+ *             followers forward Quorum and Heartbeat calls to the leader
+ *             (proxy), or answer UNAVAILABLE naming it when they cannot
  *
  * A quorum response is encoded once and shared by every waiter.
  */
@@ -37,6 +38,7 @@
 #include "lighthouse/lease.h"
 #include "lighthouse/quorum.h"
 #include "lighthouse/status.h"
+#include "rpc/client_async.h"
 #include "rpc/grpc.h"
 #include "rpc/pb.h"
 #include "stepguard/lighthouse.h"
@@ -54,10 +56,25 @@
 
 /* A Quorum call waiting for its quorum. */
 struct pending {
+  int is_proxy; /* 0: a call's user pointer is a pending or a proxied */
   sg_rpc_call_t *call;
   int64_t start_ns;
   struct pending *prev, *next;
   char replica_id[]; /* in the same allocation */
+};
+
+/* A call a follower forwarded to the leader (proxy_call). */
+struct proxied {
+  int is_proxy; /* 1 */
+  struct sg_lh_server_s *s;
+  sg_rpc_call_t *call;         /* NULL once cancelled (under mu) */
+  struct proxied *prev, *next; /* s->proxied (under mu) */
+  struct proxied *done_next;   /* s->proxy_done (under proxy_mu), or
+                                  s->proxy_wait (under mu) */
+  int rc, status;              /* the leader's answer */
+  uint8_t *resp;               /* owned */
+  size_t resp_len;
+  char msg[512];
 };
 
 /* Liveness of one replica id: how many open connections it spoke on. */
@@ -150,6 +167,19 @@ struct sg_lh_server_s {
                           record to be confirmed */
   int64_t held_id, held_event_ns;
   uint64_t elections_won, etcd_errors, fenced_total;
+  /* followers forward calls to the leader: the channel is made and
+   * replaced by the etcd thread (it may block), used by the loop */
+  sg_rpc_channel_t *proxy_ch; /* under mu; NULL: answer UNAVAILABLE */
+  char *proxy_addr;           /* owned: where proxy_ch goes (etcd thread) */
+  int64_t proxy_retry_ns;     /* etcd thread: next try after a failed dial */
+  struct proxied *proxied;    /* forwarded calls not answered yet (mu) */
+  pthread_mutex_t proxy_mu;   /* guards proxy_done */
+  struct proxied *proxy_done; /* answered by the leader, for the loop */
+  uv_async_t proxy_async;
+  struct proxied *proxy_wait; /* Quorum calls to forward again (mu) */
+  int etcd_ok;                /* the etcd thread's last call succeeded */
+  uv_timer_t proxy_timer;     /* forwards them every PROXY_RETRY_TICK_MS */
+  uint64_t proxied_total;
 
   uint64_t lat_counts[N_LAT];
   double lat_sum_s;
@@ -1020,6 +1050,9 @@ out:
   torchft__lighthouse_quorum_request__free_unpacked(req, &sg__pb_allocator);
 }
 
+static int proxy_call(sg_lh_server_t *s, sg_rpc_call_t *call,
+                      const char *method, const uint8_t *body, size_t len);
+
 static void on_call(void *ud, sg_rpc_call_t *call) {
   sg_lh_server_t *s = ud;
   int64_t event_ns = sg_now_ns(); /* the request is complete and parsed */
@@ -1033,8 +1066,11 @@ static void on_call(void *ud, sg_rpc_call_t *call) {
   } else if (!authorized(s, call)) {
     reject(s, call, SG_GRPC_UNAUTHENTICATED, "%s",
            "missing or wrong authorization token");
+  } else if (s->o.etcd && s->fence.role != SG__LH_ROLE_LEADER &&
+             proxy_call(s, call, method, body, len)) {
+    /* a follower forwarded it to the leader */
   } else if (s->o.etcd && s->fence.role != SG__LH_ROLE_LEADER) {
-    /* a follower: the client tries its next address (docs/lighthouse.md) */
+    /* a follower that cannot forward: the client tries its next address */
     char msg[1200];
     if (s->leader_addr)
       snprintf(msg, sizeof(msg), "not the leader; the leader is %.1024s",
@@ -1062,6 +1098,11 @@ static void on_call_cancel(void *ud, sg_rpc_call_t *call) {
   if (!p)
     return;
   pthread_mutex_lock(&s->mu);
+  if (p->is_proxy) { /* its forwarded call ends at the same deadline */
+    ((struct proxied *)(void *)p)->call = NULL;
+    pthread_mutex_unlock(&s->mu);
+    return;
+  }
   pending_unlink(s, p);
   if (!s->closing && !pending_has(s, p->replica_id))
     sg__lh_leave(s->st, p->replica_id);
@@ -1069,6 +1110,261 @@ static void on_call_cancel(void *ud, sg_rpc_call_t *call) {
   if (!s->closing)
     process(s, event_ns, 0);
   pthread_mutex_unlock(&s->mu);
+}
+
+/* ---- followers forward to the leader --------------------------------------
+ *
+ * A follower sends each Quorum and Heartbeat call on to the leader over one
+ * channel (the async call of src/rpc/client.c) and answers with what the
+ * leader answered, so a client given this lighthouse's address alone
+ * (torchft's) keeps working while another lighthouse leads.  The answer
+ * is the leader's: fenced there.  What a proxy changes: the leader sees
+ * the follower's connection, not the client's, so a client whose own
+ * connection closes is found dead by its heartbeat timeout, not the
+ * disconnect grace.
+ */
+
+#define PROXY_CONNECT_MS 200    /* the etcd thread dials the leader */
+#define PROXY_RETRY_MS 1000     /* after a failed dial */
+#define PROXY_RETRY_TICK_MS 100 /* a held Quorum call is forwarded again */
+
+static void handle_heartbeat(sg_lh_server_t *s, sg_rpc_call_t *call,
+                             const uint8_t *body, size_t len, int64_t event_ns);
+static void handle_quorum(sg_lh_server_t *s, sg_rpc_call_t *call,
+                          const uint8_t *body, size_t len, int64_t event_ns);
+
+static void on_proxied(void *ud, int rc, int grpc_status, uint8_t *resp,
+                       size_t resp_len, const char *msg) {
+  struct proxied *p = ud;
+  sg_lh_server_t *s = p->s;
+  p->rc = rc;
+  p->status = grpc_status;
+  p->resp = resp;
+  p->resp_len = resp_len;
+  snprintf(p->msg, sizeof(p->msg), "%s", msg ? msg : "");
+  pthread_mutex_lock(&s->proxy_mu);
+  p->done_next = s->proxy_done;
+  s->proxy_done = p;
+  pthread_mutex_unlock(&s->proxy_mu);
+  uv_async_send(&s->proxy_async); /* the channel is freed before the loop */
+}
+
+static void proxied_unlink(sg_lh_server_t *s, struct proxied *p) {
+  if (p->prev)
+    p->prev->next = p->next;
+  else
+    s->proxied = p->next;
+  if (p->next)
+    p->next->prev = p->prev;
+  p->prev = p->next = NULL;
+}
+
+static void on_proxy_retry(uv_timer_t *t);
+
+/* forward: send p's call to the leader over proxy_ch (mu held); 0, or
+ * an error (then p is not linked anywhere). */
+static int forward(sg_lh_server_t *s, struct proxied *p, const char *method,
+                   const uint8_t *body, size_t len) {
+  if (!s->proxy_ch)
+    return SG_ECLOSED;
+  p->next = s->proxied;
+  p->prev = NULL;
+  if (s->proxied)
+    s->proxied->prev = p;
+  s->proxied = p;
+  sg_err_t e;
+  sg_err_clear(&e);
+  int rc = sg__rpc_channel_call_start(s->proxy_ch, method, body, len,
+                                      sg_rpc_call_deadline(p->call), on_proxied,
+                                      p, &e);
+  if (rc) {
+    proxied_unlink(s, p);
+    return rc;
+  }
+  s->proxied_total++;
+  return 0;
+}
+
+/* proxy_call: forward `call` to the leader (mu held).  1: it will be
+ * answered from on_proxy_async; 0: not forwarded (no channel to a leader,
+ * not a LighthouseService call, out of memory). */
+static int proxy_call(sg_lh_server_t *s, sg_rpc_call_t *call,
+                      const char *method, const uint8_t *body, size_t len) {
+  int quorum = strcmp(method, "/torchft.LighthouseService/Quorum") == 0;
+  if (!quorum && strcmp(method, "/torchft.LighthouseService/Heartbeat") != 0)
+    return 0;
+  /* no leader to forward to: a Quorum call waits for one while etcd
+   * answers us (an election is on); cut off etcd we cannot know one, and
+   * the client had better try its other addresses */
+  int hold = quorum && s->etcd_ok &&
+             sg_rpc_call_deadline(call) - sg_now_ns() >
+                 ms_to_ns(2 * PROXY_RETRY_TICK_MS);
+  if (!s->proxy_ch && !hold)
+    return 0;
+  struct proxied *p = sg_calloc(1, sizeof(*p));
+  if (!p)
+    return 0;
+  p->is_proxy = 1;
+  p->s = s;
+  p->call = call;
+  if (forward(s, p, method, body, len) != 0) {
+    if (!hold) {
+      sg_free(p);
+      return 0;
+    }
+    p->done_next = s->proxy_wait;
+    s->proxy_wait = p;
+    if (!uv_is_active((uv_handle_t *)&s->proxy_timer))
+      uv_timer_start(&s->proxy_timer, on_proxy_retry, PROXY_RETRY_TICK_MS, 0);
+  }
+  sg_rpc_call_set_user(call, p);
+  return 1;
+}
+
+/* on_proxy_retry: forward the held Quorum calls again, or handle them
+ * here once this lighthouse leads. */
+static void on_proxy_retry(uv_timer_t *t) {
+  sg_lh_server_t *s = t->data;
+  int64_t now = sg_now_ns();
+  pthread_mutex_lock(&s->mu);
+  struct proxied *list = s->proxy_wait, *keep = NULL;
+  s->proxy_wait = NULL;
+  while (list) {
+    struct proxied *p = list;
+    list = p->done_next;
+    if (!p->call || s->closing) { /* cancelled meanwhile */
+      sg_free(p);
+      continue;
+    }
+    size_t len = 0;
+    const uint8_t *body = sg_rpc_call_body(p->call, &len);
+    const char *method = sg_rpc_call_method(p->call);
+    if (s->fence.role == SG__LH_ROLE_LEADER) {
+      sg_rpc_call_t *call = p->call;
+      sg_rpc_call_set_user(call, NULL);
+      sg_free(p);
+      handle_quorum(s, call, body, len, now);
+      continue;
+    }
+    if (sg_rpc_call_deadline(p->call) <= now ||
+        (forward(s, p, method, body, len) != 0 &&
+         sg_rpc_call_deadline(p->call) - now <=
+             ms_to_ns(PROXY_RETRY_TICK_MS))) {
+      sg_rpc_call_respond(p->call, SG_GRPC_UNAVAILABLE,
+                          "not the leader, and no leader answered in time",
+                          NULL, 0);
+      sg_free(p);
+      continue;
+    }
+    if (!p->prev && s->proxied != p) { /* not forwarded: wait on */
+      p->done_next = keep;
+      keep = p;
+    }
+  }
+  s->proxy_wait = keep;
+  if (keep && !s->closing)
+    uv_timer_start(&s->proxy_timer, on_proxy_retry, PROXY_RETRY_TICK_MS, 0);
+  pthread_mutex_unlock(&s->mu);
+}
+
+/* on_proxy_async: answer the forwarded calls the leader answered. */
+static void on_proxy_async(uv_async_t *a) {
+  sg_lh_server_t *s = a->data;
+  pthread_mutex_lock(&s->proxy_mu);
+  struct proxied *done = s->proxy_done;
+  s->proxy_done = NULL;
+  pthread_mutex_unlock(&s->proxy_mu);
+  pthread_mutex_lock(&s->mu);
+  while (done) {
+    struct proxied *p = done;
+    done = p->done_next;
+    proxied_unlink(s, p);
+    int again = p->call && !s->closing && p->rc != 0 &&
+                (p->status < 0 || p->status == SG_GRPC_UNAVAILABLE) &&
+                strcmp(sg_rpc_call_method(p->call),
+                       "/torchft.LighthouseService/Quorum") == 0 &&
+                sg_rpc_call_deadline(p->call) - sg_now_ns() >
+                    ms_to_ns(2 * PROXY_RETRY_TICK_MS);
+    if (again) {
+      /* no leader answers now (it died, lost its lease, or none is
+       * elected yet): hold the Quorum call and forward it again, to
+       * whoever leads then, until its deadline; a client of one address
+       * (torchft's, with quorum_retries=0) rides out the failover */
+      sg_free(p->resp);
+      p->resp = NULL;
+      p->done_next = s->proxy_wait;
+      s->proxy_wait = p;
+      if (!uv_is_active((uv_handle_t *)&s->proxy_timer))
+        uv_timer_start(&s->proxy_timer, on_proxy_retry, PROXY_RETRY_TICK_MS, 0);
+      continue;
+    }
+    if (p->call && !s->closing) {
+      if (p->rc == 0) {
+        sg_rpc_call_respond(p->call, SG_GRPC_OK, NULL, p->resp, p->resp_len);
+      } else if (p->status > 0) { /* the leader's own error */
+        sg_rpc_call_respond(p->call, p->status, p->msg, NULL, 0);
+      } else {
+        char m[700];
+        snprintf(m, sizeof(m),
+                 "not the leader, and the leader %.100s did not "
+                 "answer: %.500s",
+                 s->leader_addr ? s->leader_addr : "(none)", p->msg);
+        sg_rpc_call_respond(p->call, SG_GRPC_UNAVAILABLE, m, NULL, 0);
+      }
+    }
+    sg_free(p->resp);
+    sg_free(p);
+  }
+  pthread_mutex_unlock(&s->mu);
+}
+
+/* proxy_sync: on the etcd thread (mu held, released while dialing): keep
+ * proxy_ch going to `want` (the leader's address; NULL: none, or we lead).
+ * The old channel is freed outside mu: its calls in flight complete with
+ * SG_EABORTED through on_proxied, while the loop still runs. */
+static void proxy_sync(sg_lh_server_t *s, const char *want) {
+  if (want && s->address && strcmp(want, s->address) == 0)
+    want = NULL; /* our own key: no proxy */
+  int same = want ? (s->proxy_addr && strcmp(want, s->proxy_addr) == 0)
+                  : !s->proxy_addr;
+  if (same && (s->proxy_ch || !want || sg_now_ns() < s->proxy_retry_ns))
+    return;
+  sg_rpc_channel_t *old = s->proxy_ch, *ch = NULL;
+  s->proxy_ch = NULL;
+  sg_free(s->proxy_addr);
+  s->proxy_addr = want ? sg_strdup(want) : NULL;
+  char *addr = s->proxy_addr ? sg_strdup(s->proxy_addr) : NULL;
+  pthread_mutex_unlock(&s->mu);
+  if (old)
+    sg_rpc_channel_free(old);
+  if (addr) {
+    sg_rpc_channel_opts_t co = {0};
+    co.target = addr;
+    co.connect_timeout_ms = PROXY_CONNECT_MS;
+    co.auth_token = s->o.auth_token;
+    co.fail_fast = 1;
+    sg_err_t e;
+    sg_err_clear(&e);
+    if (sg_rpc_channel_new(&co, &ch, &e) != 0) {
+      sg_log(SG_LOG_DEBUG, LOG, "cannot reach the leader %s to forward: %s",
+             addr, e.msg);
+      ch = NULL;
+    }
+  }
+  pthread_mutex_lock(&s->mu);
+  if (ch && !s->etcd_stop && s->proxy_addr && addr &&
+      strcmp(s->proxy_addr, addr) == 0) {
+    s->proxy_ch = ch;
+    ch = NULL;
+  } else {
+    s->proxy_retry_ns = sg_now_ns() + ms_to_ns(PROXY_RETRY_MS);
+  }
+  sg_free(addr);
+  if (ch) {
+    pthread_mutex_unlock(&s->mu);
+    sg_rpc_channel_free(ch);
+    pthread_mutex_lock(&s->mu);
+  }
 }
 
 /* ---- leadership in etcd ----------------------------------------------------
@@ -1199,6 +1495,7 @@ static void etcd_wait(sg_lh_server_t *s, int64_t until, int on_record) {
 static void etcd_error(sg_lh_server_t *s, const char *what, const sg_err_t *e,
                        int rc, int64_t *logged) {
   s->etcd_errors++;
+  s->etcd_ok = 0;
   int64_t now = sg_now_ns();
   if (now - *logged >= ms_to_ns(ETCD_LOG_MS)) {
     *logged = now;
@@ -1227,6 +1524,7 @@ static void *etcd_main(void *arg) {
     sg_err_t e;
     sg_err_clear(&e);
     int rc;
+    proxy_sync(s, leading ? NULL : s->leader_addr);
     if (leading && now >= s->fence.lease_deadline) {
       /* no keepalive came back in time: etcd may already have let the key
        * go.  Stop, so clients move on, and start over with a new lease. */
@@ -1276,7 +1574,7 @@ static void *etcd_main(void *arg) {
       if (rc) {
         etcd_error(s, "lease keepalive", &e, rc, &logged);
         next_ka = sg_now_ns() + ms_to_ns(ETCD_POLL_MS);
-      } else if (ttl <= 0) {
+      } else if ((s->etcd_ok = 1, ttl <= 0)) {
         if (leading)
           demote(s, "the lease expired in etcd");
         leading = 0;
@@ -1320,6 +1618,7 @@ static void *etcd_main(void *arg) {
                              &holder, &e);
       pthread_mutex_lock(&s->mu);
       next_campaign = sg_now_ns() + ms_to_ns(ETCD_POLL_MS);
+      s->etcd_ok = rc == 0;
       if (rc) {
         etcd_error(s, "campaign", &e, rc, &logged);
       } else if (won) {
@@ -1385,7 +1684,11 @@ static void *etcd_main(void *arg) {
   }
   int64_t id = s->lease_id;
   s->lease_id = 0;
+  sg_rpc_channel_t *pch = s->proxy_ch;
+  s->proxy_ch = NULL;
   pthread_mutex_unlock(&s->mu);
+  if (pch) /* its calls complete while the loop still runs */
+    sg_rpc_channel_free(pch);
   if (id) { /* a successor need not wait for the TTL */
     sg_err_t e;
     sg_err_clear(&e);
@@ -1538,6 +1841,7 @@ static int snapshot(void *ud, sg__lh_status_t *out) {
   out->elections_won = s->elections_won;
   out->etcd_errors = s->etcd_errors;
   out->fenced_total = s->fenced_total;
+  out->proxied_total = s->proxied_total;
   if (s->o.etcd && s->leader_addr && !(out->leader = sg_strdup(s->leader_addr)))
     goto out;
   rc = 0;
@@ -1625,8 +1929,11 @@ static void on_rpc_closed(void *ud) {
   uv_close((uv_handle_t *)&s->tick_timer, on_handle_closed);
   uv_close((uv_handle_t *)&s->wake_timer, on_handle_closed);
   uv_close((uv_handle_t *)&s->stop_async, on_handle_closed);
-  if (s->o.etcd)
+  if (s->o.etcd) {
     uv_close((uv_handle_t *)&s->etcd_async, on_handle_closed);
+    uv_close((uv_handle_t *)&s->proxy_async, on_handle_closed);
+    uv_close((uv_handle_t *)&s->proxy_timer, on_handle_closed);
+  }
 }
 
 static void on_stop(uv_async_t *a) {
@@ -1677,6 +1984,19 @@ static void server_free(sg_lh_server_t *s) {
   sg__lh_state_free(s->st);
   sg_free(s->lost_resp);
   sg__etcd_free(s->etcd);
+  while (s->proxy_done) { /* answered after the loop stopped */
+    struct proxied *p = s->proxy_done;
+    s->proxy_done = p->done_next;
+    sg_free(p->resp);
+    sg_free(p);
+  }
+  while (s->proxy_wait) {
+    struct proxied *p = s->proxy_wait;
+    s->proxy_wait = p->done_next;
+    sg_free(p);
+  }
+  sg_free(s->proxy_addr);
+  pthread_mutex_destroy(&s->proxy_mu);
   sg_free(s->leader_addr);
   sg_free(s->want_rec);
   sg__lh_record_ids_free(s->promote_ids, s->promote_n);
@@ -1756,6 +2076,7 @@ int sg_lh_server_start(const sg_lh_opts_t *o, sg_lh_server_t **out,
   if (!s)
     return sg_err_set(err, SG_ENOMEM, "out of memory");
   pthread_mutex_init(&s->mu, NULL);
+  pthread_mutex_init(&s->proxy_mu, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -1817,8 +2138,10 @@ int sg_lh_server_start(const sg_lh_opts_t *o, sg_lh_server_t **out,
   s->handles_open = 3;
   if (s->o.etcd) {
     uv_async_init(&s->loop, &s->etcd_async, on_etcd_async);
-    s->etcd_async.data = s;
-    s->handles_open++;
+    uv_async_init(&s->loop, &s->proxy_async, on_proxy_async);
+    uv_timer_init(&s->loop, &s->proxy_timer);
+    s->etcd_async.data = s->proxy_async.data = s->proxy_timer.data = s;
+    s->handles_open += 3;
   }
 
   sg_rpc_server_opts_t ro = {0};
@@ -1835,8 +2158,11 @@ int sg_lh_server_start(const sg_lh_opts_t *o, sg_lh_server_t **out,
     uv_close((uv_handle_t *)&s->tick_timer, NULL);
     uv_close((uv_handle_t *)&s->wake_timer, NULL);
     uv_close((uv_handle_t *)&s->stop_async, NULL);
-    if (s->o.etcd)
+    if (s->o.etcd) {
       uv_close((uv_handle_t *)&s->etcd_async, NULL);
+      uv_close((uv_handle_t *)&s->proxy_async, NULL);
+      uv_close((uv_handle_t *)&s->proxy_timer, NULL);
+    }
     uv_run(&s->loop, UV_RUN_DEFAULT);
     uv_loop_close(&s->loop);
     goto fail;

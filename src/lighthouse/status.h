@@ -87,7 +87,8 @@ typedef struct sg__lh_status_s {
   int64_t lease_ttl_s;   /* granted TTL; 0 without etcd */
   int64_t lease_left_ms; /* leader: to its local lease deadline; else -1 */
   uint64_t elections_won, etcd_errors;
-  uint64_t fenced_total; /* decisions skipped: not a leader inside its lease */
+  uint64_t fenced_total;  /* decisions skipped: not a leader inside its lease */
+  uint64_t proxied_total; /* calls a follower forwarded to the leader */
 } sg__lh_status_t;
 
 /*

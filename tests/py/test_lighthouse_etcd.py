@@ -84,9 +84,11 @@ def start_groups(job: Job) -> None:
              "every group to commit 5 steps", job)
 
 
-def finish(job: Job, reached: dict[str, int]) -> None:
+def finish(job: Job, reached: dict[str, int], slack: int = 0) -> None:
     """Every trainer still the first incarnation, steps and ids never went
-    back, nothing committed lost, replicas identical at the end."""
+    back, nothing committed lost, replicas identical at the end (every step
+    held by two replicas or more compared; `slack`: steps a group may have
+    skipped by healing from a peer)."""
     for rid in RIDS:
         assert job.alive(rid), job.summary()
         ok = [e for e in job.steps(rid, inc=0) if e["ok"]]
@@ -103,7 +105,7 @@ def finish(job: Job, reached: dict[str, int]) -> None:
     job.stop_at(target)
     for rid in RIDS:
         assert job.wait_exit(rid, 60) == [0], job.summary()
-    job.assert_identical(target - 1)
+    job.assert_identical(target - 1 - slack)
 
 
 @pytest.mark.parametrize("etcd", [1, 3], indirect=True,
@@ -182,7 +184,9 @@ def test_etcd_lost_mid_run_then_back(job_factory, etcd):
     wait_for(lambda: job.all_committed(top + 5, RIDS), 90,
              "training to resume once etcd is back", job)
     assert leader_index(job.lh_addrs) is not None
-    finish(job, {rid: stopped[rid] for rid in RIDS})
+    # a group whose quorum call was still on its way when the others met
+    # again may heal from them, skipping steps: fine, and compared less
+    finish(job, {rid: stopped[rid] for rid in RIDS}, slack=5)
 
 
 def _start_lh(etcd_endpoint: str, prefix: str) -> tuple[LogProc, str]:
@@ -287,3 +291,87 @@ def test_leader_cut_from_etcd_stops_before_a_new_one_wins(etcd):
                 p.popen.kill()
                 p.popen.wait(timeout=30)
         relay.close()
+
+
+def test_follower_forwards_torchft_single_address_client(etcd):
+    """torchft's own LighthouseClient, given one follower's address, gets
+    its quorums through it (forwarded to the leader), also after the leader
+    is SIGKILLed and another lighthouse leads: no Quorum call fails (the
+    follower holds it until a leader answers), so torchft's trainer with
+    quorum_retries=0 would not exit.  Heartbeats may fail meanwhile
+    (torchft only logs that)."""
+    from lighthouse_util import load_torchft
+
+    tf = load_torchft()
+    prefix = f"/test/{uuid.uuid4().hex}"
+    procs: list[LogProc] = []
+    stop = threading.Event()
+    answers: list[tuple[float, int, tuple[str, ...]]] = []
+    errors: list[str] = []
+    hb_errors: list[str] = []
+    try:
+        a, addr_a = _start_lh(etcd.endpoints, prefix)
+        procs.append(a)
+        wait_for(lambda: (status(addr_a) or {}).get("role") == "leader", 30,
+                 "the first lighthouse to lead")
+        b, addr_b = _start_lh(etcd.endpoints, prefix)
+        c, addr_c = _start_lh(etcd.endpoints, prefix)
+        procs += [b, c]
+        for addr in (addr_b, addr_c):
+            wait_for(lambda addr=addr: (status(addr) or {}).get("role") ==
+                     "follower", 30, "the others to follow")
+        target = addr_c  # the client knows this one address only
+
+        def member(rid: str) -> None:
+            c = tf.LighthouseClient(target, timedelta(seconds=5))
+            step = 0
+            while not stop.is_set():
+                try:
+                    c.heartbeat(rid)
+                except Exception as e:  # noqa: BLE001 - counted
+                    hb_errors.append(str(e)[:200])
+                try:
+                    q = c.quorum(rid, timedelta(seconds=20), step=step)
+                except Exception as e:  # noqa: BLE001 - counted
+                    errors.append(str(e)[:200])
+                    time.sleep(0.1)
+                    continue
+                answers.append((time.monotonic(), q.quorum_id,
+                                tuple(sorted(m.replica_id for m in q.participants))))
+                step += 1
+                time.sleep(0.02)
+
+        threads = [threading.Thread(target=member, args=(f"r{i}",), daemon=True)
+                   for i in range(2)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: len(answers) >= 20, 60, "quorums through the follower")
+        st = status(target)
+        assert st["role"] == "follower" and st["proxied_total"] > 0, st
+        assert st["leader"] == addr_a, st
+        procs[0].popen.kill()  # SIGKILL the leader
+        procs[0].popen.wait(timeout=30)
+        t_kill = time.monotonic()
+        n = len(answers)
+        wait_for(lambda: len(answers) >= n + 20, 60,
+                 "quorums through the follower after the leader's death")
+        after = [t for t, _, _ in answers[n:]]
+        print(f"\nforwarded quorums resumed {after[0] - t_kill:.2f} s after the "
+              f"leader's SIGKILL ({len(errors)} quorum and {len(hb_errors)} "
+              f"heartbeat calls failed meanwhile)")
+        assert errors == [], errors[:5]
+        new = leader_index([addr_b, addr_c])
+        assert new is not None
+        by_id: dict[int, set[tuple[str, ...]]] = {}
+        for _, qid, members in answers:
+            by_id.setdefault(qid, set()).add(members)
+        assert all(len(v) == 1 for v in by_id.values()), by_id
+        ids = [qid for _, qid, _ in answers]
+        assert ids[-1] > ids[0]
+    finally:
+        stop.set()
+        for p in procs:
+            if p.popen.poll() is None:
+                p.popen.kill()
+                p.popen.wait(timeout=30)
+

@@ -45,7 +45,7 @@ static const char usage[] =
     "  --hostname NAME           host name in the advertised address\n"
     "  --etcd ENDPOINTS          replicated lighthouses: elect a leader in\n"
     "                            etcd (http://h:p,http://h:p); only the\n"
-    "                            leader decides, followers redirect\n"
+    "                            leader decides, followers forward\n"
     "  --etcd_prefix P           the job's etcd keys (/stepguard/lighthouse)\n"
     "  --etcd_ttl_s S            the leader's lease TTL in etcd (2)\n"
     "  --max_replicas N          replica ids tracked at once (10000)\n"

@@ -167,7 +167,10 @@ class LighthouseClient:
     """A client of a lighthouse (stepguard's or torchft's).
 
     Args:
-        addr: ``http://host:port`` of the lighthouse.
+        addr: ``http://host:port`` of the lighthouse, or several
+            comma-separated (replicated lighthouses: a call that finds a
+            follower or a dead one is made again on the next within its
+            deadline).
         connect_timeout: how long construction may try to connect.
     """
 
@@ -301,7 +304,8 @@ class ManagerServer:
 
     Args:
         replica_id: this replica group's id (unique per incarnation).
-        lighthouse_addr: ``http://host:port`` of the lighthouse.
+        lighthouse_addr: ``http://host:port`` of the lighthouse, or several
+            comma-separated (replicated lighthouses).
         hostname: host name to advertise; ``STEPGUARD_ADVERTISE_HOST`` (a
             host or a network interface name) overrides it.
         bind: address to bind, e.g. ``"[::]:0"``.

@@ -19,12 +19,48 @@ size, semi-sync method) come from the command line as torchtitan flags.
 
 from __future__ import annotations
 
+from functools import partial
+
+from torch import nn
 from torchtitan.experiments.torchft.llama3.config_registry import llama3_torchft_debugmodel
 from torchtitan.experiments.torchft.trainer import FaultTolerantTrainer
+from torchtitan.models.common.config_utils import make_gqa_config
+
+
+def _unfused_qkv(model) -> None:
+    """Separate wq/wk/wv projections instead of the debug model's fused wqkv.
+
+    The fused module splits ``wqkv`` into wq/wk/wv in a ``state_dict`` hook
+    by redistributing the FSDP-sharded DTensor: a collective on the replica
+    group's mesh inside ``state_dict()`` and ``load_state_dict()``.  The
+    Manager calls those on its own thread while the training thread runs
+    FSDP's collectives, and a healing rank calls them while the other ranks
+    of its group (already up to date) do not; with 2 ranks per group either
+    one deadlocks the group.  torchtitan builds the same attention unfused
+    when asked (``make_gqa_config(fuse_qkv=False)``); its state dict is then
+    the ranks' own shards, no collective.  Same shapes, same initialisation
+    (llama3's trunc_normal(std=0.02) for q, k, v).
+    """
+    init = {"weight": partial(nn.init.trunc_normal_, std=0.02), "bias": nn.init.zeros_}
+    for layer in model.layers:
+        att = layer.attention
+        layer.attention = make_gqa_config(
+            dim=att.dim,
+            n_heads=att.n_heads,
+            n_kv_heads=att.n_kv_heads,
+            head_dim=att.head_dim,
+            wqkv_param_init=init,
+            wo_param_init=att.wo.param_init,
+            inner_attention=att.inner_attention,
+            rope=att.rope,
+            qk_norm=att.qk_norm,
+            fuse_qkv=False,
+        )
 
 
 def llama3_ft_cpu() -> FaultTolerantTrainer.Config:
     config = llama3_torchft_debugmodel()
+    _unfused_qkv(config.model_spec.model)
     config.profiler.enable_profiling = False
     config.validator.enable = False
     config.training.local_batch_size = 2
@@ -43,6 +79,12 @@ def llama3_ft_cpu() -> FaultTolerantTrainer.Config:
     config.lr_scheduler.decay_ratio = None
     config.lr_scheduler.min_lr_factor = 1.0
     config.dataloader.dataset = "c4_test"
+    # FSDP2 over plain parameters (fully_shard on the group's mesh), the
+    # layout torchft's FT-HSDP pattern expects; under the default
+    # "spmd_types" backend fully_shard refuses the plain parameters it gets
+    # on a CPU mesh of 2 ranks ("all parameters must be DTensors on the full
+    # SPMD mesh").
+    config.parallelism.spmd_backend = "partial_dtensor"
     config.checkpoint.enable = True
     config.checkpoint.interval = 1_000_000
     config.checkpoint.last_save_model_only = True

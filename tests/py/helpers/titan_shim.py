@@ -163,6 +163,32 @@ def _cpu_flex_attention() -> None:
     FlexAttention._compiled_flex_attn = staticmethod(flex_attention_cpu)
 
 
+def _gloo_sum_reduction() -> None:
+    """FSDP's reduce-scatter with SUM instead of ``PREMUL_SUM(1.0)``.
+
+    torchtitan divides gradients itself (by the global token count) and
+    turns FSDP's division off with ``set_gradient_divide_factor(1.0)``
+    (``torchtitan.distributed.fsdp.disable_fsdp_gradient_division``); FSDP
+    then reduce-scatters with ``ReduceOp.PREMUL_SUM(1.0)``, which Gloo
+    refuses ("Cannot use ReduceOp.PREMUL_SUM with Gloo") once a replica
+    group has 2 ranks.  The stand-in also sets
+    ``set_force_sum_reduction_for_comms(True)``, so FSDP reduces with SUM
+    and divides by 1, i.e. not at all: the same numbers.  (torchtitan's own
+    switch for that, ``--parallelism.enable_fsdp_symm_mem``, insists on a
+    CUDA device.)
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.distributed import fsdp
+
+    def disable_fsdp_gradient_division(model) -> None:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+
+    fsdp.disable_fsdp_gradient_division = disable_fsdp_gradient_division
+
+
 def install() -> None:
     """Applies every patch (idempotent).  Call before importing torchtitan."""
     global _installed
@@ -182,3 +208,4 @@ def install() -> None:
         _cpu_memory_monitor()
         _cpu_pg_timeouts()
         _cpu_flex_attention()
+        _gloo_sum_reduction()

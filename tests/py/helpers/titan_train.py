@@ -14,8 +14,9 @@ worker side around torchtitan's FT trainer, from outside it:
 - ``--fault_tolerance.replica_id`` and ``--fault_tolerance.group_size``
   from the launcher's environment, when the command line lacks them;
 - at the end, ``DUMP_DIR/params_g<group>_r<rank>.json``: torchtitan's and
-  the Manager's step and a SHA-256 of every full (unsharded) parameter and
-  optimizer-state tensor, so a test compares replicas bit for bit.
+  the Manager's step, the learning rates, and a SHA-256 of this rank's
+  shard of every parameter and optimizer-state tensor, so a test compares
+  replicas bit for bit, group rank by group rank.
 
 The ``torchft`` name must already be stepguard's (``STEPGUARD_TORCHFT=1``).
 """
@@ -42,16 +43,16 @@ from stepguard.launch.worker import report, stop_step  # noqa: E402
 
 
 def _digest(t: torch.Tensor) -> str:
-    if hasattr(t, "full_tensor"):  # a DTensor sharded by FSDP: gather it
-        t = t.full_tensor()
+    if hasattr(t, "to_local"):  # a DTensor sharded by FSDP: this rank's shard
+        t = t.to_local()
     t = t.detach().cpu().contiguous().reshape(-1)
     return hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _optim_digests(trainer) -> dict[str, str]:
     out: dict[str, str] = {}
+    names = {id(p): n for m in trainer.model_parts for n, p in m.named_parameters()}
     for i, opt in enumerate(trainer.optimizers.optimizers):
-        names = {id(p): n for m in trainer.model_parts for n, p in m.named_parameters()}
         for p, st in opt.state.items():
             for k, v in sorted(st.items()):
                 if isinstance(v, torch.Tensor):
@@ -60,23 +61,26 @@ def _optim_digests(trainer) -> dict[str, str]:
 
 
 def _dump(trainer, out_dir: Path) -> None:
-    params = {
-        n: _digest(p) for m in trainer.model_parts for n, p in m.named_parameters()
-    }
-    optim = _optim_digests(trainer)
+    """This rank's shard of every parameter and optimizer-state tensor, hashed.
+
+    No collective: FSDP shards each parameter the same way in every group, so
+    group rank r of one group holds the same slice as group rank r of
+    another, and comparing the files rank by rank compares the full tensors.
+    """
     manager = trainer.ft_manager.manager if trainer.ft_manager.enabled else None
     rec = {
         "step": trainer.step,
         "manager_step": manager.current_step() if manager is not None else None,
-        "params": params,
-        "optim": optim,
+        "params": {
+            n: _digest(p) for m in trainer.model_parts for n, p in m.named_parameters()
+        },
+        "optim": _optim_digests(trainer),
         "lr": [g["lr"] for opt in trainer.optimizers.optimizers for g in opt.param_groups],
     }
-    if int(os.environ.get("RANK", "0")) != 0:
-        return
     group = os.environ.get("REPLICA_GROUP_ID", "0")
+    rank = os.environ.get("RANK", "0")
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"params_g{group}_r0.json"
+    path = out_dir / f"params_g{group}_r{rank}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(rec, indent=0, sort_keys=True))
     os.replace(tmp, path)

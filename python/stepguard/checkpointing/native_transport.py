@@ -92,7 +92,7 @@ T = TypeVar("T")
 
 _SCHEME = "sgckpt://"
 _SEGMENT = "sgckpt="  # the native port, as a path segment of an http:// metadata
-_HEADER_VERSION = 1
+_HEADER_VERSION = 2  # 2: DTensor leaves served as their local shards ("dtensors")
 _MALLOC_MIN = 1 << 20  # staging in [MIN, MAX] bytes comes from malloc
 _MALLOC_MAX = 32 << 20
 _STRIPE_GRACE_S = 1.0  # how long other sources may lag the first one
@@ -124,6 +124,50 @@ def _plain(t: torch.Tensor) -> bool:
         and not t.is_nested
         and t.dtype.itemsize > 0
         and t.device.type != "meta"
+    )
+
+
+def _local_shard(leaf: Any) -> torch.Tensor | None:
+    """A DTensor's local tensor when it can be served as one span, else None."""
+    if not isinstance(leaf, torch.Tensor) or type(leaf) in (torch.Tensor, torch.nn.Parameter):
+        return None
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(leaf, DTensor):
+        return None
+    local = leaf._local_tensor
+    return local if _plain(local) else None
+
+
+def _as_dtensor(local: torch.Tensor, spec: Any, mine: Any) -> Any:
+    """A received local shard as a DTensor: on the receiver's own mesh.
+
+    ``mine``: the receiver's tensor at that place (or None).  A DTensor
+    there with the same placements and global shape gives its mesh (the
+    sender's names process groups of the sender's process); when the shard
+    was fetched into its local tensor, ``mine`` itself is returned.  Without
+    one, the DTensor is built on the sender's mesh as unpickled (as a
+    pickled DTensor would be).
+    """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(mine, DTensor):
+        if mine.placements != spec.placements or tuple(mine.shape) != tuple(spec.shape):
+            raise RuntimeError(
+                f"checkpoint DTensor is {tuple(spec.shape)} as {spec.placements} on a mesh "
+                f"of {spec.mesh.size()}, this replica's is {tuple(mine.shape)} as "
+                f"{mine.placements} on a mesh of {mine.device_mesh.size()}: a replica "
+                "group heals only from a group with the same number of ranks and sharding"
+            )
+        own = mine._local_tensor
+        if own.data_ptr() == local.data_ptr() and own.shape == local.shape:
+            return mine
+        mesh = mine.device_mesh
+    else:
+        mesh = spec.mesh
+    return DTensor.from_local(
+        local.detach(), mesh, spec.placements, run_check=False,
+        shape=spec.shape, stride=spec.stride,
     )
 
 
@@ -420,7 +464,14 @@ class NativeTransport(CheckpointTransport[T]):
         records: Dict[Tuple[Any, ...], Tuple[Any, ...]] = {}
         ptrs = array.array("Q")
         lens = array.array("Q")
+        # DTensor leaves (FSDP shards): their local shard is served like any
+        # tensor; the header keeps each one's DTensor spec by leaf index
+        dtensors: Dict[int, Any] = {}
         for i, leaf in enumerate(leaves):
+            local = _local_shard(leaf)
+            if local is not None:
+                dtensors[i] = leaf._spec
+                leaf = local
             if isinstance(leaf, torch.Tensor) and _plain(leaf):
                 t = leaf.detach()
                 if t.device.type != "cpu":
@@ -454,6 +505,7 @@ class NativeTransport(CheckpointTransport[T]):
                 "step": step,
                 "spec": spec,
                 "leaves": metas,
+                "dtensors": dtensors,
             },
             protocol=pickle.HIGHEST_PROTOCOL,
         )
@@ -584,6 +636,15 @@ class NativeTransport(CheckpointTransport[T]):
             if not isinstance(theirs, list):
                 raise RuntimeError("bad checkpoint header: leaves")
             mine = self._in_place_candidates(into, spec, len(theirs))
+            dtensors = meta.get("dtensors") or {}
+            dt_mine: Dict[int, Any] = {}
+            if dtensors and mine is not None:
+                # a DTensor is fetched into its local shard
+                for i in dtensors:
+                    if 0 <= i < len(mine):
+                        dt_mine[i] = mine[i]
+                        local = _local_shard(mine[i])
+                        mine[i] = local
             t3 = time.perf_counter()
             dtypes: Dict[str, Tuple[torch.dtype, int]] = {}
             lens_q = array.array("Q", lens)  # for plan() and data()
@@ -650,6 +711,8 @@ class NativeTransport(CheckpointTransport[T]):
                 elif requires_grad:
                     t.requires_grad_(True)
                 leaves[i] = t
+            for i, dspec in dtensors.items():
+                leaves[i] = _as_dtensor(leaves[i], dspec, dt_mine.get(i))
             out = _unflatten(leaves, spec)
         t6 = time.perf_counter()
         # seconds in each part of the last fetch (profiling many small tensors)

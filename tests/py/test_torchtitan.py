@@ -139,6 +139,10 @@ def _check(seen: list[dict], params: Path, *, nproc: int, mode: str, kill_rank: 
         assert a["params"].keys() == b["params"].keys() and len(a["params"]) > 0
         differ = [n for n in a["params"] if a["params"][n] != b["params"][n]]
         assert not differ, f"group rank {rank}: parameters differ: {differ[:5]}"
+        # healed optimizer state lives on the healer's own mesh (torchtitan
+        # keeps the received DTensors as its optimizer state)
+        for g, rec in enumerate((a, b)):
+            assert not rec["optim_foreign_mesh"], (g, rank, rec["optim_foreign_mesh"][:3])
         if mode == "hsdp":
             # every step's update is the same averaged gradient: AdamW's
             # state and the learning rate match too (DiLoCo's inner

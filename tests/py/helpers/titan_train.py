@@ -14,9 +14,10 @@ worker side around torchtitan's FT trainer, from outside it:
 - ``--fault_tolerance.replica_id`` and ``--fault_tolerance.group_size``
   from the launcher's environment, when the command line lacks them;
 - at the end, ``DUMP_DIR/params_g<group>_r<rank>.json``: torchtitan's and
-  the Manager's step, the learning rates, and a SHA-256 of this rank's
-  shard of every parameter and optimizer-state tensor, so a test compares
-  replicas bit for bit, group rank by group rank.
+  the Manager's step, the learning rates, a SHA-256 of this rank's shard
+  of every parameter and optimizer-state tensor, so a test compares
+  replicas bit for bit, group rank by group rank, and the optimizer-state
+  DTensors that are not on their parameter's mesh.
 
 The ``torchft`` name must already be stepguard's (``STEPGUARD_TORCHFT=1``).
 """
@@ -49,15 +50,23 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def _optim_digests(trainer) -> dict[str, str]:
+def _optim_digests(trainer) -> tuple[dict[str, str], list[str]]:
+    """Digests of the optimizer state, and the state tensors that are
+    DTensors on another mesh than their parameter's (healed with the
+    sender's mesh, whose process groups do not exist in this process)."""
     out: dict[str, str] = {}
+    foreign: list[str] = []
     names = {id(p): n for m in trainer.model_parts for n, p in m.named_parameters()}
     for i, opt in enumerate(trainer.optimizers.optimizers):
         for p, st in opt.state.items():
             for k, v in sorted(st.items()):
                 if isinstance(v, torch.Tensor):
-                    out[f"{i}.{names.get(id(p), '?')}.{k}"] = _digest(v)
-    return out
+                    key = f"{i}.{names.get(id(p), '?')}.{k}"
+                    out[key] = _digest(v)
+                    mesh = getattr(v, "device_mesh", None)
+                    if mesh is not None and mesh is not getattr(p, "device_mesh", None):
+                        foreign.append(key)
+    return out, foreign
 
 
 def _dump(trainer, out_dir: Path) -> None:
@@ -68,13 +77,15 @@ def _dump(trainer, out_dir: Path) -> None:
     another, and comparing the files rank by rank compares the full tensors.
     """
     manager = trainer.ft_manager.manager if trainer.ft_manager.enabled else None
+    optim, foreign = _optim_digests(trainer)
     rec = {
         "step": trainer.step,
         "manager_step": manager.current_step() if manager is not None else None,
         "params": {
             n: _digest(p) for m in trainer.model_parts for n, p in m.named_parameters()
         },
-        "optim": _optim_digests(trainer),
+        "optim": optim,
+        "optim_foreign_mesh": foreign,
         "lr": [g["lr"] for opt in trainer.optimizers.optimizers for g in opt.param_groups],
     }
     group = os.environ.get("REPLICA_GROUP_ID", "0")

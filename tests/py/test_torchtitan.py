@@ -18,6 +18,7 @@ with 1); the other two are marked ``long`` (``make test-long``).
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -170,3 +171,43 @@ def _check(seen: list[dict], params: Path, *, nproc: int, mode: str, kill_rank: 
 def test_torchtitan_group_killed_heals(tmp_path, mode, nproc, kill_rank):
     seen, params, wall = _run(tmp_path, nproc=nproc, mode=mode, kill_rank=kill_rank)
     _check(seen, params, nproc=nproc, mode=mode, kill_rank=kill_rank, wall=wall)
+
+
+_FLEX_CHECK = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import titan_shim
+titan_shim.install()
+import torch
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+from torchtitan.models.common.attention import FlexAttention
+
+g = torch.Generator().manual_seed(0)
+B, N, L, H = 2, 4, 48, 16
+q, k, v = (torch.randn(B, N, L, H, generator=g) for _ in range(3))
+doc = torch.randint(0, 3, (B, L), generator=g).sort(dim=1).values
+
+def mask_mod(b, h, qi, ki):  # block-causal over documents, as torchtitan's
+    return (ki <= qi) & (doc[b, qi] == doc[b, ki])
+
+bm = create_block_mask(mask_mod, B, None, L, L, device="cpu")
+ref, ref_aux = flex_attention(q, k, v, block_mask=bm, return_aux=AuxRequest(lse=True))
+kw = dict(score_mod=None, block_mask=bm, scale=None, enable_gqa=False, kernel_options={})
+out, aux = FlexAttention._compiled_flex_attn(q, k, v, return_aux=AuxRequest(lse=True), **kw)
+qg = q.clone().requires_grad_(True)
+FlexAttention._compiled_flex_attn(qg, k, v, return_aux=AuxRequest(), **kw)[0].sum().backward()
+print((out - ref).abs().max().item(), (aux.lse - ref_aux.lse).abs().max().item(),
+      bool(torch.isfinite(qg.grad).all()))
+"""
+
+
+def test_shim_flex_attention_is_torchs_on_cpu():
+    """The shim's stand-in for FlexAttention computes what torch's
+    flex_attention computes (its forward runs on CPU without gradients),
+    and has a backward.  In a child: the shim patches torchtitan modules."""
+    r = subprocess.run([sys.executable, "-c", _FLEX_CHECK, str(HELPERS)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out_diff, lse_diff, grad_ok = r.stdout.split()
+    assert float(out_diff) <= 1e-5 and float(lse_diff) <= 1e-5, r.stdout
+    assert grad_ok == "True"

@@ -72,7 +72,9 @@ def main() -> int:
         join_timeout_ms=2000, omp_threads=1,
         timeline=str(out / "timeline.jsonl"), log_dir=str(out / "logs"),
         stop_file=str(out / "stop_step"),
-        env={"STEPGUARD_TORCHFT": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"},
+        env={"STEPGUARD_TORCHFT": "1", "TORCHELASTIC_USE_AGENT_STORE": "True",
+             # datasets' cache in the output folder; nothing from the hub
+             "HF_HOME": str(out / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
     )
     lock = threading.Lock()
     seen: list[dict] = []

@@ -67,6 +67,10 @@ def _run(tmp_path: Path, *, nproc: int, mode: str, kill_rank: int) -> tuple[list
             # for each group, as under torchrun
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHFT_QUORUM_TIMEOUT_SEC": "120",
+            # datasets' cache in the run's folder; nothing from the hub
+            "HF_HOME": str(tmp_path / "hf"),
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
         },
         quiet=True,
     )

@@ -195,7 +195,7 @@ MATRIX = list(itertools.product(("native", "http"), ("gloo", "tcp"), (False, Tru
                                 ("helper", "torchft"), (False, True)))
 
 
-@pytest.mark.hsdp_matrix
+@pytest.mark.long
 @pytest.mark.parametrize("transport,pg,bf16,wiring,sync", MATRIX)
 def test_matrix(job_factory, transport, pg, bf16, wiring, sync):
     job = hsdp_job(job_factory)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import os
 import sys
 import threading
@@ -58,6 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--pause-at", default="",
                     help="a heal hook point: fetch, fetched, serve, loaded")
     ap.add_argument("--forward-sleep", type=float, default=0.0)
+    ap.add_argument("--width", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--no-hash", action="store_true",
+                    help="log no state hash (a collective per step: the bench leaves it out)")
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--read-state-anywhere", action="store_true",
                     help="let the Manager read the state on its quorum thread "
@@ -69,13 +75,12 @@ class Model:
     """A small stack of layers, each its own FSDP unit."""
 
     @staticmethod
-    def build(torch):
+    def build(torch, width: int = 32, layers: int = 1):
         torch.manual_seed(0)
-        return torch.nn.Sequential(
-            torch.nn.Linear(8, 32), torch.nn.Tanh(),
-            torch.nn.Linear(32, 32), torch.nn.Tanh(),
-            torch.nn.Linear(32, 4),
-        )
+        mods = [torch.nn.Linear(8, width), torch.nn.Tanh()]
+        for _ in range(layers):
+            mods += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+        return torch.nn.Sequential(*mods, torch.nn.Linear(width, 4))
 
 
 def full_hash(torch, model, opt) -> str:
@@ -113,10 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    import stepguard as ft
-    from stepguard import manager as mgr_mod
-    from stepguard.checkpointing import HTTPTransport
-    from stepguard.process_group import ManagedProcessGroup, ProcessGroupTCP
+    ft = importlib.import_module(a.impl)  # stepguard, or torchft (bench/hsdp.py)
+    mgr_mod = importlib.import_module(f"{a.impl}.manager")
+    HTTPTransport = importlib.import_module(f"{a.impl}.checkpointing").HTTPTransport
+    ManagedProcessGroup = importlib.import_module(f"{a.impl}.process_group").ManagedProcessGroup
+    if a.impl != "stepguard":
+        a.wiring = "torchft"  # torchft has no stepguard.hsdp
 
     torch.set_num_threads(1)
     store, port = group_store(a, rank)
@@ -129,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                             timeout=timedelta(seconds=3 * a.timeout + 30))
     mesh = init_device_mesh("cpu", (ws,))
 
-    model = Model.build(torch)
+    model = Model.build(torch, a.width, a.layers)
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if a.mixed_precision else MixedPrecisionPolicy())
     for layer in model:
@@ -171,7 +178,12 @@ def main(argv: list[str] | None = None) -> int:
         log("loaded", step=loaded[0])
 
     timeout = timedelta(seconds=a.timeout)
-    pg = ProcessGroupTCP(timeout=timeout) if a.pg == "tcp" else ft.ProcessGroupGloo(timeout=timeout)
+    if a.pg == "tcp":
+        from stepguard.process_group import ProcessGroupTCP
+
+        pg = ProcessGroupTCP(timeout=timeout)
+    else:
+        pg = ft.ProcessGroupGloo(timeout=timeout)
     kw: dict[str, Any] = {}
     if a.transport == "http":
         kw["checkpoint_transport"] = HTTPTransport(timeout=timeout, num_chunks=0)
@@ -231,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
             break
         gen = torch.Generator().manual_seed((rindex * 1000 + rank) * 100003
                                             + manager.current_step() * 7 + local)
-        x = torch.randn(16, 8, generator=gen)
-        y = torch.randn(16, 4, generator=gen)
+        x = torch.randn(a.batch, 8, generator=gen)
+        y = torch.randn(a.batch, 4, generator=gen)
         opt.zero_grad()  # the quorum starts (hsdp)
         loss = torch.nn.functional.mse_loss(model(x).float(), y)
         loss.backward()  # reduce-scatter in the group, allreduce across
@@ -259,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             healed=before != last or base != before,
             n=manager.num_participants(),
             qid=getattr(manager, "_quorum_id", None),
-            hash=full_hash(torch, model, inner),
+            hash="" if a.no_hash else full_hash(torch, model, inner),
             err=None if err is None else str(err).splitlines()[0][:200], **extra)
         last = after
         if a.step_sleep:

@@ -8,7 +8,7 @@ FUZZ    := build/fuzz
 FUZZ_SECONDS ?= 30
 CFILES   = $(shell git ls-files '*.c' '*.h' '*.cpp')
 
-.PHONY: all bootstrap build test test-c test-py test-long test-hsdp-matrix test-torchft demo demo-lighthouse bench sanitize fuzz format format-check clean
+.PHONY: all bootstrap build test test-c test-py test-long test-hsdp-matrix test-torchft demo demo-hsdp demo-lighthouse bench sanitize fuzz format format-check clean
 
 all: build
 
@@ -54,6 +54,11 @@ test-torchft: build
 # minutes while one is killed every ~20 s; writes demo-out/
 demo: build
 	$(PY) examples/demo.py
+
+# FT-HSDP, the blog's structure: FSDP2 inside 2-rank replica groups, the
+# Manager across them, a random rank killed every ~20 s; writes demo-hsdp-out/
+demo-hsdp: build
+	$(PY) examples/demo.py --groups 2 --ranks 2 --fsdp --duration 120 --out demo-hsdp-out
 
 # the smaller demonstrations: a kill under both lighthouses, fork safety
 demo-lighthouse: build

@@ -120,13 +120,22 @@ class Progress:
               f"commits {self.commits}  discards {self.discards}", flush=True)
 
 
-def compare_params(out: Path, groups: int) -> tuple[bool, str]:
-    """Compares every replica's final parameters bit for bit with group 0's."""
+def compare_params(out: Path, groups: int, ranks: int = 1) -> tuple[bool, str]:
+    """Compares every replica's final (full) parameters bit for bit with
+    group 0's, rank by rank."""
+    for r in range(1, ranks):
+        ok, why = _compare_rank(out, groups, r)
+        if not ok:
+            return ok, f"rank {r}: {why}"
+    return _compare_rank(out, groups, 0)
+
+
+def _compare_rank(out: Path, groups: int, rank: int) -> tuple[bool, str]:
     import torch
 
     loaded = {}
     for g in range(groups):
-        f = out / f"params_g{g}_r0.pt"
+        f = out / f"params_g{g}_r{rank}.pt"
         if not f.exists():
             return False, f"group {g} wrote no final parameters"
         loaded[g] = torch.load(f, map_location="cpu")
@@ -280,6 +289,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="cross-replica process group (auto: stepguard's native "
                    "ProcessGroupTCP with stepguard, ProcessGroupGloo with torchft)")
     p.add_argument("--groups", type=int, default=3)
+    p.add_argument("--ranks", type=int, default=1,
+                   help="ranks per replica group (a kill takes one rank; the "
+                   "launcher ends and restarts its group)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="FT-HSDP: FSDP2 inside each group, the Manager across "
+                   "(stepguard only)")
     p.add_argument("--duration", type=float, default=180.0, help="training time in seconds")
     p.add_argument("--kill-every", type=float, default=20.0)
     p.add_argument("--quiet-tail", type=float, default=30.0,
@@ -302,9 +317,14 @@ def main(argv: list[str] | None = None) -> int:
     params = out / "params"
     cmd = [sys.executable, str(HERE / "train_llama.py"), "--impl", impl,
            "--device", "cpu", "--pg", pg, "--save-dir", str(params), *args.train_args]
+    if args.fsdp:
+        if impl != "stepguard":
+            raise SystemExit("--fsdp needs stepguard's API")
+        cmd.append("--fsdp")
     kill = parse_failure_spec(f"kill:every={args.kill_every}s,seed={args.seed}")
     cfg = LaunchConfig(
-        cmd=cmd, groups=args.groups, lighthouse_impl=lh_impl, min_replicas=1,
+        cmd=cmd, groups=args.groups, nproc_per_group=args.ranks,
+        lighthouse_impl=lh_impl, min_replicas=1,
         join_timeout_ms=10000, quorum_tick_ms=100, omp_threads=args.omp_threads,
         failures=[kill], timeline=str(out / "timeline.jsonl"), log_dir=str(out / "logs"),
         stop_file=str(out / "stop_step"), quiet=True,
@@ -348,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"demo: failed: the trainer ({impl}) does not run; see {out / 'logs'}/")
         return 1
     tl = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
-    identical = compare_params(params, args.groups)
+    identical = compare_params(params, args.groups, args.ranks)
     s = summarize(tl, args.groups, identical, f"{impl} with the {pg} process group", lh_impl)
     s["wall_s"] = round(time.monotonic() - t0, 1)
     text = summary_text(s)

@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cross-replica process group: gloo (torchft's "
                    "ProcessGroupGloo), or tcp (stepguard's native ProcessGroupTCP, "
                    "which notices a dead peer at once; stepguard only)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="FT-HSDP: FSDP2 over the ranks of this replica group (Gloo), "
+                   "stepguard's Manager across groups (stepguard.hsdp)")
     p.add_argument("--step-sleep", type=float, default=0.0, metavar="SECONDS",
                    help="sleep this long after each step (paces tiny models in tests)")
     p.add_argument("--save-dir", default=None,
@@ -78,6 +81,37 @@ def load_impl(name: str):
         raise SystemExit(f"{name} does not provide {', '.join(missing)} yet; "
                          "run with --impl torchft")
     return ft
+
+
+def shard_in_group(model: torch.nn.Module, manager, world: int, rank: int,
+                   args: argparse.Namespace) -> torch.nn.Module:
+    """FSDP2 over this replica group's ranks (its own Gloo group on the
+    group's store), gradients averaged across groups by the Manager."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import stepguard
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          world, False, timedelta(seconds=60))
+    # longer than a cross-group operation can hold a group mate away
+    dist.init_process_group("gloo", store=dist.PrefixStore("fsdp", store), rank=rank,
+                            world_size=world,
+                            timeout=timedelta(seconds=3 * args.timeout + 30))
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    stepguard.hsdp.replicate(model, manager)
+    return model
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (a DTensor is gathered over the group)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
             quorum_timeout=timedelta(seconds=args.quorum_timeout),
             connect_timeout=timedelta(seconds=30),
         )
-        ddp = ft.DistributedDataParallel(manager, model)
+        if args.fsdp:
+            ddp = shard_in_group(model, manager, world, rank, args)
+        else:
+            ddp = ft.DistributedDataParallel(manager, model)
         optim = ft.Optimizer(manager, inner)
         stream = group * world + rank
 
@@ -187,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.save_dir)
         out.mkdir(parents=True, exist_ok=True)
         tmp = out / f".params_g{group}_r{rank}.pt.tmp"
-        torch.save({"step": final, "params": {k: v.detach().cpu() for k, v in
+        torch.save({"step": final, "params": {k: full(v).detach().cpu() for k, v in
                                               model.state_dict().items()}}, tmp)
         os.replace(tmp, out / f"params_g{group}_r{rank}.pt")
     report("finished", step=final)

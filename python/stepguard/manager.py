@@ -178,6 +178,15 @@ class Manager:
     ``MASTER_ADDR:MASTER_PORT``.  Save and restore ``state_dict()`` with
     your periodic checkpoints.
 
+    When state is read: the first ``start_quorum`` reads the registered
+    state once, on the training thread.  A state without DTensors is read
+    from then on where the quorum runs, as torchft does.  A state with
+    DTensors (FSDP2) is read only where the training thread cannot be in a
+    forward or backward pass: in ``start_quorum`` with a sync quorum, in
+    ``should_commit`` with an async one (the step's collectives then wait
+    only for the process group, not for the recovery); a source serves a
+    copy until its next ``should_commit``.  See ``docs/hsdp.md``.
+
     Args:
         pg: a reconfigurable process group over the replicas (a
             :class:`~stepguard.process_group.ProcessGroup`).
@@ -805,34 +814,26 @@ class Manager:
     ) -> None:
         """The quorum on the executor thread (a client that cannot start a
         call in the background)."""
-        configured = self._configured
-        try:
-            self._async_quorum_body(allow_heal, shrink_only, quorum_timeout, curr_device)
-        finally:
-            configured.set()
-
-    def _async_quorum_body(
-        self,
-        allow_heal: bool,
-        shrink_only: bool,
-        quorum_timeout: timedelta,
-        curr_device: int,
-    ) -> None:
         if curr_device >= 0 and _accelerator():
             torch.accelerator.set_device_index(curr_device)
 
-        quorum = self._through_outages(
-            lambda: self._client._quorum(
-                group_rank=self._group_rank,
-                step=self._step,
-                checkpoint_metadata=self._checkpoint_transport.metadata(),
-                shrink_only=shrink_only,
-                timeout=quorum_timeout,
-                init_sync=self._init_sync,
-                commit_failures=self._commit_failures,
-                reconfigure_handle=self._reconfigure_handle(),
+        configured = self._configured
+        try:
+            quorum = self._through_outages(
+                lambda: self._client._quorum(
+                    group_rank=self._group_rank,
+                    step=self._step,
+                    checkpoint_metadata=self._checkpoint_transport.metadata(),
+                    shrink_only=shrink_only,
+                    timeout=quorum_timeout,
+                    init_sync=self._init_sync,
+                    commit_failures=self._commit_failures,
+                    reconfigure_handle=self._reconfigure_handle(),
+                )
             )
-        )
+        except BaseException:
+            configured.set()  # the step's collectives, waiting for it, see the error
+            raise
         self._apply_quorum(quorum, allow_heal, curr_device)
 
     # what a manager server answers a round with when its lighthouse stayed

@@ -85,27 +85,8 @@ def start_groups(job: Job) -> None:
 
 
 def finish(job: Job, reached: dict[str, int], slack: int = 0) -> None:
-    """Every trainer still the first incarnation, steps and ids never went
-    back, nothing committed lost, replicas identical at the end (every step
-    held by two replicas or more compared; `slack`: steps a group may have
-    skipped by healing from a peer)."""
-    for rid in RIDS:
-        assert job.alive(rid), job.summary()
-        ok = [e for e in job.steps(rid, inc=0) if e["ok"]]
-        steps = [e["step"] for e in ok]
-        assert steps == sorted(set(steps)), f"{rid} went back: {steps}"
-        after = [s for s in steps if s > reached[rid]]
-        assert after and after[0] == reached[rid] + 1 or any(
-            e["healed"] for e in job.steps(rid, inc=0)), (
-            f"{rid} lost committed steps: reached {reached[rid]}, "
-            f"then {after[:5]}")
-        qids = [e["qid"] for e in ok]
-        assert qids == sorted(qids), f"{rid} saw quorum ids go back: {qids}"
-    target = max(job.committed(rid) for rid in RIDS) + 3
-    job.stop_at(target)
-    for rid in RIDS:
-        assert job.wait_exit(rid, 60) == [0], job.summary()
-    job.assert_identical(target - 1 - slack)
+    """See ``Job.assert_went_on``."""
+    job.assert_went_on(RIDS, reached, slack)
 
 
 @pytest.mark.parametrize("etcd", [1, 3], indirect=True,

@@ -34,23 +34,7 @@ def run_outage(job: Job, down_s: float, *worker_args: str) -> None:
              "every group to commit 5 more steps after the restart", job)
     # the same processes (incarnation 0) went on from the steps they had
     # reached, and quorum ids never went backwards
-    for rid in RIDS:
-        assert job.alive(rid), job.summary()
-        ok = [e for e in job.steps(rid, inc=0) if e["ok"]]
-        steps = [e["step"] for e in ok]
-        assert steps == sorted(set(steps)), f"{rid} went back: {steps}"
-        after = [s for s in steps if s > reached[rid]]
-        assert after and after[0] == reached[rid] + 1 or any(
-            e["healed"] for e in job.steps(rid, inc=0)), (
-            f"{rid} lost committed steps across the outage: reached "
-            f"{reached[rid]}, then {after[:5]}")
-        qids = [e["qid"] for e in ok]
-        assert qids == sorted(qids), f"{rid} saw quorum ids go back: {qids}"
-    target = max(job.committed(rid) for rid in RIDS) + 3
-    job.stop_at(target)
-    for rid in RIDS:
-        assert job.wait_exit(rid, 60) == [0], job.summary()
-    job.assert_identical(target - 1)
+    job.assert_went_on(RIDS, reached)
 
 
 @pytest.mark.parametrize("id_file", [False, True])

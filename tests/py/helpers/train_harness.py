@@ -482,6 +482,33 @@ class Job:
             assert len(hs) >= min(compared, 3), f"parameters of group rank {g} never change"
         return compared
 
+    def assert_went_on(self, rids: Iterable[str], reached: dict[str, int],
+                       slack: int = 0) -> None:
+        """After a lighthouse fault: every trainer is still its first
+        incarnation, steps and quorum ids never went back, nothing committed
+        was lost (each group went on from the step in ``reached``, or
+        healed), and the replicas end identical (every step held by two
+        replicas or more compared; ``slack``: steps a group may have skipped
+        by healing from a peer).  Stops the trainers."""
+        rids = list(rids)
+        for rid in rids:
+            assert self.alive(rid), self.summary()
+            ok = [e for e in self.steps(rid, inc=0) if e["ok"]]
+            steps = [e["step"] for e in ok]
+            assert steps == sorted(set(steps)), f"{rid} went back: {steps}"
+            after = [s for s in steps if s > reached[rid]]
+            assert after and after[0] == reached[rid] + 1 or any(
+                e["healed"] for e in self.steps(rid, inc=0)), (
+                f"{rid} lost committed steps: reached {reached[rid]}, "
+                f"then {after[:5]}")
+            qids = [e["qid"] for e in ok]
+            assert qids == sorted(qids), f"{rid} saw quorum ids go back: {qids}"
+        target = max(self.committed(rid) for rid in rids) + 3
+        self.stop_at(target)
+        for rid in rids:
+            assert self.wait_exit(rid, 60) == [0], self.summary()
+        self.assert_identical(target - 1 - slack)
+
     def summary(self, tail: int = 4) -> str:
         lines = [f"impl={self.impl} dir={self.dir}"]
         for rid, g in self.groups.items():

@@ -74,6 +74,8 @@ bench: build
 	$(PY) bench/recovery.py
 	$(PY) bench/step.py
 	$(PY) bench/e2e.py
+	$(PY) bench/hsdp.py
+	$(PY) bench/lighthouse_failover.py
 
 sanitize: bootstrap $(ASAN)/build.ninja $(TSAN)/build.ninja
 	$(MESON) test -C $(ASAN) --print-errorlogs

@@ -610,11 +610,14 @@ class Manager:
                 if seen != current or acted == current:
                     continue
                 acted = current
-                self._logger.warn(
-                    f"the lighthouse holds a member of quorum {current} unhealthy: "
-                    "aborting this step's collectives"
-                )
                 abort = getattr(self._pg, "abort", None)
+                if not getattr(self._pg, "abort_ends_operations", True):
+                    # (Gloo) the operation's own deadline fails the step
+                    abort = None
+                self._logger.warn(
+                    f"the lighthouse holds a member of quorum {current} unhealthy"
+                    + (": aborting this step's collectives" if abort is not None else "")
+                )
                 if abort is not None:
                     try:
                         abort()

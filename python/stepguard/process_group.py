@@ -546,6 +546,10 @@ class ProcessGroup(BaseProcessGroup):
 
     # -- lifecycle ------------------------------------------------------------
 
+    #: whether ``abort`` ends operations in flight, from another thread
+    #: (what the Manager's lost-member watcher needs)
+    abort_ends_operations = True
+
     def abort(self) -> None:
         """Fails every operation in progress; ``configure`` makes the group
         usable again."""
@@ -901,6 +905,12 @@ def _group_name(quorum_id: Optional[int], group_rank: Optional[int],
 class ProcessGroupGloo(ProcessGroupWrapper):
     """A reconfigurable Gloo process group (CPU tensors; CUDA through
     Gloo's staging).  Gloo has no reduce-scatter."""
+
+    #: torch 2.13's Gloo abort does not end an operation in flight (it
+    #: returns when the peer goes), and tearing the group down under one has
+    #: corrupted the heap: the Manager's lost-member watcher leaves it alone
+    #: (the step fails at the operation's own deadline)
+    abort_ends_operations = False
 
     def _create_pg(self, store: Store, rank: int, world_size: int) -> BaseProcessGroup:
         from torch.distributed import ProcessGroupGloo as BaseProcessGroupGloo

@@ -123,12 +123,6 @@ def _spec(t: DTensor) -> _Spec:
     )
 
 
-def has_dtensor(tree: object) -> bool:
-    """Whether ``tree`` (a state dict) holds a DTensor."""
-    leaves, _ = tree_flatten_with_path(tree)
-    return any(isinstance(leaf, DTensor) for _, leaf in leaves)
-
-
 def local_shards(tree: object) -> Tuple[object, Dict[str, _Spec]]:
     """``tree`` with every DTensor replaced by its local shard (no copy),
     and a description of each, by key path: what a transport can send

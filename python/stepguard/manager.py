@@ -979,13 +979,8 @@ class Manager:
                             f"peers need recovery from us {quorum.recover_dst_replica_ranks}"
                         )
                         if may_read and self._read_state_on_training_thread:
-                            # (sync quorum) served from a copy as well: see
-                            # _send_deferred
-                            self._deferred_send = (
-                                list(quorum.recover_dst_replica_ranks),
-                                max_step,
-                            )
-                            self._send_deferred()
+                            # (sync quorum) from a copy as well: see _serve
+                            self._serve(list(quorum.recover_dst_replica_ranks), max_step)
                         elif may_read:
                             _at("serve", self)
                             self._checkpoint_transport.send_checkpoint(
@@ -1249,9 +1244,11 @@ class Manager:
         step)."""
         req = self._deferred_send
         self._deferred_send = None
-        if req is None:
-            return
-        dst_ranks, step = req
+        if req is not None:
+            self._serve(*req)
+
+    def _serve(self, dst_ranks: List[int], step: int) -> None:
+        """Reads the (sharded) state, where it may be read, and serves it."""
         try:
             _at("serve", self)
             state: Dict[str, object] = self._manager_state_dict()

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ckpt/ckpt_int.h"
 #include "stepguard/ckpt.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
@@ -136,7 +137,7 @@ static void check_addr(const uint8_t *data, size_t size) {
   memcpy(s, data, n);
   s[n] = '\0';
   int port = -1;
-  if (sg_ckpt_parse_addr(s, host, sizeof(host), &port) == 0 &&
+  if (sg_addr_split(s, host, sizeof(host), &port, NULL) == 0 &&
       (port < 0 || port > 65535 || strlen(host) == 0 ||
        strlen(host) >= sizeof(host)))
     abort();

@@ -90,8 +90,8 @@ static void addr(const uint8_t *p, size_t n) {
     n = sizeof(s) - 1;
   memcpy(s, p, n);
   s[n] = '\0';
-  if (sg__comm_parse_addr(s, host, sizeof(host), &port) == 0 &&
-      (port < 1 || port > 65535 || strlen(host) == 0))
+  if (sg_addr_split(s, host, sizeof(host), &port, NULL) == 0 &&
+      (port < 0 || port > 65535 || strlen(host) == 0))
     abort();
 }
 

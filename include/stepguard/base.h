@@ -334,6 +334,72 @@ SG_EXPORT size_t sg_sock_registered_count(void);
  */
 SG_EXPORT unsigned sg_sock_fork_count(void);
 
+/* ---- byte order ---------------------------------------------------------- */
+
+/*
+ * Little-endian codecs for the binary wire formats (checkpoint, comm
+ * handshake, same-host identity): one copy, byte by byte, so they are right
+ * on any host and at any alignment.
+ */
+static inline void sg_put_le16(uint8_t *p, uint16_t v) {
+  p[0] = (uint8_t)v;
+  p[1] = (uint8_t)(v >> 8);
+}
+static inline void sg_put_le32(uint8_t *p, uint32_t v) {
+  for (int i = 0; i < 4; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline void sg_put_le64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++)
+    p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint16_t sg_get_le16(const uint8_t *p) {
+  return (uint16_t)(p[0] | (uint16_t)(p[1] << 8));
+}
+static inline uint32_t sg_get_le32(const uint8_t *p) {
+  uint32_t v = 0;
+  for (int i = 3; i >= 0; i--)
+    v = v << 8 | p[i];
+  return v;
+}
+static inline uint64_t sg_get_le64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; i--)
+    v = v << 8 | p[i];
+  return v;
+}
+
+/* ---- addresses ------------------------------------------------------------
+ */
+
+/* The longest "host:port" any address parser accepts. */
+#define SG_ADDR_MAX 300
+
+/*
+ * sg_addr_split: "host:port" or "[v6]:port" into `host` (brackets removed,
+ * NUL-terminated, at most hostcap bytes with the NUL) and *port (0..65535:
+ * a caller that dials refuses 0 itself).  The one address parser of the
+ * library: an IPv6 address needs brackets, the host is visible ASCII, the
+ * port one to five digits.  Returns 0 or SG_EINVAL with the reason in err
+ * (which may be NULL).  Pure.
+ */
+SG_EXPORT int sg_addr_split(const char *addr, char *host, size_t hostcap,
+                            int *port, sg_err_t *err);
+
+/*
+ * sg_addr_advertised: the host peers should use to reach this process, by
+ * the one rule every server follows: $STEPGUARD_ADVERTISE_HOST, else
+ * `option`, else `fallback`, else gethostname().  The variable wins over the
+ * option because training code usually passes socket.gethostname() by
+ * default, and the operator who sets the variable knows which network must
+ * carry the traffic.  A name that is a network interface ("eth1") becomes
+ * that interface's first IPv4 (else IPv6) address; an IPv6 address (found
+ * or given) comes in brackets, ready to be followed by ":port".
+ * Writes a NUL-terminated host of at most cap bytes into `host`.
+ */
+SG_EXPORT void sg_addr_advertised(const char *option, const char *fallback,
+                                  char *host, size_t cap);
+
 /* sg_hex_digit: the value of hexadecimal digit `c` (either case), or -1. */
 SG_EXPORT int sg_hex_digit(char c);
 

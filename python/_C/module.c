@@ -225,6 +225,34 @@ static PyObject *py_raise_error(PyObject *module, PyObject *args) {
   return raise_sg(module, code, detail);
 }
 
+/* split_address(addr) -> (host, port): the library's address parser. */
+static PyObject *py_split_address(PyObject *module, PyObject *arg) {
+  const char *addr = PyUnicode_AsUTF8(arg);
+  if (!addr)
+    return NULL;
+  char host[SG_ADDR_MAX + 1];
+  int port = 0;
+  sg_err_t err;
+  int rc = sg_addr_split(addr, host, sizeof(host), &port, &err);
+  if (rc)
+    return raise_sg(module, rc, err.msg);
+  return Py_BuildValue("(si)", host, port);
+}
+
+/* advertised_host(option=None, fallback=None) -> str: the host peers use
+ * to reach this process, by the rule every server follows. */
+static PyObject *py_advertised_host(PyObject *module, PyObject *args,
+                                    PyObject *kw) {
+  static char *kwlist[] = {"option", "fallback", NULL};
+  const char *option = NULL, *fallback = NULL;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "|zz:advertised_host", kwlist,
+                                   &option, &fallback))
+    return NULL;
+  char host[SG_ADDR_MAX + 1];
+  sg_addr_advertised(option, fallback, host, sizeof(host));
+  return PyUnicode_FromString(host);
+}
+
 /* lighthouse_main(argv): the stepguard-lighthouse program; blocks until
  * SIGINT or SIGTERM with the GIL released. */
 static PyObject *py_lighthouse_main(PyObject *module, PyObject *arg) {
@@ -283,6 +311,14 @@ static PyMethodDef module_methods[] = {
      "registered_sockets() -> int: sockets a fork would drop."},
     {"fork_count", py_fork_count, METH_NOARGS,
      "fork_count() -> int: forks since the original process."},
+    {"split_address", py_split_address, METH_O,
+     "split_address(addr) -> (host, port): \"host:port\" or \"[v6]:port\" "
+     "(raises ValueError)."},
+    {"advertised_host", (PyCFunction)(void (*)(void))py_advertised_host,
+     METH_VARARGS | METH_KEYWORDS,
+     "advertised_host(option=None, fallback=None) -> str: "
+     "$STEPGUARD_ADVERTISE_HOST, else option, else fallback, else the host "
+     "name; an interface name becomes its address, IPv6 in brackets."},
     {"_raise_error", py_raise_error, METH_VARARGS,
      "_raise_error(code, detail=''): raise the exception for a code (tests)."},
     {NULL, NULL, 0, NULL},

@@ -126,8 +126,8 @@ VARIABLES: Tuple[Var, ...] = (
         "`thread`: each bucket completes on the process group's thread", _PY),
     # --- process groups and collectives ---
     Var("STEPGUARD_COMM_HOST", None, "str", None,
-        "address ProcessGroupTCP advertises to its peers (default: the one routing "
-        "to the store)", _PY),
+        "address ProcessGroupTCP advertises to its peers, as given (default: "
+        "STEPGUARD_ADVERTISE_HOST's rule, then the address routing to the store)", _PY),
     Var("STEPGUARD_COMM_PROGRESS_TIMEOUT_SEC", None, "float", 2.0,
         "ProcessGroupTCP: a peer silent this long (seconds, fractions allowed) "
         "during an operation fails it; 0 off; wins over the progress_timeout "
@@ -149,8 +149,8 @@ VARIABLES: Tuple[Var, ...] = (
         note="torch's variable"),
     # --- checkpoint transfer ---
     Var("STEPGUARD_ADVERTISE_HOST", None, "str", None,
-        "host (or interface name, in C) peers use to fetch checkpoints from this "
-        "process", _BOTH),
+        "host (or interface name) peers use to reach this process's manager, "
+        "checkpoint and collectives servers; wins over a hostname argument", _BOTH),
     # --- the launcher and its workers ---
     Var("STEPGUARD_EVENTS_FD", None, "str", None,
         "pipe a worker writes its events to", _PY, note="set by the launcher"),

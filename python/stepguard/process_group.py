@@ -76,7 +76,7 @@ from torch.distributed.distributed_c10d import (
 )
 from torch.futures import Future
 
-from stepguard import config
+from stepguard import _C, config
 from stepguard.futures import context_timeout, stream_timeout
 from stepguard.work import _DummyWork
 
@@ -134,12 +134,17 @@ def _split_store_addr(store_addr: str) -> tuple[str, int, str]:
     """``host:port/prefix`` (host may be ``[v6]`` or a bare v6 address) ->
     (host, port, prefix)."""
     hostport, _, prefix = store_addr.partition("/")
-    host, sep, port = hostport.rpartition(":")
-    if not sep or not port.isdigit():
+    if hostport.count(":") > 1 and not hostport.startswith("["):
+        # a torchft peer writes an IPv6 host without brackets
+        h, _, p = hostport.rpartition(":")
+        hostport = f"[{h}]:{p}"
+    try:
+        host, port = _C.split_address(hostport)
+    except _C.Error as e:
         raise ValueError(
-            f"store address must be host:port/prefix, got {store_addr!r}"
-        )
-    return host.strip("[]"), int(port), prefix
+            f"store address must be host:port/prefix, got {store_addr!r}: {e}"
+        ) from None
+    return host, port, prefix
 
 
 def create_store_client(store_addr: str, timeout: timedelta) -> Store:

@@ -118,22 +118,27 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _advertise_host(store_host: Optional[str]) -> str:
-    """The local address that peers can reach: the one routing to the
-    store, unless ``STEPGUARD_COMM_HOST`` says otherwise."""
-    env = config.get("STEPGUARD_COMM_HOST")
-    if env:
-        return env
+    """The local address that peers can reach: ``STEPGUARD_COMM_HOST`` (the
+    collectives' own override, used as given), else by the rule every
+    stepguard server follows: ``STEPGUARD_ADVERTISE_HOST`` (an interface
+    name there becomes its address), else the local address that routes to
+    the store."""
+    own = config.get("STEPGUARD_COMM_HOST")
+    if own:
+        return own
+    fallback = None
     target = store_host or config.get("MASTER_ADDR")
     if target:
         try:
             family = socket.AF_INET6 if ":" in target else socket.AF_INET
             with socket.socket(family, socket.SOCK_DGRAM) as s:
                 s.connect((target, 9))  # no packet is sent
-                host = s.getsockname()[0]
-            return f"[{host}]" if ":" in host else host
+                fallback = s.getsockname()[0]
         except OSError:
             pass
-    return socket.gethostbyname(socket.gethostname())
+    if fallback is None:
+        fallback = socket.gethostbyname(socket.gethostname())
+    return _C.advertised_host(fallback=fallback)
 
 
 class _Staged:

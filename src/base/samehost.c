@@ -57,30 +57,18 @@ int sg_samehost_self(sg_samehost_id_t *out) {
   return 0;
 }
 
-static void put_le(uint8_t *p, uint64_t v, int n) {
-  for (int i = 0; i < n; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static uint64_t get_le(const uint8_t *p, int n) {
-  uint64_t v = 0;
-  for (int i = 0; i < n; i++)
-    v |= (uint64_t)p[i] << (8 * i);
-  return v;
-}
-
 void sg_samehost_encode(const sg_samehost_id_t *id, uint8_t *out) {
   memcpy(out, id->boot_id, 16);
-  put_le(out + 16, id->pid_ns, 8);
-  put_le(out + 24, id->pid, 4);
-  put_le(out + 28, id->flags, 4);
+  sg_put_le64(out + 16, id->pid_ns);
+  sg_put_le32(out + 24, id->pid);
+  sg_put_le32(out + 28, id->flags);
 }
 
 void sg_samehost_decode(const uint8_t *in, sg_samehost_id_t *id) {
   memcpy(id->boot_id, in, 16);
-  id->pid_ns = get_le(in + 16, 8);
-  id->pid = (uint32_t)get_le(in + 24, 4);
-  id->flags = (uint32_t)get_le(in + 28, 4);
+  id->pid_ns = sg_get_le64(in + 16);
+  id->pid = (uint32_t)sg_get_le32(in + 24);
+  id->flags = (uint32_t)sg_get_le32(in + 28);
 }
 
 int sg_samehost_match(const sg_samehost_id_t *self,

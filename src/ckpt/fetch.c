@@ -43,7 +43,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "ckpt/ckpt_internal.h"
+#include "ckpt/ckpt_int.h"
 
 #define SLICE_MS 100
 #define IOV_BATCH 256
@@ -125,9 +125,11 @@ static int conn_open(sg_ckpt_fetch_t *f, const char *addr, sg_deadline_t d,
   char host[SG_CKPT_MAX_ADDR + 1], svc[8];
   int port, fd = -1, rc;
   struct addrinfo hints, *res = NULL;
-  if (sg_ckpt_parse_addr(addr, host, sizeof(host), &port) || port == 0)
-    return sg_err_set(err, SG_EINVAL, "bad checkpoint address \"%s\"",
-                      addr ? addr : "");
+  if ((rc = sg_addr_split(addr, host, sizeof(host), &port, err)) != 0)
+    return rc;
+  if (port == 0)
+    return sg_err_set(err, SG_EINVAL, "checkpoint address \"%s\": port 0",
+                      addr);
   memset(&hints, 0, sizeof(hints));
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;

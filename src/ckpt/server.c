@@ -46,7 +46,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "ckpt/ckpt_internal.h"
+#include "ckpt/ckpt_int.h"
 
 #define IOV_BATCH 256    /* iovec entries per sendmsg */
 #define ACCEPT_BUDGET 16 /* accepts per wakeup */
@@ -584,8 +584,8 @@ int sg_ckpt_server_start(const sg_ckpt_server_opts_t *o, sg_ckpt_server_t **out,
   char host[SG_CKPT_MAX_ADDR + 1] = "";
   int port = 0, rc;
   if (o->bind && o->bind[0] &&
-      sg_ckpt_parse_addr(o->bind, host, sizeof(host), &port))
-    return sg_err_set(err, SG_EINVAL, "bad bind address \"%s\"", o->bind);
+      sg_addr_split(o->bind, host, sizeof(host), &port, err))
+    return SG_EINVAL;
   size_t tl = o->auth_token ? strlen(o->auth_token) : 0;
   if (tl > SG_CKPT_MAX_TOKEN)
     return sg_err_set(err, SG_EINVAL, "auth token over %d bytes",
@@ -690,7 +690,7 @@ int sg_ckpt_server_serve(sg_ckpt_server_t *s, int64_t step, const void *header,
     }
     regs[i] = regions[i];
     prefix[i + 1] = prefix[i] + regions[i].len;
-    sg__ckpt_put64(lens + 8 * i, regions[i].len);
+    sg_put_le64(lens + 8 * i, regions[i].len);
   }
   uint64_t *lv = NULL;
   if (n) {
@@ -712,8 +712,8 @@ int sg_ckpt_server_serve(sg_ckpt_server_t *s, int64_t step, const void *header,
     }
     for (size_t i = 0; i < n; i++) {
       uint8_t *d = map + SG_CKPT_MAP_FIXED + SG_CKPT_DESC_LEN * i;
-      sg__ckpt_put64(d, (uint64_t)(uintptr_t)regions[i].ptr);
-      sg__ckpt_put64(d + 8, regions[i].len);
+      sg_put_le64(d, (uint64_t)(uintptr_t)regions[i].ptr);
+      sg_put_le64(d + 8, regions[i].len);
     }
   }
   pthread_mutex_lock(&s->mu);

@@ -9,42 +9,7 @@
  */
 #include <string.h>
 
-#include "ckpt/ckpt_internal.h"
-
-static void put16(uint8_t *p, uint16_t v) {
-  p[0] = (uint8_t)v;
-  p[1] = (uint8_t)(v >> 8);
-}
-
-static void put32(uint8_t *p, uint32_t v) {
-  for (int i = 0; i < 4; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static void put64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static uint16_t get16(const uint8_t *p) {
-  return (uint16_t)(p[0] | (uint16_t)p[1] << 8);
-}
-
-static uint32_t get32(const uint8_t *p) {
-  uint32_t v = 0;
-  for (int i = 3; i >= 0; i--)
-    v = v << 8 | p[i];
-  return v;
-}
-
-uint64_t sg__ckpt_get64(const uint8_t *p) {
-  uint64_t v = 0;
-  for (int i = 7; i >= 0; i--)
-    v = v << 8 | p[i];
-  return v;
-}
-
-void sg__ckpt_put64(uint8_t *p, uint64_t v) { put64(p, v); }
+#include "ckpt/ckpt_int.h"
 
 int sg_ckpt_req_encode(const sg_ckpt_req_t *r, uint8_t *out) {
   if ((r->kind != SG_CKPT_KIND_INFO && r->kind != SG_CKPT_KIND_DATA &&
@@ -54,14 +19,14 @@ int sg_ckpt_req_encode(const sg_ckpt_req_t *r, uint8_t *out) {
   uint64_t length =
       r->kind == SG_CKPT_KIND_MAP ? SG_SAMEHOST_ID_LEN : r->length;
   memset(out, 0, SG_CKPT_REQ_FIXED);
-  put32(out, SG_CKPT_REQ_MAGIC);
-  put16(out + 4, SG_CKPT_VERSION);
-  put16(out + 6, (uint16_t)r->kind);
-  put64(out + 8, (uint64_t)r->step);
-  put64(out + 16, r->layout);
-  put64(out + 24, r->offset);
-  put64(out + 32, length);
-  put16(out + 40, (uint16_t)r->token_len);
+  sg_put_le32(out, SG_CKPT_REQ_MAGIC);
+  sg_put_le16(out + 4, SG_CKPT_VERSION);
+  sg_put_le16(out + 6, (uint16_t)r->kind);
+  sg_put_le64(out + 8, (uint64_t)r->step);
+  sg_put_le64(out + 16, r->layout);
+  sg_put_le64(out + 24, r->offset);
+  sg_put_le64(out + 32, length);
+  sg_put_le16(out + 40, (uint16_t)r->token_len);
   if (r->token_len)
     memcpy(out + SG_CKPT_REQ_FIXED, r->token, r->token_len);
   if (r->kind != SG_CKPT_KIND_MAP)
@@ -74,21 +39,21 @@ int sg_ckpt_req_encode(const sg_ckpt_req_t *r, uint8_t *out) {
 int sg_ckpt_req_parse(const uint8_t *p, size_t len, sg_ckpt_req_t *r) {
   /* Reject a wrong magic as soon as four bytes are in, so a client that
    * speaks another protocol (HTTP, TLS) is told at once. */
-  if (len >= 4 && get32(p) != SG_CKPT_REQ_MAGIC)
+  if (len >= 4 && sg_get_le32(p) != SG_CKPT_REQ_MAGIC)
     return SG_EPROTO;
   if (len < SG_CKPT_REQ_FIXED)
     return 0;
   memset(r, 0, sizeof(*r));
-  if (get16(p + 4) != SG_CKPT_VERSION)
+  if (sg_get_le16(p + 4) != SG_CKPT_VERSION)
     return SG_EPROTO;
-  r->kind = get16(p + 6);
-  int64_t step = (int64_t)sg__ckpt_get64(p + 8);
+  r->kind = sg_get_le16(p + 6);
+  int64_t step = (int64_t)sg_get_le64(p + 8);
   r->step = step;
-  r->layout = sg__ckpt_get64(p + 16);
-  r->offset = sg__ckpt_get64(p + 24);
-  r->length = sg__ckpt_get64(p + 32);
-  r->token_len = get16(p + 40);
-  if (get16(p + 42) != 0 || get32(p + 44) != 0 || step < 0 ||
+  r->layout = sg_get_le64(p + 16);
+  r->offset = sg_get_le64(p + 24);
+  r->length = sg_get_le64(p + 32);
+  r->token_len = sg_get_le16(p + 40);
+  if (sg_get_le16(p + 42) != 0 || sg_get_le32(p + 44) != 0 || step < 0 ||
       r->token_len > SG_CKPT_MAX_TOKEN)
     return SG_EPROTO;
   if (r->kind == SG_CKPT_KIND_INFO) {
@@ -115,30 +80,31 @@ int sg_ckpt_req_parse(const uint8_t *p, size_t len, sg_ckpt_req_t *r) {
 
 void sg_ckpt_resp_encode(const sg_ckpt_resp_t *r, uint8_t *out) {
   memset(out, 0, SG_CKPT_RESP_FIXED);
-  put32(out, SG_CKPT_RESP_MAGIC);
-  put16(out + 4, SG_CKPT_VERSION);
-  put16(out + 6, (uint16_t)r->kind);
-  put32(out + 8, (uint32_t)r->status);
-  put32(out + 12, r->nregions);
-  put64(out + 16, (uint64_t)r->step);
-  put64(out + 24, r->layout);
-  put64(out + 32, r->payload);
-  put64(out + 40, r->aux);
+  sg_put_le32(out, SG_CKPT_RESP_MAGIC);
+  sg_put_le16(out + 4, SG_CKPT_VERSION);
+  sg_put_le16(out + 6, (uint16_t)r->kind);
+  sg_put_le32(out + 8, (uint32_t)r->status);
+  sg_put_le32(out + 12, r->nregions);
+  sg_put_le64(out + 16, (uint64_t)r->step);
+  sg_put_le64(out + 24, r->layout);
+  sg_put_le64(out + 32, r->payload);
+  sg_put_le64(out + 40, r->aux);
 }
 
 int sg_ckpt_resp_parse(const uint8_t *p, size_t len, sg_ckpt_resp_t *r) {
   if (len < SG_CKPT_RESP_FIXED)
     return SG_EAGAIN;
   memset(r, 0, sizeof(*r));
-  if (get32(p) != SG_CKPT_RESP_MAGIC || get16(p + 4) != SG_CKPT_VERSION)
+  if (sg_get_le32(p) != SG_CKPT_RESP_MAGIC ||
+      sg_get_le16(p + 4) != SG_CKPT_VERSION)
     return SG_EPROTO;
-  r->kind = get16(p + 6);
-  r->status = (int32_t)get32(p + 8);
-  r->nregions = get32(p + 12);
-  r->step = (int64_t)sg__ckpt_get64(p + 16);
-  r->layout = sg__ckpt_get64(p + 24);
-  r->payload = sg__ckpt_get64(p + 32);
-  r->aux = sg__ckpt_get64(p + 40);
+  r->kind = sg_get_le16(p + 6);
+  r->status = (int32_t)sg_get_le32(p + 8);
+  r->nregions = sg_get_le32(p + 12);
+  r->step = (int64_t)sg_get_le64(p + 16);
+  r->layout = sg_get_le64(p + 24);
+  r->payload = sg_get_le64(p + 32);
+  r->aux = sg_get_le64(p + 40);
   if (r->kind != SG_CKPT_KIND_INFO && r->kind != SG_CKPT_KIND_DATA &&
       r->kind != SG_CKPT_KIND_MAP)
     return SG_EPROTO;
@@ -172,7 +138,7 @@ int sg_ckpt_lengths_parse(const uint8_t *p, size_t n, uint64_t *out,
   if (n > SG_CKPT_MAX_REGIONS)
     return SG_EPROTO;
   for (size_t i = 0; i < n; i++) {
-    uint64_t v = sg__ckpt_get64(p + 8 * i);
+    uint64_t v = sg_get_le64(p + 8 * i);
     if (v > SG_CKPT_MAX_TOTAL - sum)
       return SG_EPROTO;
     sum += v;
@@ -184,7 +150,7 @@ int sg_ckpt_lengths_parse(const uint8_t *p, size_t n, uint64_t *out,
 
 void sg_ckpt_map_encode(const sg_ckpt_map_t *m, uint8_t *out) {
   sg_samehost_encode(&m->id, out);
-  put64(out + SG_SAMEHOST_ID_LEN, m->beacon_addr);
+  sg_put_le64(out + SG_SAMEHOST_ID_LEN, m->beacon_addr);
   memcpy(out + SG_SAMEHOST_ID_LEN + 8, m->beacon, SG_CKPT_BEACON_LEN);
 }
 
@@ -193,7 +159,7 @@ int sg_ckpt_map_parse(const uint8_t *p, size_t len, sg_ckpt_map_t *m) {
     return SG_EAGAIN;
   memset(m, 0, sizeof(*m));
   sg_samehost_decode(p, &m->id);
-  m->beacon_addr = sg__ckpt_get64(p + SG_SAMEHOST_ID_LEN);
+  m->beacon_addr = sg_get_le64(p + SG_SAMEHOST_ID_LEN);
   memcpy(m->beacon, p + SG_SAMEHOST_ID_LEN + 8, SG_CKPT_BEACON_LEN);
   if (m->id.flags != 0 || m->id.pid == 0 || m->beacon_addr == 0 ||
       m->beacon_addr > UINT64_MAX / 2)
@@ -207,8 +173,8 @@ int sg_ckpt_desc_parse(const uint8_t *p, size_t n, const uint64_t *lens,
   if (n > SG_CKPT_MAX_REGIONS)
     return SG_EPROTO;
   for (size_t i = 0; i < n; i++) {
-    uint64_t a = sg__ckpt_get64(p + SG_CKPT_DESC_LEN * i);
-    uint64_t l = sg__ckpt_get64(p + SG_CKPT_DESC_LEN * i + 8);
+    uint64_t a = sg_get_le64(p + SG_CKPT_DESC_LEN * i);
+    uint64_t l = sg_get_le64(p + SG_CKPT_DESC_LEN * i + 8);
     if (l != lens[i] || (l && a == 0) || a > top || l > top - a)
       return SG_EPROTO;
     addrs[i] = a;
@@ -219,51 +185,15 @@ int sg_ckpt_desc_parse(const uint8_t *p, size_t n, const uint64_t *lens,
 uint64_t sg_ckpt_layout_id(const uint64_t *lens, size_t n) {
   uint64_t h = 0xcbf29ce484222325ull; /* FNV-1a offset basis */
   uint8_t b[8];
-  put64(b, (uint64_t)n);
+  sg_put_le64(b, (uint64_t)n);
   for (int k = 0; k < 8; k++)
     h = (h ^ b[k]) * 0x100000001b3ull;
   for (size_t i = 0; i < n; i++) {
-    put64(b, lens[i]);
+    sg_put_le64(b, lens[i]);
     for (int k = 0; k < 8; k++)
       h = (h ^ b[k]) * 0x100000001b3ull;
   }
   return h;
-}
-
-int sg_ckpt_parse_addr(const char *addr, char *host, size_t hostcap,
-                       int *port) {
-  size_t len = addr ? strnlen(addr, SG_CKPT_MAX_ADDR + 1) : 0;
-  if (len == 0 || len > SG_CKPT_MAX_ADDR)
-    return SG_EINVAL;
-  const char *colon = memrchr(addr, ':', len);
-  if (!colon || colon == addr)
-    return SG_EINVAL;
-  const char *h = addr;
-  size_t hl = (size_t)(colon - addr);
-  if (h[0] == '[') {
-    if (hl < 3 || h[hl - 1] != ']')
-      return SG_EINVAL;
-    h++;
-    hl -= 2;
-  }
-  if (hl + 1 > hostcap)
-    return SG_EINVAL;
-  const char *ps = colon + 1;
-  size_t pl = len - (size_t)(ps - addr);
-  if (pl == 0 || pl > 5)
-    return SG_EINVAL;
-  int v = 0;
-  for (size_t i = 0; i < pl; i++) {
-    if (ps[i] < '0' || ps[i] > '9')
-      return SG_EINVAL;
-    v = v * 10 + (ps[i] - '0');
-  }
-  if (v > 65535)
-    return SG_EINVAL;
-  memcpy(host, h, hl);
-  host[hl] = '\0';
-  *port = v;
-  return 0;
 }
 
 uint64_t sg_ckpt_plan_chunk(uint64_t total, size_t nstreams,

@@ -150,10 +150,6 @@ int sg__comm_hello_check(const sg__comm_hello_t *h, uint64_t generation,
                          int rank, int world, const char *job,
                          const char *token, sg_err_t *err);
 
-/* sg__comm_parse_addr: "host:port" or "[v6]:port" into host (cap bytes) and
- * port; 0 or SG_EINVAL. */
-int sg__comm_parse_addr(const char *addr, char *host, size_t cap, int *port);
-
 /* ---- plans (plan.c) ---------------------------------------------------- */
 
 /*

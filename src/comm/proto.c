@@ -10,39 +10,6 @@
 
 #include "comm/comm_int.h"
 
-static void put16(uint8_t *p, uint16_t v) {
-  p[0] = (uint8_t)v;
-  p[1] = (uint8_t)(v >> 8);
-}
-
-static void put32(uint8_t *p, uint32_t v) {
-  for (int i = 0; i < 4; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static void put64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static uint16_t get16(const uint8_t *p) {
-  return (uint16_t)(p[0] | (p[1] << 8));
-}
-
-static uint32_t get32(const uint8_t *p) {
-  uint32_t v = 0;
-  for (int i = 3; i >= 0; i--)
-    v = (v << 8) | p[i];
-  return v;
-}
-
-static uint64_t get64(const uint8_t *p) {
-  uint64_t v = 0;
-  for (int i = 7; i >= 0; i--)
-    v = (v << 8) | p[i];
-  return v;
-}
-
 enum { KIND_HELLO = 1, KIND_REPLY = 2 };
 
 int sg__comm_hello_encode(uint8_t *buf, uint64_t generation, uint32_t rank,
@@ -51,13 +18,13 @@ int sg__comm_hello_encode(uint8_t *buf, uint64_t generation, uint32_t rank,
   if (jl > SG_COMM_MAX_JOB || tl > SG_COMM_MAX_TOKEN)
     return SG_ETOOBIG;
   memcpy(buf, "SGC1", 4);
-  put16(buf + 4, SG__COMM_VERSION);
-  put16(buf + 6, KIND_HELLO);
-  put64(buf + 8, generation);
-  put32(buf + 16, rank);
-  put32(buf + 20, world);
-  put16(buf + 24, (uint16_t)jl);
-  put16(buf + 26, (uint16_t)tl);
+  sg_put_le16(buf + 4, SG__COMM_VERSION);
+  sg_put_le16(buf + 6, KIND_HELLO);
+  sg_put_le64(buf + 8, generation);
+  sg_put_le32(buf + 16, rank);
+  sg_put_le32(buf + 20, world);
+  sg_put_le16(buf + 24, (uint16_t)jl);
+  sg_put_le16(buf + 26, (uint16_t)tl);
   if (jl)
     memcpy(buf + SG__COMM_HELLO_FIXED, job, jl);
   if (tl)
@@ -67,8 +34,8 @@ int sg__comm_hello_encode(uint8_t *buf, uint64_t generation, uint32_t rank,
 
 /* check_head: magic, version and kind of the first 8 bytes. */
 static int check_head(const uint8_t *p, uint16_t kind) {
-  if (memcmp(p, "SGC1", 4) != 0 || get16(p + 4) != SG__COMM_VERSION ||
-      get16(p + 6) != kind)
+  if (memcmp(p, "SGC1", 4) != 0 || sg_get_le16(p + 4) != SG__COMM_VERSION ||
+      sg_get_le16(p + 6) != kind)
     return SG_EPROTO;
   return 0;
 }
@@ -82,11 +49,11 @@ int sg__comm_hello_parse(const uint8_t *p, size_t n, sg__comm_hello_t *h) {
     return 0;
   if (check_head(p, KIND_HELLO))
     return SG_EPROTO;
-  h->generation = get64(p + 8);
-  h->rank = get32(p + 16);
-  h->world = get32(p + 20);
-  h->job_len = get16(p + 24);
-  h->token_len = get16(p + 26);
+  h->generation = sg_get_le64(p + 8);
+  h->rank = sg_get_le32(p + 16);
+  h->world = sg_get_le32(p + 20);
+  h->job_len = sg_get_le16(p + 24);
+  h->token_len = sg_get_le16(p + 26);
   if (h->job_len > SG_COMM_MAX_JOB || h->token_len > SG_COMM_MAX_TOKEN)
     return SG_EPROTO;
   size_t total = SG__COMM_HELLO_FIXED + (size_t)h->job_len + h->token_len;
@@ -100,11 +67,11 @@ int sg__comm_hello_parse(const uint8_t *p, size_t n, sg__comm_hello_t *h) {
 void sg__comm_reply_encode(uint8_t *buf, uint64_t generation, uint32_t rank,
                            int32_t status) {
   memcpy(buf, "SGC1", 4);
-  put16(buf + 4, SG__COMM_VERSION);
-  put16(buf + 6, KIND_REPLY);
-  put64(buf + 8, generation);
-  put32(buf + 16, rank);
-  put32(buf + 20, (uint32_t)status);
+  sg_put_le16(buf + 4, SG__COMM_VERSION);
+  sg_put_le16(buf + 6, KIND_REPLY);
+  sg_put_le64(buf + 8, generation);
+  sg_put_le32(buf + 16, rank);
+  sg_put_le32(buf + 20, (uint32_t)status);
 }
 
 int sg__comm_reply_parse(const uint8_t *p, size_t n, sg__comm_reply_t *r) {
@@ -115,9 +82,9 @@ int sg__comm_reply_parse(const uint8_t *p, size_t n, sg__comm_reply_t *r) {
     return 0;
   if (check_head(p, KIND_REPLY))
     return SG_EPROTO;
-  r->generation = get64(p + 8);
-  r->rank = get32(p + 16);
-  r->status = (int32_t)get32(p + 20);
+  r->generation = sg_get_le64(p + 8);
+  r->rank = sg_get_le32(p + 16);
+  r->status = (int32_t)sg_get_le32(p + 20);
   if (r->status != 0 && r->status != SG_EAUTH && r->status != SG_EPROTO)
     return SG_EPROTO; /* only the statuses an acceptor sends */
   return SG__COMM_REPLY_LEN;
@@ -133,12 +100,12 @@ void sg__comm_frame_encode(uint8_t *buf, const sg__comm_frame_t *f) {
   int ka = t == SG__COMM_FRAME_KEEPALIVE;
   int has_kind = t == SG__COMM_FRAME_OP || t == SG__COMM_FRAME_ACK;
   memcpy(buf, frame_magic[t], 4);
-  put16(buf + 4, has_kind ? f->kind : 0);
-  put16(buf + 6, t == SG__COMM_FRAME_OP ? f->flags : 0);
-  put64(buf + 8, ka ? 0 : f->seq);
-  put64(buf + 16, t == SG__COMM_FRAME_BYE || t == SG__COMM_FRAME_PULL || ka
-                      ? 0
-                      : f->bytes);
+  sg_put_le16(buf + 4, has_kind ? f->kind : 0);
+  sg_put_le16(buf + 6, t == SG__COMM_FRAME_OP ? f->flags : 0);
+  sg_put_le64(buf + 8, ka ? 0 : f->seq);
+  sg_put_le64(
+      buf + 16,
+      t == SG__COMM_FRAME_BYE || t == SG__COMM_FRAME_PULL || ka ? 0 : f->bytes);
 }
 
 int sg__comm_frame_parse(const uint8_t *p, size_t n, sg__comm_frame_t *f) {
@@ -150,10 +117,10 @@ int sg__comm_frame_parse(const uint8_t *p, size_t n, sg__comm_frame_t *f) {
       f->type = t;
   if (!f->type)
     return SG_EPROTO;
-  f->kind = get16(p + 4);
-  f->flags = get16(p + 6);
-  f->seq = get64(p + 8);
-  f->bytes = get64(p + 16);
+  f->kind = sg_get_le16(p + 4);
+  f->flags = sg_get_le16(p + 6);
+  f->seq = sg_get_le64(p + 8);
+  f->bytes = sg_get_le64(p + 16);
   int has_kind = f->type == SG__COMM_FRAME_OP || f->type == SG__COMM_FRAME_ACK;
   if (!has_kind && f->kind != 0)
     return SG_EPROTO;
@@ -177,20 +144,20 @@ int sg__comm_frame_parse(const uint8_t *p, size_t n, sg__comm_frame_t *f) {
 
 void sg__comm_offer_encode(uint8_t *buf, const sg__comm_offer_t *o) {
   memcpy(buf, "SGSH", 4);
-  put16(buf + 4, SG__COMM_VERSION);
-  put16(buf + 6, o->flags);
+  sg_put_le16(buf + 4, SG__COMM_VERSION);
+  sg_put_le16(buf + 6, o->flags);
   memcpy(buf + 8, o->id, 32);
-  put64(buf + 40, o->probe_addr);
+  sg_put_le64(buf + 40, o->probe_addr);
   memcpy(buf + 48, o->probe, SG__COMM_PROBE_LEN);
 }
 
 int sg__comm_offer_parse(const uint8_t *p, size_t n, sg__comm_offer_t *o) {
   if (n != SG__COMM_OFFER_LEN || memcmp(p, "SGSH", 4) != 0 ||
-      get16(p + 4) != SG__COMM_VERSION || (get16(p + 6) & ~1u))
+      sg_get_le16(p + 4) != SG__COMM_VERSION || (sg_get_le16(p + 6) & ~1u))
     return SG_EPROTO;
-  o->flags = get16(p + 6);
+  o->flags = sg_get_le16(p + 6);
   memcpy(o->id, p + 8, 32);
-  o->probe_addr = get64(p + 40);
+  o->probe_addr = sg_get_le64(p + 40);
   memcpy(o->probe, p + 48, SG__COMM_PROBE_LEN);
   return 0;
 }
@@ -221,31 +188,5 @@ int sg__comm_hello_check(const sg__comm_hello_t *h, uint64_t generation,
                       h->rank, rank);
   if (!same_bytes(h->token, h->token_len, token))
     return sg_err_set(err, SG_EAUTH, "wrong authentication token");
-  return 0;
-}
-
-int sg__comm_parse_addr(const char *addr, char *host, size_t cap, int *port) {
-  if (!addr)
-    return SG_EINVAL;
-  const char *colon = strrchr(addr, ':');
-  if (!colon || colon == addr)
-    return SG_EINVAL;
-  const char *h = addr;
-  size_t hl = (size_t)(colon - addr);
-  if (h[0] == '[') {
-    if (hl < 2 || h[hl - 1] != ']')
-      return SG_EINVAL;
-    h++;
-    hl -= 2;
-  }
-  if (hl == 0 || hl >= cap)
-    return SG_EINVAL;
-  char *end = NULL;
-  long p = strtol(colon + 1, &end, 10);
-  if (!colon[1] || *end || p <= 0 || p > 65535)
-    return SG_EINVAL;
-  memcpy(host, h, hl);
-  host[hl] = '\0';
-  *port = (int)p;
   return 0;
 }

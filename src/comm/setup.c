@@ -199,7 +199,7 @@ static int dial(sg_comm_t *c, int p, const char *addr, sg_deadline_t deadline,
   int port = 0, fd = -1, rc;
   uint8_t hello[SG__COMM_HELLO_MAX], reply[SG__COMM_REPLY_LEN];
   size_t got = 0;
-  if (sg__comm_parse_addr(addr, host, sizeof(host), &port))
+  if (sg_addr_split(addr, host, sizeof(host), &port, NULL) || port == 0)
     return sg_err_set(err, SG_EINVAL, "rank %d: bad address \"%s\"", p,
                       addr ? addr : "(null)");
   for (;;) {

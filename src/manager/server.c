@@ -12,10 +12,6 @@
  *                from the wire; the votes of the commit round
  *   lifecycle    the loop thread, start, stop
  */
-#include <arpa/inet.h>
-#include <ifaddrs.h>
-#include <net/if.h>
-#include <netinet/in.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1187,52 +1183,6 @@ static int validate(const sg_mgr_server_opts_t *o, sg_err_t *err) {
   return 0;
 }
 
-/* interface_addr: the first IPv4 (else IPv6) address of interface `name`
- * as a URL host ("10.0.0.2", "[fe80::1]"); 0 on success. */
-static int interface_addr(const char *name, char *host, size_t cap) {
-  struct ifaddrs *ifs = NULL;
-  if (getifaddrs(&ifs) != 0)
-    return -1;
-  int found = 0;
-  for (int want = AF_INET; !found && want;
-       want = want == AF_INET ? AF_INET6 : 0)
-    for (struct ifaddrs *i = ifs; !found && i; i = i->ifa_next) {
-      if (!i->ifa_addr || i->ifa_addr->sa_family != want ||
-          strcmp(i->ifa_name, name) != 0)
-        continue;
-      char buf[INET6_ADDRSTRLEN];
-      const void *a =
-          want == AF_INET
-              ? (const void *)&((struct sockaddr_in *)i->ifa_addr)->sin_addr
-              : (const void *)&((struct sockaddr_in6 *)i->ifa_addr)->sin6_addr;
-      if (!inet_ntop(want, a, buf, sizeof(buf)))
-        continue;
-      snprintf(host, cap, want == AF_INET ? "%s" : "[%s]", buf);
-      found = 1;
-    }
-  freeifaddrs(ifs);
-  return found ? 0 : -1;
-}
-
-/*
- * advertised_host: $STEPGUARD_ADVERTISE_HOST, else the hostname option,
- * else gethostname().  The variable wins over the option because training
- * code usually passes socket.gethostname() by default, and the operator who
- * sets the variable knows which network must carry recovery traffic.  When
- * it names a network interface ("eth1"), that interface's address is used.
- */
-static void advertised_host(const char *opt, char *host, size_t cap) {
-  const char *env = getenv("STEPGUARD_ADVERTISE_HOST");
-  if (env && env[0]) {
-    if (!if_nametoindex(env) || interface_addr(env, host, cap) != 0)
-      snprintf(host, cap, "%s", env);
-  } else if (opt && opt[0])
-    snprintf(host, cap, "%s", opt);
-  else if (gethostname(host, cap) != 0)
-    snprintf(host, cap, "localhost");
-  host[cap - 1] = '\0';
-}
-
 int sg_mgr_server_start(const sg_mgr_server_opts_t *o, sg_mgr_server_t **out,
                         sg_err_t *err) {
   sg_mgr_server_t *s = NULL;
@@ -1339,7 +1289,7 @@ int sg_mgr_server_start(const sg_mgr_server_opts_t *o, sg_mgr_server_t **out,
   }
   s->port = sg_rpc_server_port(s->rpc);
   char host[MAX_HOST_LEN + 1];
-  advertised_host(o->hostname, host, sizeof(host));
+  sg_addr_advertised(o->hostname, NULL, host, sizeof(host));
   int v6 = strchr(host, ':') && host[0] != '[';
   size_t alen = strlen(host) + 40;
   s->address = sg_malloc(alen);

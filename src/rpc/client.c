@@ -278,54 +278,24 @@ static int parse_target(struct target_s *ch, const char *t, sg_err_t *err) {
     return sg_err_set(err, SG_EINVAL, "target %s: only http:// is supported",
                       t);
   size_t n = strcspn(p, "/");
-  if (n == 0 || n > 300 || (p[n] == '/' && p[n + 1] != '\0'))
+  if (n == 0 || n > SG_ADDR_MAX || (p[n] == '/' && p[n + 1] != '\0'))
     return sg_err_set(err, SG_EINVAL, "target %s: expected host:port", t);
-  const char *hs, *he, *colon;
-  if (p[0] == '[') {
-    hs = p + 1;
-    he = memchr(p, ']', n);
-    if (!he || he + 1 >= p + n || he[1] != ':')
-      return sg_err_set(err, SG_EINVAL, "target %s: expected [addr]:port", t);
-    colon = he + 1;
-  } else {
-    hs = p;
-    colon = NULL;
-    for (const char *q = p; q < p + n; q++)
-      if (*q == ':') {
-        if (colon)
-          return sg_err_set(err, SG_EINVAL,
-                            "target %s: IPv6 addresses need [brackets]", t);
-        colon = q;
-      }
-    if (!colon)
-      return sg_err_set(err, SG_EINVAL, "target %s: missing :port", t);
-    he = colon;
-  }
-  if (he == hs)
-    return sg_err_set(err, SG_EINVAL, "target %s: empty host", t);
-  for (const char *q = hs; q < he; q++)
-    if ((unsigned char)*q <= 0x20 || (unsigned char)*q > 0x7e)
-      return sg_err_set(err, SG_EINVAL, "target %s: bad host", t);
-  long port = 0;
-  const char *ps = colon + 1, *pe = p + n;
-  if (ps == pe || pe - ps > 5)
-    return sg_err_set(err, SG_EINVAL, "target %s: bad port", t);
-  for (const char *q = ps; q < pe; q++) {
-    if (*q < '0' || *q > '9')
-      return sg_err_set(err, SG_EINVAL, "target %s: bad port", t);
-    port = port * 10 + (*q - '0');
-  }
-  if (port < 1 || port > 65535)
+  char authority[SG_ADDR_MAX + 1], host[SG_ADDR_MAX + 1];
+  int port = 0;
+  memcpy(authority, p, n);
+  authority[n] = '\0';
+  int rc = sg_addr_split(authority, host, sizeof(host), &port, err);
+  if (rc)
+    return rc;
+  if (port == 0)
     return sg_err_set(err, SG_EINVAL, "target %s: port out of range", t);
-  ch->host = sg_malloc((size_t)(he - hs) + 1);
+  ch->host = sg_malloc(strlen(host) + 1);
   ch->authority = sg_malloc(n + 1);
   if (!ch->host || !ch->authority)
     return sg_err_set(err, SG_ENOMEM, "out of memory");
-  memcpy(ch->host, hs, (size_t)(he - hs));
-  ch->host[he - hs] = '\0';
-  memcpy(ch->authority, p, n);
-  ch->authority[n] = '\0';
-  snprintf(ch->port_str, sizeof(ch->port_str), "%ld", port);
+  memcpy(ch->host, host, strlen(host) + 1);
+  memcpy(ch->authority, authority, n + 1);
+  snprintf(ch->port_str, sizeof(ch->port_str), "%d", port);
   return 0;
 }
 

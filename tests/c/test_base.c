@@ -436,6 +436,90 @@ static void test_map_survives_allocation_failure(void **state) {
   sg_map_free(&m);
 }
 
+/* ---- addresses and byte order -------------------------------------------- */
+
+static void test_addr_split_accepts_and_refuses(void **state) {
+  (void)state;
+  char host[64];
+  int port = -1;
+  sg_err_t err;
+  assert_int_equal(sg_addr_split("h.example:80", host, 64, &port, NULL), 0);
+  assert_string_equal(host, "h.example");
+  assert_int_equal(port, 80);
+  assert_int_equal(sg_addr_split("[::1]:65535", host, 64, &port, NULL), 0);
+  assert_string_equal(host, "::1");
+  assert_int_equal(port, 65535);
+  assert_int_equal(sg_addr_split("127.0.0.1:0", host, 64, &port, NULL), 0);
+  assert_int_equal(port, 0); /* binding: a dialer refuses 0 itself */
+  const char *bad[] = {"",        "host",  "h:",     ":80",
+                       "h:65536", "h:1x",  "h:-1",   "h:123456",
+                       "[]:1",    "[::1]", "[::1]5", "::1:5",
+                       "h :1",    "h/x:1", "[::1:5", "h:1:2"};
+  for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+    sg_err_clear(&err);
+    assert_int_equal(sg_addr_split(bad[i], host, 64, &port, &err), SG_EINVAL);
+    assert_non_null(strstr(err.msg, "address"));
+  }
+  assert_int_equal(sg_addr_split(NULL, host, 64, &port, NULL), SG_EINVAL);
+  sg_err_clear(&err);
+  assert_int_equal(sg_addr_split("::1:5", host, 64, &port, &err), SG_EINVAL);
+  assert_non_null(strstr(err.msg, "brackets"));
+  /* the host must fit, with its NUL */
+  assert_int_equal(sg_addr_split("abcd:1", host, 4, &port, NULL), SG_EINVAL);
+  assert_int_equal(sg_addr_split("abc:1", host, 4, &port, NULL), 0);
+  char longaddr[SG_ADDR_MAX + 8];
+  memset(longaddr, 'a', sizeof(longaddr));
+  memcpy(longaddr + SG_ADDR_MAX - 2, ":1", 3);
+  assert_int_equal(sg_addr_split(longaddr, host, 64, &port, NULL), SG_EINVAL);
+  memcpy(longaddr + SG_ADDR_MAX + 2, ":1", 3);
+  assert_int_equal(sg_addr_split(longaddr, host, 64, &port, NULL), SG_EINVAL);
+}
+
+static void test_addr_advertised_rule(void **state) {
+  (void)state;
+  char host[128];
+  char *saved = getenv("STEPGUARD_ADVERTISE_HOST");
+  saved = saved ? strdup(saved) : NULL;
+  unsetenv("STEPGUARD_ADVERTISE_HOST");
+  sg_addr_advertised("opt.example", "fb.example", host, sizeof(host));
+  assert_string_equal(host, "opt.example");
+  sg_addr_advertised(NULL, "fb.example", host, sizeof(host));
+  assert_string_equal(host, "fb.example");
+  sg_addr_advertised("", "", host, sizeof(host));
+  assert_true(host[0] != '\0'); /* gethostname() */
+  sg_addr_advertised("::1", NULL, host, sizeof(host));
+  assert_string_equal(host, "[::1]");
+  sg_addr_advertised("lo", NULL, host, sizeof(host)); /* an interface */
+  assert_string_equal(host, "127.0.0.1");
+  setenv("STEPGUARD_ADVERTISE_HOST", "env.example", 1);
+  sg_addr_advertised("opt.example", "fb.example", host, sizeof(host));
+  assert_string_equal(host, "env.example"); /* the variable wins */
+  sg_addr_advertised("opt.example", NULL, host, 4);
+  assert_string_equal(host, "env"); /* truncated, terminated */
+  if (saved) {
+    setenv("STEPGUARD_ADVERTISE_HOST", saved, 1);
+    free(saved);
+  } else {
+    unsetenv("STEPGUARD_ADVERTISE_HOST");
+  }
+}
+
+static void test_little_endian_codecs(void **state) {
+  (void)state;
+  uint8_t b[8];
+  sg_put_le16(b, 0x0102);
+  assert_memory_equal(b, "\x02\x01", 2);
+  assert_int_equal(sg_get_le16(b), 0x0102);
+  sg_put_le32(b, 0x01020304u);
+  assert_memory_equal(b, "\x04\x03\x02\x01", 4);
+  assert_int_equal(sg_get_le32(b), 0x01020304u);
+  sg_put_le64(b, 0x0102030405060708ull);
+  assert_memory_equal(b, "\x08\x07\x06\x05\x04\x03\x02\x01", 8);
+  assert_true(sg_get_le64(b) == 0x0102030405060708ull);
+  sg_put_le64(b, UINT64_MAX);
+  assert_true(sg_get_le64(b) == UINT64_MAX);
+}
+
 static void test_samehost_ids_match_rules(void **state) {
   (void)state;
   sg_samehost_id_t self, peer, back;
@@ -636,6 +720,9 @@ int main(void) {
       cmocka_unit_test(test_connect_errors),
       cmocka_unit_test(test_map_put_get_del_iterate),
       cmocka_unit_test(test_map_survives_allocation_failure),
+      cmocka_unit_test(test_addr_split_accepts_and_refuses),
+      cmocka_unit_test(test_addr_advertised_rule),
+      cmocka_unit_test(test_little_endian_codecs),
       cmocka_unit_test(test_samehost_ids_match_rules),
       cmocka_unit_test(test_samehost_read_from_child),
       cmocka_unit_test(test_samehost_readv_batches_and_partial_reads),

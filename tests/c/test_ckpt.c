@@ -34,6 +34,7 @@
 
 #include <cmocka.h>
 
+#include "ckpt/ckpt_int.h"
 #include "stepguard/base.h"
 #include "stepguard/ckpt.h"
 
@@ -254,22 +255,6 @@ static void test_lengths_layout_addr_plan(void **unused) {
   assert_true(sg_ckpt_layout_id(l1, 3) != sg_ckpt_layout_id(l2, 3));
   assert_true(sg_ckpt_layout_id(l1, 3) != sg_ckpt_layout_id(l3, 2));
   assert_true(sg_ckpt_layout_id(l1, 3) == sg_ckpt_layout_id(l1, 3));
-
-  char host[64];
-  int port = -1;
-  assert_int_equal(sg_ckpt_parse_addr("h.example:80", host, 64, &port), 0);
-  assert_string_equal(host, "h.example");
-  assert_int_equal(port, 80);
-  assert_int_equal(sg_ckpt_parse_addr("[::1]:65535", host, 64, &port), 0);
-  assert_string_equal(host, "::1");
-  assert_int_equal(port, 65535);
-  assert_int_equal(sg_ckpt_parse_addr("h:65536", host, 64, &port), SG_EINVAL);
-  assert_int_equal(sg_ckpt_parse_addr("h:", host, 64, &port), SG_EINVAL);
-  assert_int_equal(sg_ckpt_parse_addr(":1", host, 64, &port), SG_EINVAL);
-  assert_int_equal(sg_ckpt_parse_addr("h:1x", host, 64, &port), SG_EINVAL);
-  assert_int_equal(sg_ckpt_parse_addr("[]:1", host, 64, &port), SG_EINVAL);
-  assert_int_equal(sg_ckpt_parse_addr("long-host-name:1", host, 4, &port),
-                   SG_EINVAL);
 
   assert_int_equal(sg_ckpt_plan_chunk(0, 4, 1 << 20), 1 << 20);
   assert_int_equal(sg_ckpt_plan_chunk(1ull << 30, 4, 1 << 20), 64ull << 20);

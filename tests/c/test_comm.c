@@ -662,18 +662,6 @@ static void test_reply_frame(void **state) {
   in.seq = 0; /* segment 0 starts with the OP frame, never a SEG */
   sg__comm_frame_encode(f, &in);
   assert_int_equal(sg__comm_frame_parse(f, sizeof(f), &out), SG_EPROTO);
-
-  char host[64];
-  int port;
-  assert_int_equal(sg__comm_parse_addr("127.0.0.1:80", host, 64, &port), 0);
-  assert_string_equal(host, "127.0.0.1");
-  assert_int_equal(port, 80);
-  assert_int_equal(sg__comm_parse_addr("[::1]:9", host, 64, &port), 0);
-  assert_string_equal(host, "::1");
-  assert_int_equal(sg__comm_parse_addr("host", host, 64, &port), SG_EINVAL);
-  assert_int_equal(sg__comm_parse_addr("h:0", host, 64, &port), SG_EINVAL);
-  assert_int_equal(sg__comm_parse_addr("h:99999", host, 64, &port), SG_EINVAL);
-  assert_int_equal(sg__comm_parse_addr(":80", host, 64, &port), SG_EINVAL);
 }
 
 /* ---- collectives on threads ------------------------------------------------

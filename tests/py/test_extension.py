@@ -80,3 +80,42 @@ def test_connect_refused_is_runtime_error() -> None:
     assert info.value.code == _C.ECONNREFUSED
     with pytest.raises(ValueError):
         _C.tcp_connect("127.0.0.1", port, -1.0)
+
+
+def test_one_address_parser_for_every_layer() -> None:
+    assert _C.split_address("h.example:80") == ("h.example", 80)
+    assert _C.split_address("[::1]:9") == ("::1", 9)
+    for bad in ["", "h", "h:", ":1", "h:65536", "::1:5", "[::1]", "h :1"]:
+        with pytest.raises(_C.Error, match="address"):
+            _C.split_address(bad)
+    # the store address parser is the same one (and takes torchft's bare v6)
+    from stepguard.process_group import _split_store_addr
+
+    assert _split_store_addr("[::1]:5/p/q") == ("::1", 5, "p/q")
+    assert _split_store_addr("::1:5/p") == ("::1", 5, "p")
+    with pytest.raises(ValueError, match="host:port/prefix"):
+        _split_store_addr("nohost/p")
+
+
+def test_advertised_host_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stepguard.checkpointing import NativeTransport
+
+    monkeypatch.delenv("STEPGUARD_ADVERTISE_HOST", raising=False)
+    assert _C.advertised_host("opt.example", "fb.example") == "opt.example"
+    assert _C.advertised_host(None, "fb.example") == "fb.example"
+    assert _C.advertised_host("::1") == "[::1]"
+    assert _C.advertised_host("lo") == "127.0.0.1"  # an interface name
+    assert _C.advertised_host() == socket.gethostname()
+    t = NativeTransport(hostname="opt.example")
+    try:
+        assert "opt.example" in t.metadata()
+    finally:
+        t.shutdown()
+    # the variable wins over the argument, in every server alike
+    monkeypatch.setenv("STEPGUARD_ADVERTISE_HOST", "lo")
+    assert _C.advertised_host("opt.example") == "127.0.0.1"
+    t = NativeTransport(hostname="opt.example")
+    try:
+        assert "opt.example" not in t.metadata() and "127.0.0.1" in t.metadata()
+    finally:
+        t.shutdown()

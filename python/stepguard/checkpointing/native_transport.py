@@ -300,7 +300,9 @@ class NativeTransport(CheckpointTransport[T]):
         timeout: default deadline for disallowing (waiting for transfers in
             flight) when the caller gives none.
         hostname: the host peers reach this replica at; default
-            ``STEPGUARD_ADVERTISE_HOST``, else ``socket.gethostname()``.
+            ``socket.gethostname()``; ``STEPGUARD_ADVERTISE_HOST`` wins over
+            both (an interface name there becomes its address), the rule
+            every stepguard server follows.
         bind: ``host:port`` to listen on; default all interfaces, port 0.
         auth_token: required from fetching peers; default
             ``STEPGUARD_AUTH_TOKEN``.
@@ -356,8 +358,7 @@ class NativeTransport(CheckpointTransport[T]):
             request_timeout_s=t,
             stall_timeout_s=t,
         )
-        host = hostname or config.get("STEPGUARD_ADVERTISE_HOST")
-        self._host = host or socket.gethostname()
+        self._host = _C.advertised_host(hostname)
         # the HTTP side: started by the first metadata() (no one can reach
         # it before), staged under _http_lock, never under _lock, so that
         # metadata() (the quorum thread) never waits for a disallow

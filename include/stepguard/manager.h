@@ -259,88 +259,123 @@ SG_EXPORT void sg_mgr_client_abort(sg_mgr_client_t *c);
  * `c` may be in progress (abort first, then wait for the callers). */
 SG_EXPORT void sg_mgr_client_free(sg_mgr_client_t *c);
 
-/* ---- in-process calls ---------------------------------------------------- */
+/* ---- started calls: one request object ------------------------------------
+ */
 
 /*
- * A Quorum or ShouldCommit call from a group rank that runs in the server's
- * own process (group rank 0 usually does).  It is handed to the server's
- * loop through a queue instead of an HTTP/2 connection: no encoding of the
- * request, no socket, no client I/O thread, so a vote costs one wakeup of
- * the loop and one of the caller.  The loop answers it with the same
- * handlers and the same rounds as a call from the wire (a group may mix
- * both), and the answer a caller gets is what sg_mgr_client_quorum and
- * sg_mgr_client_should_commit return for the same call: the same result,
- * the same error codes and messages.  Differences: no authorization token
- * is checked (the caller holds the server), and an in-process rank does
- * not take part in group liveness (it dies with the server).
+ * A Quorum or ShouldCommit call as a request object (nng's aio): started,
+ * then waited for (possibly in slices, to run signal handlers in between),
+ * then its result is taken, then it is freed.  It completes exactly once:
+ * answered, failed, ended by its deadline (SG_ETIMEDOUT) or by
+ * sg_mgr_call_abort (SG_EABORTED).  The same object whichever way the call
+ * goes:
  *
- * A call is started, then waited for (possibly in slices, to run signal
- * handlers in between), then its result is taken, then it is freed.  It
- * completes exactly once: answered by the server, failed by
- * sg_mgr_server_stop (SG_ECONNREFUSED, as UNAVAILABLE from the wire), or
- * ended by its deadline (SG_ETIMEDOUT) or sg_mgr_local_abort (SG_EABORTED),
- * in which case the server forgets it as it forgets a cancelled wire call.
+ *   over the wire   sg_mgr_client_quorum_start / _should_commit_start on a
+ *                   client: an asynchronous call on its channel (no thread
+ *                   waits for it);
+ *   in-process      the same functions on a client that
+ * sg_mgr_client_use_server pointed at a server of this process (group rank 0
+ *                   usually), or sg_mgr_local_*_start on the server itself:
+ *                   the call is handed to the server's loop through a queue
+ *                   instead of an HTTP/2 connection: no encoding of the
+ *                   request, no socket, no client I/O thread, so a vote costs
+ *                   one wakeup of the loop and one of the caller.
+ *
+ * The loop answers an in-process call with the same handlers and the same
+ * rounds as a call from the wire (a group may mix both), and the answer a
+ * caller gets is what sg_mgr_client_quorum and sg_mgr_client_should_commit
+ * return for the same call: the same result, the same error codes and
+ * messages.  Differences in-process: no authorization token is checked (the
+ * caller holds the server), an in-process rank does not take part in group
+ * liveness (it dies with the server), and a call failed by
+ * sg_mgr_server_stop gets SG_ECONNREFUSED, as UNAVAILABLE from the wire.
  *
  * In a forked child a call started in the parent is left alone: waiting
  * returns at once, its result is SG_ESTATE, abort and free touch nothing
  * (its locks may have been held at fork(); its memory stays allocated).
  */
-typedef struct sg_mgr_local_s sg_mgr_local_t;
+typedef struct sg_mgr_call_s sg_mgr_call_t;
+
+/*
+ * sg_mgr_client_use_server: send c's later Quorum and ShouldCommit calls
+ * to server `s` of this process, in-process (NULL: over the wire again).
+ * The caller keeps `s` running while c starts calls through it.
+ */
+SG_EXPORT void sg_mgr_client_use_server(sg_mgr_client_t *c, sg_mgr_server_t *s);
+
+/*
+ * sg_mgr_client_quorum_start: start sg_mgr_client_quorum's call (arguments
+ * as there; strings are copied) and return at once; in-process if c uses a
+ * server.  Never blocks beyond a mutex; any thread.  On success *out owns
+ * the call (free it with sg_mgr_call_free).  Returns 0, SG_ENOMEM,
+ * SG_EABORTED after sg_mgr_client_abort, or SG_ESTATE in a forked child;
+ * on error *out is NULL.
+ */
+SG_EXPORT int sg_mgr_client_quorum_start(
+    sg_mgr_client_t *c, int64_t group_rank, int64_t step,
+    const char *checkpoint_metadata, int shrink_only, int init_sync,
+    int64_t commit_failures, const char *reconfigure_handle,
+    sg_deadline_t deadline, sg_mgr_call_t **out, sg_err_t *err);
+
+/* sg_mgr_client_should_commit_start: start ShouldCommit; as above. */
+SG_EXPORT int sg_mgr_client_should_commit_start(
+    sg_mgr_client_t *c, int64_t group_rank, int64_t step, int should_commit,
+    sg_deadline_t deadline, sg_mgr_call_t **out, sg_err_t *err);
 
 /*
  * sg_mgr_local_quorum_start: start ManagerService/Quorum for `group_rank`
  * (arguments as sg_mgr_client_quorum; strings are copied).  Never blocks
  * beyond a mutex.  Any thread, but not concurrently with or after
  * sg_mgr_server_stop(s).  On success *out owns the call (free it with
- * sg_mgr_local_free).  Returns 0, SG_ENOMEM, or SG_ESTATE in a forked child
+ * sg_mgr_call_free).  Returns 0, SG_ENOMEM, or SG_ESTATE in a forked child
  * (the server's threads live in the parent); on error *out is NULL.
  */
 SG_EXPORT int sg_mgr_local_quorum_start(
     sg_mgr_server_t *s, int64_t group_rank, int64_t step,
     const char *checkpoint_metadata, int shrink_only, int init_sync,
     int64_t commit_failures, const char *reconfigure_handle,
-    sg_deadline_t deadline, sg_mgr_local_t **out, sg_err_t *err);
+    sg_deadline_t deadline, sg_mgr_call_t **out, sg_err_t *err);
 
 /* sg_mgr_local_should_commit_start: start ShouldCommit; as above. */
 SG_EXPORT int sg_mgr_local_should_commit_start(
     sg_mgr_server_t *s, int64_t group_rank, int64_t step, int should_commit,
-    sg_deadline_t deadline, sg_mgr_local_t **out, sg_err_t *err);
+    sg_deadline_t deadline, sg_mgr_call_t **out, sg_err_t *err);
 
 /*
- * sg_mgr_local_wait: wait until the call completes or `until` passes,
+ * sg_mgr_call_wait: wait until the call completes or `until` passes,
  * whichever is first; a call whose own deadline passes completes with
  * SG_ETIMEDOUT here.  Returns 0 once complete (also when it completed with
  * an error: see the *_result functions), SG_EAGAIN when `until` passed
  * first.  Blocks; one thread at a time per call.
  */
-SG_EXPORT int sg_mgr_local_wait(sg_mgr_local_t *c, sg_deadline_t until);
+SG_EXPORT int sg_mgr_call_wait(sg_mgr_call_t *c, sg_deadline_t until);
 
-/* sg_mgr_local_done: nonzero once complete.  Any thread; never blocks long. */
-SG_EXPORT int sg_mgr_local_done(sg_mgr_local_t *c);
+/* sg_mgr_call_done: nonzero once complete.  Any thread; never blocks long. */
+SG_EXPORT int sg_mgr_call_done(sg_mgr_call_t *c);
 
-/* sg_mgr_local_abort: complete the call now with SG_EABORTED unless it is
+/* sg_mgr_call_abort: complete the call now with SG_EABORTED unless it is
  * complete already.  Any thread; never blocks beyond two mutexes. */
-SG_EXPORT void sg_mgr_local_abort(sg_mgr_local_t *c);
+SG_EXPORT void sg_mgr_call_abort(sg_mgr_call_t *c);
 
 /*
- * sg_mgr_local_quorum_result: the outcome of a completed Quorum call:
+ * sg_mgr_call_quorum_result: the outcome of a completed Quorum call:
  * 0 with *out filled (free with sg_mgr_quorum_result_free), or the error of
  * sg_mgr_client_quorum with *out zeroed and detail in err.  SG_ESTATE if the
  * call is not complete or is not a Quorum call.  May be called once.
  */
-SG_EXPORT int sg_mgr_local_quorum_result(sg_mgr_local_t *c,
-                                         sg_mgr_quorum_result_t *out,
-                                         sg_err_t *err);
+SG_EXPORT int sg_mgr_call_quorum_result(sg_mgr_call_t *c,
+                                        sg_mgr_quorum_result_t *out,
+                                        sg_err_t *err);
 
-/* sg_mgr_local_should_commit_result: the group's decision (*out) or the
+/* sg_mgr_call_should_commit_result: the group's decision (*out) or the
  * error, as sg_mgr_client_should_commit; SG_ESTATE as above. */
-SG_EXPORT int sg_mgr_local_should_commit_result(sg_mgr_local_t *c, int *out,
-                                                sg_err_t *err);
+SG_EXPORT int sg_mgr_call_should_commit_result(sg_mgr_call_t *c, int *out,
+                                               sg_err_t *err);
 
-/* sg_mgr_local_free: release the call (NULL is a no-op).  If it is not
+/* sg_mgr_call_free: release the call (NULL is a no-op).  If it is not
  * complete it is aborted first.  No other function may be running on `c`.
  * May outlive the server. */
-SG_EXPORT void sg_mgr_local_free(sg_mgr_local_t *c);
+SG_EXPORT void sg_mgr_call_free(sg_mgr_call_t *c);
 
 #ifdef __cplusplus
 }

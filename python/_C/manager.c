@@ -9,18 +9,16 @@
  * the Python callable given at construction (the package's default logs and
  * ends the process).
  *
- * ManagerClient._quorum_start / _quorum_wait split a quorum in two: the call
- * starts on a worker thread at once and the caller collects the result
- * later.  The Manager starts a step's quorum that way, so the call runs
- * during the forward pass without a Python thread (which would first have
- * to win the GIL from the forward pass).  One such call per client at a
- * time; deallocating a client aborts and waits for it.
- *
- * A ManagerClient made with server=<the ManagerServer of this process>
- * makes its Quorum and ShouldCommit calls in-process (sg_mgr_local_*): no
- * worker thread, no HTTP/2 round trip; the caller waits for the server's
- * loop directly, in slices on the main thread so that Ctrl-C still stops
- * it.  Its other calls use the connection.
+ * Quorum and ShouldCommit take one road: the library's started call
+ * (sg_mgr_call_t), which the C client sends over its connection or, for a
+ * ManagerClient made with server=<the ManagerServer of this process>,
+ * in-process (the choice is the library's: sg_mgr_client_use_server).  The
+ * caller waits for it without the GIL, in slices on the main thread so
+ * that Ctrl-C still stops it.  ManagerClient._quorum_start / _quorum_wait
+ * split a quorum in two: the Manager starts a step's quorum that way, so
+ * the call runs during the forward pass without a Python thread (which
+ * would first have to win the GIL from the forward pass).  One such call
+ * per client at a time; deallocating a client aborts it.
  */
 #include "module.h"
 
@@ -278,47 +276,40 @@ struct mcall;
 
 typedef struct {
   PyObject_HEAD sg_mgr_client_t *cli;
-  int inflight;                 /* calls running without the GIL */
-  struct mcall *queued;         /* _quorum_start's call, until _quorum_wait */
-  mgr_server_obj *server;       /* in-process calls go here; or NULL */
-  sg_mgr_local_t *queued_local; /* _quorum_start's in-process call */
-  struct lwait *waiting;        /* in-process calls being waited for */
-  int aborted;                  /* abort() was called: calls fail */
+  int inflight;           /* calls running without the GIL */
+  sg_mgr_call_t *queued;  /* _quorum_start's call, until _quorum_wait */
+  mgr_server_obj *server; /* in-process calls go here; or NULL */
+  struct lwait *waiting;  /* started calls being waited for */
 } mgr_client_obj;
 
-/* An in-process call being waited for, on the waiter's C stack, so that
+/* A started call being waited for, on the waiter's C stack, so that
  * abort() from another thread can end it.  The list changes only with the
  * GIL held. */
 struct lwait {
-  sg_mgr_local_t *c;
+  sg_mgr_call_t *c;
   struct lwait *next;
 };
 
 #define LOCAL_SLICE_NS 100000000LL /* main thread: signal checks */
 
-/* local_server: the server for an in-process call; NULL with an exception
- * set when it is shut down (as a call to a stopped server fails). */
-static sg_mgr_server_t *local_server(mgr_client_obj *self) {
-  if (self->aborted) {
-    sg_py_raise(sg_py_state_of_type(Py_TYPE(self)), SG_EABORTED,
-                "channel aborted");
-    return NULL;
-  }
-  if (self->server->srv)
-    return self->server->srv;
+/* server_alive: 0 unless the client's in-process server is shut down;
+ * then -1 with the exception a call to a stopped server gets. */
+static int server_alive(mgr_client_obj *self) {
+  if (!self->server || self->server->srv)
+    return 0;
   sg_py_raise(sg_py_state_of_type(Py_TYPE(self)), SG_ECONNREFUSED,
               "status: UNAVAILABLE, message: \"manager shutting down\"");
-  return NULL;
+  return -1;
 }
 
 /*
- * local_wait: wait for an in-process call without the GIL (not even
+ * call_wait: wait for a started call without the GIL (not even
  * dropping it when the call is complete already).  On the main thread,
  * signal handlers run every LOCAL_SLICE_NS; when one raises, the call is
  * aborted and -1 returned with the exception set.  Otherwise 0.
  */
-static int local_wait(mgr_client_obj *self, sg_mgr_local_t *c) {
-  if (sg_mgr_local_done(c))
+static int call_wait(mgr_client_obj *self, sg_mgr_call_t *c) {
+  if (sg_mgr_call_done(c))
     return 0;
   int on_main = _PyOS_IsMainThread();
   struct lwait node = {c, self->waiting};
@@ -328,13 +319,13 @@ static int local_wait(mgr_client_obj *self, sg_mgr_local_t *c) {
   for (;;) {
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = sg_mgr_local_wait(c,
-                           on_main ? sg_now_ns() + LOCAL_SLICE_NS : INT64_MAX);
+    rc =
+        sg_mgr_call_wait(c, on_main ? sg_now_ns() + LOCAL_SLICE_NS : INT64_MAX);
     Py_END_ALLOW_THREADS
     if (rc == 0)
       break;
     if (PyErr_CheckSignals() < 0) {
-      sg_mgr_local_abort(c);
+      sg_mgr_call_abort(c);
       out = -1;
       break;
     }
@@ -390,6 +381,8 @@ static int mgrclient_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
   self->cli = cli;
   Py_XSETREF(self->server,
              server == Py_None ? NULL : (mgr_server_obj *)Py_NewRef(server));
+  if (self->server)
+    sg_mgr_client_use_server(cli, self->server->srv);
   return 0;
 }
 
@@ -401,42 +394,29 @@ static int mgrclient_guard(mgr_client_obj *self) {
   return 0;
 }
 
-enum mcall_kind { MC_QUORUM, MC_METADATA, MC_COMMIT, MC_KILL, MC_LOST };
+enum mcall_kind { MC_METADATA, MC_KILL, MC_LOST };
 
+/* A blocking call other than Quorum and ShouldCommit, run without the GIL
+ * through sg_py_blocking. */
 struct mcall {
   mgr_client_obj *self;
   enum mcall_kind kind;
-  int64_t group_rank, step, commit_failures;
-  const char *str, *handle; /* metadata or kill message; reconfigure handle */
-  int shrink_only, init_sync, vote;
+  int64_t group_rank, step;
+  const char *str; /* kill message */
   sg_deadline_t deadline;
-  sg_mgr_quorum_result_t r;
   char *metadata;
-  int decision;
   int64_t lost_qid; /* MC_LOST: the answer */
   sg_err_t err;
   int rc;
-  sg_py_task_t task; /* _quorum_start: the worker running it */
-  char *own_str;     /* _quorum_start: owned copies of str and handle */
-  char *own_handle;
 };
 
 static void mcall_run(void *arg) {
   struct mcall *c = arg;
   sg_mgr_client_t *cli = c->self->cli;
   switch (c->kind) {
-  case MC_QUORUM:
-    c->rc = sg_mgr_client_quorum(
-        cli, c->group_rank, c->step, c->str, c->shrink_only, c->init_sync,
-        c->commit_failures, c->handle, c->deadline, &c->r, &c->err);
-    break;
   case MC_METADATA:
     c->rc = sg_mgr_client_checkpoint_metadata(cli, c->group_rank, c->deadline,
                                               &c->metadata, &c->err);
-    break;
-  case MC_COMMIT:
-    c->rc = sg_mgr_client_should_commit(cli, c->group_rank, c->step, c->vote,
-                                        c->deadline, &c->decision, &c->err);
     break;
   case MC_KILL:
     c->rc = sg_mgr_client_kill(cli, c->str, c->deadline, &c->err);
@@ -470,7 +450,6 @@ static int mcall_do(struct mcall *c, double timeout_s) {
     rc = -1;
   }
   if (rc < 0) {
-    sg_mgr_quorum_result_free(&c->r);
     sg_free(c->metadata);
     c->metadata = NULL;
   }
@@ -526,54 +505,59 @@ static PyObject *result_dict(const sg_mgr_quorum_result_t *r) {
                r->n_up_to_date_manager_addresses));
 }
 
-/* local_start: start the call `c` (a quorum, or a vote when its kind is
- * MC_COMMIT) in-process; NULL with an exception set on failure (a closed
+/* The arguments of a started call. */
+struct scall {
+  int commit; /* ShouldCommit, else Quorum */
+  long long group_rank, step, commit_failures;
+  const char *metadata, *handle;
+  int shrink_only, init_sync, vote;
+  double timeout_s;
+};
+
+/* call_start: start `a` through the client (over the wire or in-process:
+ * the library decides); NULL with an exception set on failure (a closed
  * client, a bad timeout, a stopped server or a refused call). */
-static sg_mgr_local_t *local_start(mgr_client_obj *self, const struct mcall *c,
-                                   double timeout_s) {
-  if (mgrclient_guard(self) < 0)
+static sg_mgr_call_t *call_start(mgr_client_obj *self, const struct scall *a) {
+  if (mgrclient_guard(self) < 0 || server_alive(self) < 0)
     return NULL;
-  int64_t ms = sg_py_timeout_ms(timeout_s);
+  int64_t ms = sg_py_timeout_ms(a->timeout_s);
   if (ms < 0)
     return NULL;
-  sg_mgr_server_t *srv = local_server(self);
-  if (!srv)
-    return NULL;
   sg_deadline_t deadline = sg_deadline_in_ms(ms);
-  sg_mgr_local_t *lc = NULL;
+  sg_mgr_call_t *c = NULL;
   sg_err_t err;
   sg_err_clear(&err);
-  int rc = c->kind == MC_COMMIT
-               ? sg_mgr_local_should_commit_start(srv, c->group_rank, c->step,
-                                                  c->vote, deadline, &lc, &err)
-               : sg_mgr_local_quorum_start(srv, c->group_rank, c->step, c->str,
-                                           c->shrink_only, c->init_sync,
-                                           c->commit_failures, c->handle,
-                                           deadline, &lc, &err);
+  int rc =
+      a->commit
+          ? sg_mgr_client_should_commit_start(self->cli, a->group_rank, a->step,
+                                              a->vote, deadline, &c, &err)
+          : sg_mgr_client_quorum_start(self->cli, a->group_rank, a->step,
+                                       a->metadata, a->shrink_only,
+                                       a->init_sync, a->commit_failures,
+                                       a->handle, deadline, &c, &err);
   if (rc) {
     sg_py_raise_rpc(sg_py_state_of_type(Py_TYPE(self)), rc, err.msg);
     return NULL;
   }
-  return lc;
+  return c;
 }
 
-/* local_quorum_finish: wait for `lc`, free it, and return the result dict
- * (or NULL with the call's exception). */
-static PyObject *local_quorum_finish(mgr_client_obj *self, sg_mgr_local_t *lc) {
+/* quorum_finish: wait for `c`, free it, and return the result dict (or
+ * NULL with the call's exception). */
+static PyObject *quorum_finish(mgr_client_obj *self, sg_mgr_call_t *c) {
   PyObject *d = NULL;
-  int rc = local_wait(self, lc);
-  if (rc == 0) {
+  if (call_wait(self, c) == 0) {
     sg_mgr_quorum_result_t r;
     sg_err_t err;
     sg_err_clear(&err);
-    rc = sg_mgr_local_quorum_result(lc, &r, &err);
+    int rc = sg_mgr_call_quorum_result(c, &r, &err);
     if (rc)
       sg_py_raise_rpc(sg_py_state_of_type(Py_TYPE(self)), rc, err.msg);
     else
       d = result_dict(&r);
     sg_mgr_quorum_result_free(&r);
   }
-  sg_mgr_local_free(lc);
+  sg_mgr_call_free(c);
   return d;
 }
 
@@ -588,132 +572,63 @@ static char *quorum_kwlist[] = {"group_rank",
                                 "reconfigure_handle",
                                 NULL};
 
-static PyObject *mgrclient_quorum(PyObject *self_obj, PyObject *args,
-                                  PyObject *kw) {
-  struct mcall c;
-  memset(&c, 0, sizeof(c));
-  c.self = (mgr_client_obj *)self_obj;
-  c.kind = MC_QUORUM;
-  c.handle = "";
-  double timeout_s;
-  long long g, step, cf;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "LLsppLd|s:_quorum", quorum_kwlist,
-                                   &g, &step, &c.str, &c.shrink_only,
-                                   &c.init_sync, &cf, &timeout_s, &c.handle))
-    return NULL;
-  c.group_rank = g;
-  c.step = step;
-  c.commit_failures = cf;
-  if (c.self->server) {
-    sg_mgr_local_t *lc = local_start(c.self, &c, timeout_s);
-    return lc ? local_quorum_finish(c.self, lc) : NULL;
-  }
-  if (mcall_do(&c, timeout_s) < 0)
-    return NULL;
-  PyObject *d = result_dict(&c.r);
-  sg_mgr_quorum_result_free(&c.r);
-  return d;
+static int quorum_args(PyObject *args, PyObject *kw, const char *fmt,
+                       struct scall *a) {
+  memset(a, 0, sizeof(*a));
+  a->handle = "";
+  return PyArg_ParseTupleAndKeywords(
+      args, kw, fmt, quorum_kwlist, &a->group_rank, &a->step, &a->metadata,
+      &a->shrink_only, &a->init_sync, &a->commit_failures, &a->timeout_s,
+      &a->handle);
 }
 
-static void mcall_free(struct mcall *c) {
-  sg_mgr_quorum_result_free(&c->r);
-  sg_free(c->own_str);
-  sg_free(c->own_handle);
-  sg_free(c);
+static PyObject *mgrclient_quorum(PyObject *self_obj, PyObject *args,
+                                  PyObject *kw) {
+  mgr_client_obj *self = (mgr_client_obj *)self_obj;
+  struct scall a;
+  if (!quorum_args(args, kw, "LLsppLd|s:_quorum", &a))
+    return NULL;
+  sg_mgr_call_t *c = call_start(self, &a);
+  return c ? quorum_finish(self, c) : NULL;
 }
 
 /*
- * _quorum_start: the arguments of _quorum; starts the call on a worker and
- * returns None at once.  RuntimeError if one is already started and not yet
+ * _quorum_start: the arguments of _quorum; starts the call and returns
+ * None at once.  RuntimeError if one is already started and not yet
  * collected by _quorum_wait.
  */
 static PyObject *mgrclient_quorum_start(PyObject *self_obj, PyObject *args,
                                         PyObject *kw) {
   mgr_client_obj *self = (mgr_client_obj *)self_obj;
-  struct mcall req; /* the arguments; the worker's call gets a copy */
-  memset(&req, 0, sizeof(req));
-  req.self = self;
-  req.kind = MC_QUORUM;
-  req.handle = "";
-  double timeout_s;
-  long long g, step, cf;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "LLsppLd|s:_quorum_start",
-                                   quorum_kwlist, &g, &step, &req.str,
-                                   &req.shrink_only, &req.init_sync, &cf,
-                                   &timeout_s, &req.handle))
+  struct scall a;
+  if (!quorum_args(args, kw, "LLsppLd|s:_quorum_start", &a))
     return NULL;
-  req.group_rank = g;
-  req.step = step;
-  req.commit_failures = cf;
-  if (mgrclient_guard(self) < 0)
-    return NULL;
-  if (self->queued || self->queued_local) {
+  if (self->queued) {
     PyErr_SetString(PyExc_RuntimeError,
                     "a quorum is already started; _quorum_wait() first");
     return NULL;
   }
-  if (self->server) {
-    self->queued_local = local_start(self, &req, timeout_s);
-    if (!self->queued_local)
-      return NULL;
-    Py_RETURN_NONE;
-  }
-  int64_t ms = sg_py_timeout_ms(timeout_s);
-  if (ms < 0)
+  self->queued = call_start(self, &a);
+  if (!self->queued)
     return NULL;
-  struct mcall *c = sg_calloc(1, sizeof(*c));
-  if (!c)
-    return PyErr_NoMemory();
-  *c = req;
-  c->own_str = sg_strdup(req.str);
-  c->own_handle = sg_strdup(req.handle);
-  if (!c->own_str || !c->own_handle) {
-    mcall_free(c);
-    return PyErr_NoMemory();
-  }
-  c->str = c->own_str;
-  c->handle = c->own_handle;
-  c->deadline = sg_deadline_in_ms(ms);
-  sg_err_clear(&c->err);
-  if (sg_py_task_start(&c->task, mcall_run, c) < 0) {
-    mcall_free(c);
-    return NULL;
-  }
-  self->queued = c;
-  self->inflight++;
   Py_RETURN_NONE;
 }
 
 /*
  * _quorum_wait: the result of the call _quorum_start started, as _quorum
  * returns it (and raising what it raises).  Waits without the GIL; on the
- * main thread Ctrl-C aborts the client and raises.  RuntimeError if no
- * call was started.
+ * main thread Ctrl-C aborts the call and raises.  RuntimeError if no call
+ * was started.
  */
 static PyObject *mgrclient_quorum_wait(PyObject *self_obj, PyObject *unused) {
   mgr_client_obj *self = (mgr_client_obj *)self_obj;
-  struct mcall *c = self->queued;
-  if (self->queued_local) {
-    sg_mgr_local_t *lc = self->queued_local;
-    self->queued_local = NULL; /* a concurrent waiter finds none */
-    return local_quorum_finish(self, lc);
-  }
+  sg_mgr_call_t *c = self->queued;
   if (!c) {
     PyErr_SetString(PyExc_RuntimeError, "no quorum was started");
     return NULL;
   }
   self->queued = NULL; /* a concurrent waiter finds none */
-  int rc = sg_py_task_wait(&c->task, mcall_abort, c);
-  self->inflight--;
-  PyObject *d = NULL;
-  if (rc == 0) {
-    if (c->rc)
-      sg_py_raise_rpc(sg_py_state_of_type(Py_TYPE(self)), c->rc, c->err.msg);
-    else
-      d = result_dict(&c->r);
-  }
-  mcall_free(c);
-  return d;
+  return quorum_finish(self, c);
 }
 
 static PyObject *mgrclient_metadata(PyObject *self_obj, PyObject *args,
@@ -736,45 +651,32 @@ static PyObject *mgrclient_metadata(PyObject *self_obj, PyObject *args,
   return s;
 }
 
-/* local_should_commit: the vote of `c`, made in-process. */
-static PyObject *local_should_commit(mgr_client_obj *self,
-                                     const struct mcall *c, double timeout_s) {
-  sg_mgr_local_t *lc = local_start(self, c, timeout_s);
-  if (!lc)
-    return NULL;
-  PyObject *out = NULL;
-  if (local_wait(self, lc) == 0) {
-    int decision = 0;
-    sg_err_t err;
-    sg_err_clear(&err);
-    int rc = sg_mgr_local_should_commit_result(lc, &decision, &err);
-    out = rc ? sg_py_raise_rpc(sg_py_state_of_type(Py_TYPE(self)), rc, err.msg)
-             : PyBool_FromLong(decision);
-  }
-  sg_mgr_local_free(lc);
-  return out;
-}
-
 static PyObject *mgrclient_should_commit(PyObject *self_obj, PyObject *args,
                                          PyObject *kw) {
   static char *kwlist[] = {"group_rank", "step", "should_commit", "timeout_s",
                            NULL};
-  struct mcall c;
-  memset(&c, 0, sizeof(c));
-  c.self = (mgr_client_obj *)self_obj;
-  c.kind = MC_COMMIT;
-  long long g, step;
-  double timeout_s;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "LLpd:should_commit", kwlist, &g,
-                                   &step, &c.vote, &timeout_s))
+  mgr_client_obj *self = (mgr_client_obj *)self_obj;
+  struct scall a;
+  memset(&a, 0, sizeof(a));
+  a.commit = 1;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "LLpd:should_commit", kwlist,
+                                   &a.group_rank, &a.step, &a.vote,
+                                   &a.timeout_s))
     return NULL;
-  c.group_rank = g;
-  c.step = step;
-  if (c.self->server)
-    return local_should_commit(c.self, &c, timeout_s);
-  if (mcall_do(&c, timeout_s) < 0)
+  sg_mgr_call_t *c = call_start(self, &a);
+  if (!c)
     return NULL;
-  return PyBool_FromLong(c.decision);
+  PyObject *out = NULL;
+  if (call_wait(self, c) == 0) {
+    int decision = 0;
+    sg_err_t err;
+    sg_err_clear(&err);
+    int rc = sg_mgr_call_should_commit_result(c, &decision, &err);
+    out = rc ? sg_py_raise_rpc(sg_py_state_of_type(Py_TYPE(self)), rc, err.msg)
+             : PyBool_FromLong(decision);
+  }
+  sg_mgr_call_free(c);
+  return out;
 }
 
 static PyObject *mgrclient_kill(PyObject *self_obj, PyObject *args,
@@ -832,11 +734,10 @@ static PyObject *mgrclient_abort(PyObject *self_obj, PyObject *unused) {
   mgr_client_obj *self = (mgr_client_obj *)self_obj;
   if (self->cli)
     sg_mgr_client_abort(self->cli);
-  self->aborted = 1;
-  if (self->queued_local)
-    sg_mgr_local_abort(self->queued_local);
+  if (self->queued)
+    sg_mgr_call_abort(self->queued);
   for (struct lwait *w = self->waiting; w; w = w->next)
-    sg_mgr_local_abort(w->c);
+    sg_mgr_call_abort(w->c);
   Py_RETURN_NONE;
 }
 
@@ -852,7 +753,7 @@ static void mgrclient_close_now(mgr_client_obj *self) {
 
 static PyObject *mgrclient_close(PyObject *self_obj, PyObject *unused) {
   mgr_client_obj *self = (mgr_client_obj *)self_obj;
-  if (self->inflight) {
+  if (self->inflight || self->queued) {
     PyErr_SetString(PyExc_RuntimeError,
                     "ManagerClient.close() while a call is running; abort() "
                     "it first");
@@ -865,17 +766,8 @@ static PyObject *mgrclient_close(PyObject *self_obj, PyObject *unused) {
 static void mgrclient_dealloc(PyObject *self_obj) {
   mgr_client_obj *self = (mgr_client_obj *)self_obj;
   PyTypeObject *tp = Py_TYPE(self);
-  struct mcall *c = self->queued;
-  if (c) {
-    /* nobody will collect it: end it now, it uses the client */
-    self->queued = NULL;
-    if (!sg_py_task_done(&c->task))
-      sg_mgr_client_abort(self->cli);
-    sg_py_task_join(&c->task);
-    mcall_free(c);
-  }
-  sg_mgr_local_free(self->queued_local); /* aborts it if still waiting */
-  self->queued_local = NULL;
+  sg_mgr_call_free(self->queued); /* nobody will collect it: aborts it */
+  self->queued = NULL;
   Py_CLEAR(self->server);
   mgrclient_close_now(self);
   tp->tp_free(self_obj);

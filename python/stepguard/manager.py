@@ -321,7 +321,7 @@ class Manager:
         self._executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="async_quorum"
         )
-        self._quorum_future: Optional[concurrent.futures.Future] = None
+        self._quorum_future: Optional[_Quorum] = None
 
         self._store = TCPStore(
             host_name=store_addr,
@@ -713,22 +713,9 @@ class Manager:
             self._read_state_on_training_thread = _hsdp.SHARDS_KEY in self._state_snapshot
 
         curr_device = torch.accelerator.current_device_index() if _accelerator() else -1
-        quorum_timeout = timeout or self._quorum_timeout
-        # the class itself, not this module's name for it, which a test may
-        # have patched; and type(), not isinstance(), which a mock specced
-        # on the class passes (a mock takes the thread path, calling _quorum)
-        if issubclass(type(self._client), _coordination.ManagerClient):
-            self._quorum_future = _NativeQuorum(
-                self, self._client, allow_heal, shrink_only, quorum_timeout, curr_device
-            )
-        else:
-            self._quorum_future = self._executor.submit(
-                self._async_quorum,
-                allow_heal=allow_heal,
-                shrink_only=shrink_only,
-                quorum_timeout=quorum_timeout,
-                curr_device=curr_device,
-            )
+        self._quorum_future = _Quorum(
+            self, allow_heal, shrink_only, timeout or self._quorum_timeout, curr_device
+        )
         if not self._use_async_quorum:
             self.wait_quorum()
             if self._healing:
@@ -756,15 +743,9 @@ class Manager:
         ``wait_quorum`` (torchft's behaviour)."""
         fut = self._quorum_future
         assert fut is not None, "must call start_quorum before wait_quorum"
-        if not self._defers_state_reads():
-            fut.result()
-            return
-        configured = getattr(fut, "configured", None)
-        if configured is not None:
-            configured()
-            return
-        self._configured.wait()
-        if fut.done():
+        if self._defers_state_reads():
+            fut.configured()
+        else:
             fut.result()
 
     def _reconfigure_pg(self, quorum_id: int, handles: List[str]) -> None:
@@ -807,37 +788,6 @@ class Manager:
                 # every one meets on the quorum's store instead.
                 self._logger.exception(f"no reconfigure handle, using the quorum store: {e}")
         return ""
-
-    def _async_quorum(
-        self,
-        allow_heal: bool,
-        shrink_only: bool,
-        quorum_timeout: timedelta,
-        curr_device: int,
-    ) -> None:
-        """The quorum on the executor thread (a client that cannot start a
-        call in the background)."""
-        if curr_device >= 0 and _accelerator():
-            torch.accelerator.set_device_index(curr_device)
-
-        configured = self._configured
-        try:
-            quorum = self._through_outages(
-                lambda: self._client._quorum(
-                    group_rank=self._group_rank,
-                    step=self._step,
-                    checkpoint_metadata=self._checkpoint_transport.metadata(),
-                    shrink_only=shrink_only,
-                    timeout=quorum_timeout,
-                    init_sync=self._init_sync,
-                    commit_failures=self._commit_failures,
-                    reconfigure_handle=self._reconfigure_handle(),
-                )
-            )
-        except BaseException:
-            configured.set()  # the step's collectives, waiting for it, see the error
-            raise
-        self._apply_quorum(quorum, allow_heal, curr_device)
 
     # what a manager server answers a round with when its lighthouse stayed
     # unreachable until the round's deadline
@@ -1340,32 +1290,31 @@ def _average(tensor: torch.Tensor, n: int) -> None:
         tensor.div_(n)
 
 
-class _NativeQuorum:
-    """A quorum started by the extension without a Python thread (on one of
-    its workers, or handed to the in-process manager server), in place of
-    the executor's future.
+class _Quorum:
+    """One step's quorum, from ``start_quorum`` to its application: the one
+    road every quorum takes.
 
-    The first ``result()`` or ``configured()`` collects the call and
-    applies it.  A quorum that only records the participation (the usual
-    step) is applied right there; one that reconfigures the process group
-    or moves state is applied on the executor thread, as a quorum without a
-    native client is: ``result()`` waits for all of it, ``configured()``
-    until the participants are known and the process group is ready.
-    Either returns None or raises what the quorum raised, every time it is
-    called.
+    The call is started at once through the client's start / wait pair (the
+    extension runs it on one of its workers, or hands it to the in-process
+    manager server: no Python thread).  The first ``result()`` or
+    ``configured()`` collects it and applies it.  A quorum that only records
+    the participation (the usual step) is applied right there; one that
+    reconfigures the process group or moves state is applied on the
+    manager's executor thread: ``result()`` waits for all of it,
+    ``configured()`` until the participants are known and the process group
+    is ready.  Either returns None or raises what the quorum raised, every
+    time it is called.
     """
 
     def __init__(
         self,
         manager: Manager,
-        client: ManagerClient,
         allow_heal: bool,
         shrink_only: bool,
         quorum_timeout: timedelta,
         curr_device: int,
     ) -> None:
         self._manager = manager
-        self._client = client
         self._allow_heal = allow_heal
         self._curr_device = curr_device
         self._lock = threading.Lock()
@@ -1373,17 +1322,21 @@ class _NativeQuorum:
         self._exc: Optional[BaseException] = None
         self._apply: Optional[concurrent.futures.Future] = None
         self._configured = manager._configured
-        self._args = (
-            manager._group_rank,
-            manager._step,
-            manager._checkpoint_transport.metadata(),
-            shrink_only,
-            manager._init_sync,
-            manager._commit_failures,
-            quorum_timeout,
-            manager._reconfigure_handle(),
+        self._call = _QuorumCall.of(
+            manager._client,
+            group_rank=manager._group_rank,
+            step=manager._step,
+            checkpoint_metadata=manager._checkpoint_transport.metadata(),
+            shrink_only=shrink_only,
+            init_sync=manager._init_sync,
+            commit_failures=manager._commit_failures,
+            timeout=quorum_timeout,
+            reconfigure_handle=manager._reconfigure_handle(),
         )
-        client._quorum_start(*self._args)
+        self._call.start()
+
+    def done(self) -> bool:
+        return self._done and (self._apply is None or self._apply.done())
 
     def result(self) -> None:
         self._collect()
@@ -1413,10 +1366,7 @@ class _NativeQuorum:
                 return
             m = self._manager
             try:
-                quorum = m._through_outages(
-                    self._client._quorum_wait,
-                    lambda: self._client._quorum_start(*self._args),
-                )
+                quorum = m._through_outages(self._call.wait, self._call.start)
                 if m._quorum_is_quiet(quorum, self._allow_heal):
                     m._apply_quorum(quorum, self._allow_heal, -1)
                 else:
@@ -1428,6 +1378,51 @@ class _NativeQuorum:
                 self._configured.set()
             finally:
                 self._done = True
+
+
+class _QuorumCall:
+    """A quorum call as a start / wait pair.  The extension's client has
+    them (``_quorum_start`` / ``_quorum_wait``); a client that is not the
+    extension's (a test's mock or wrapper, which has only the blocking
+    ``_quorum``, torchft's name) gets them from a thread of its own."""
+
+    def __init__(self, client: ManagerClient, kwargs: Dict[str, object]) -> None:
+        self._client = client
+        self._kwargs = kwargs
+
+    @staticmethod
+    def of(client: ManagerClient, **kwargs: object) -> "_QuorumCall":
+        # the class itself, not this module's name for it, which a test may
+        # have patched; and type(), not isinstance(), which a mock specced
+        # on the class passes
+        if issubclass(type(client), _coordination.ManagerClient):
+            return _QuorumCall(client, kwargs)
+        return _ThreadQuorumCall(client, kwargs)
+
+    def start(self) -> None:
+        k = self._kwargs
+        self._client._quorum_start(
+            k["group_rank"], k["step"], k["checkpoint_metadata"], k["shrink_only"],
+            k["init_sync"], k["commit_failures"], k["timeout"], k["reconfigure_handle"],
+        )
+
+    def wait(self) -> QuorumResult:
+        return self._client._quorum_wait()
+
+
+class _ThreadQuorumCall(_QuorumCall):
+    def start(self) -> None:
+        self._result: concurrent.futures.Future = concurrent.futures.Future()
+        threading.Thread(target=self._run, name="async_quorum", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self._result.set_result(self._client._quorum(**self._kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to wait()
+            self._result.set_exception(e)
+
+    def wait(self) -> QuorumResult:
+        return self._result.result()
 
 
 _heal_hook: Optional[Callable[[str, "Manager"], None]] = None

@@ -2,11 +2,17 @@
  * client.c: ManagerService calls (Quorum, CheckpointMetadata, ShouldCommit,
  * Kill, and stepguard's WaitLost) over one gRPC channel, with protobuf encoding
  * and checks of what comes back (strings must be UTF-8 without NUL, as
- * torchft's clients require).
+ * torchft's clients require).  Quorum and ShouldCommit go one road: started
+ * as a call object (sg_mgr_call_t, local.c), over the wire or in-process
+ * when the client uses a server of this process, then waited for; the
+ * blocking forms start one and wait.
  */
+#include <stdatomic.h>
 #include <string.h>
 
+#include "manager/manager_int.h"
 #include "manager/wire.h"
+#include "rpc/client_async.h"
 #include "rpc/grpc.h"
 #include "rpc/pb.h"
 #include "stepguard/manager.h"
@@ -17,6 +23,8 @@
 
 struct sg_mgr_client_s {
   sg_rpc_channel_t *ch;
+  _Atomic(sg_mgr_server_t *) srv; /* in-process calls go here; or NULL */
+  atomic_int aborted;
 };
 
 static const uint32_t qresp_strings[] = {2, 5, 13, 14, 100};
@@ -56,8 +64,14 @@ void sg_mgr_client_free(sg_mgr_client_t *c) {
 }
 
 void sg_mgr_client_abort(sg_mgr_client_t *c) {
-  if (c)
-    sg_rpc_channel_abort(c->ch);
+  if (!c)
+    return;
+  atomic_store(&c->aborted, 1);
+  sg_rpc_channel_abort(c->ch);
+}
+
+void sg_mgr_client_use_server(sg_mgr_client_t *c, sg_mgr_server_t *s) {
+  atomic_store(&c->srv, s);
 }
 
 static void free_strv(char **v, size_t n) {
@@ -193,28 +207,135 @@ out:
   return rc;
 }
 
+/* ---- started calls (Quorum, ShouldCommit) ---------------------------------
+ */
+
+/* remote_done: the channel's answer to a started call (its I/O thread). */
+static void remote_done(void *ud, int rc, int grpc_status, uint8_t *resp,
+                        size_t len, const char *msg) {
+  sg_mgr_call_t *call = ud;
+  uint32_t field = 0;
+  (void)grpc_status;
+  if (rc == 0 && call->kind == SG__MGR_COMMIT &&
+      sg__pb_check_strings(resp, len, &no_strings_spec, &field) != 0) {
+    rc = SG_EPROTO;
+    msg = "malformed response to /torchft.ManagerService/ShouldCommit";
+  }
+  if (rc) {
+    sg_free(resp);
+    resp = NULL;
+  }
+  sg__mgr_call_finish(call, rc, rc ? msg : "", resp, len);
+  sg__mgr_call_unref(call);
+}
+
+/* remote_start: send `req` for `call` on c's channel; the channel's
+ * callback takes a reference until it ran. */
+static int remote_start(sg_mgr_client_t *c, const char *method,
+                        const ProtobufCMessage *req, sg_mgr_call_t *call,
+                        sg_err_t *err) {
+  size_t len = protobuf_c_message_get_packed_size(req);
+  uint8_t *buf = sg_malloc(len ? len : 1);
+  if (!buf)
+    return sg_err_set(err, SG_ENOMEM, "out of memory");
+  protobuf_c_message_pack(req, buf);
+  sg__mgr_call_ref(call);
+  int rc = sg__rpc_channel_call_start(c->ch, method, buf, len, call->deadline,
+                                      remote_done, call, err);
+  sg_free(buf);
+  if (rc)
+    sg__mgr_call_unref(call);
+  return rc;
+}
+
+/* started: hand the started `call` (or its start error) to the caller. */
+static int started(int rc, sg_mgr_call_t *call, sg_mgr_call_t **out) {
+  if (rc) {
+    if (call)
+      sg__mgr_call_unref(call);
+    return rc;
+  }
+  *out = call;
+  return 0;
+}
+
+int sg_mgr_client_quorum_start(sg_mgr_client_t *c, int64_t group_rank,
+                               int64_t step, const char *checkpoint_metadata,
+                               int shrink_only, int init_sync,
+                               int64_t commit_failures,
+                               const char *reconfigure_handle,
+                               sg_deadline_t deadline, sg_mgr_call_t **out,
+                               sg_err_t *err) {
+  *out = NULL;
+  if (atomic_load(&c->aborted))
+    return sg_err_set(err, SG_EABORTED, "channel aborted");
+  sg_mgr_server_t *srv = atomic_load(&c->srv);
+  if (srv)
+    return sg_mgr_local_quorum_start(srv, group_rank, step, checkpoint_metadata,
+                                     shrink_only, init_sync, commit_failures,
+                                     reconfigure_handle, deadline, out, err);
+  sg_mgr_call_t *call = NULL;
+  int rc =
+      sg__mgr_call_new(SG__MGR_QUORUM, group_rank, step, deadline, &call, err);
+  if (!rc)
+    rc = sg__mgr_call_set_quorum_args(call, checkpoint_metadata, shrink_only,
+                                      init_sync, commit_failures,
+                                      reconfigure_handle, err);
+  if (!rc) {
+    Torchft__ManagerQuorumRequest q = TORCHFT__MANAGER_QUORUM_REQUEST__INIT;
+    q.group_rank = group_rank;
+    q.step = step;
+    q.checkpoint_metadata = call->metadata;
+    q.shrink_only = shrink_only != 0;
+    q.init_sync = init_sync != 0;
+    q.commit_failures = commit_failures;
+    q.reconfigure_handle = call->handle;
+    rc = remote_start(c, "/torchft.ManagerService/Quorum", &q.base, call, err);
+  }
+  return started(rc, call, out);
+}
+
+int sg_mgr_client_should_commit_start(sg_mgr_client_t *c, int64_t group_rank,
+                                      int64_t step, int should_commit,
+                                      sg_deadline_t deadline,
+                                      sg_mgr_call_t **out, sg_err_t *err) {
+  *out = NULL;
+  if (atomic_load(&c->aborted))
+    return sg_err_set(err, SG_EABORTED, "channel aborted");
+  sg_mgr_server_t *srv = atomic_load(&c->srv);
+  if (srv)
+    return sg_mgr_local_should_commit_start(srv, group_rank, step,
+                                            should_commit, deadline, out, err);
+  sg_mgr_call_t *call = NULL;
+  int rc =
+      sg__mgr_call_new(SG__MGR_COMMIT, group_rank, step, deadline, &call, err);
+  if (!rc) {
+    call->vote = should_commit != 0;
+    Torchft__ShouldCommitRequest q = TORCHFT__SHOULD_COMMIT_REQUEST__INIT;
+    q.group_rank = group_rank;
+    q.step = step;
+    q.should_commit = should_commit != 0;
+    rc = remote_start(c, "/torchft.ManagerService/ShouldCommit", &q.base, call,
+                      err);
+  }
+  return started(rc, call, out);
+}
+
 int sg_mgr_client_quorum(sg_mgr_client_t *c, int64_t group_rank, int64_t step,
                          const char *checkpoint_metadata, int shrink_only,
                          int init_sync, int64_t commit_failures,
                          const char *reconfigure_handle, sg_deadline_t deadline,
                          sg_mgr_quorum_result_t *out, sg_err_t *err) {
-  uint8_t *resp = NULL;
-  size_t resp_len = 0;
+  sg_mgr_call_t *call = NULL;
   memset(out, 0, sizeof(*out));
-  Torchft__ManagerQuorumRequest q = TORCHFT__MANAGER_QUORUM_REQUEST__INIT;
-  q.group_rank = group_rank;
-  q.step = step;
-  q.checkpoint_metadata =
-      (char *)(checkpoint_metadata ? checkpoint_metadata : "");
-  q.shrink_only = shrink_only != 0;
-  q.init_sync = init_sync != 0;
-  q.commit_failures = commit_failures;
-  q.reconfigure_handle = (char *)(reconfigure_handle ? reconfigure_handle : "");
-  int rc = call(c, "/torchft.ManagerService/Quorum", &q.base, NULL, deadline,
-                &resp, &resp_len, err);
-  if (!rc)
-    rc = sg__mgr_decode_quorum(resp, resp_len, out, err);
-  sg_free(resp);
+  int rc = sg_mgr_client_quorum_start(c, group_rank, step, checkpoint_metadata,
+                                      shrink_only, init_sync, commit_failures,
+                                      reconfigure_handle, deadline, &call, err);
+  if (rc)
+    return rc;
+  sg_mgr_call_wait(call, INT64_MAX);
+  rc = sg_mgr_call_quorum_result(call, out, err);
+  sg_mgr_call_free(call);
   return rc;
 }
 
@@ -258,18 +379,15 @@ int sg_mgr_client_should_commit(sg_mgr_client_t *c, int64_t group_rank,
                                 int64_t step, int should_commit,
                                 sg_deadline_t deadline, int *out,
                                 sg_err_t *err) {
-  uint8_t *resp = NULL;
-  size_t resp_len = 0;
+  sg_mgr_call_t *call = NULL;
   *out = 0;
-  Torchft__ShouldCommitRequest q = TORCHFT__SHOULD_COMMIT_REQUEST__INIT;
-  q.group_rank = group_rank;
-  q.step = step;
-  q.should_commit = should_commit != 0;
-  int rc = call(c, "/torchft.ManagerService/ShouldCommit", &q.base,
-                &no_strings_spec, deadline, &resp, &resp_len, err);
-  if (!rc)
-    rc = sg__mgr_decode_should_commit(resp, resp_len, out, err);
-  sg_free(resp);
+  int rc = sg_mgr_client_should_commit_start(c, group_rank, step, should_commit,
+                                             deadline, &call, err);
+  if (rc)
+    return rc;
+  sg_mgr_call_wait(call, INT64_MAX);
+  rc = sg_mgr_call_should_commit_result(call, out, err);
+  sg_mgr_call_free(call);
   return rc;
 }
 

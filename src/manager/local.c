@@ -1,12 +1,13 @@
 /*
- * local.c: in-process calls (sg_mgr_local_*, manager.h).  A caller in the
- * server's own process skips the wire: its call is queued for the loop
+ * local.c: the started call (sg_mgr_call_*, manager.h), and in-process
+ * calls.  A caller in the server's own process skips the wire: its call is
+ * queued for the loop
  * (local_async), which runs it through the same handlers as a call from the
  * wire and answers with the same bytes; a Quorum call that only other
  * in-process calls wait with, or a vote that ends a round nobody waits in,
  * is taken on the caller's thread instead.
  *
- *   references   sg__mgr_local_unref, local_set_done,
+ *   references   sg__mgr_call_unref, local_set_done,
  *                sg__mgr_local_complete
  *   the loop     local_take, local_run, local_cancel, sg__mgr_on_local,
  *                sg__mgr_local_drain
@@ -26,7 +27,7 @@
 
 /* ---- references and answers --------------------------------------------- */
 
-void sg__mgr_local_unref(sg_mgr_local_t *c) {
+void sg__mgr_call_unref(sg_mgr_call_t *c) {
   pthread_mutex_lock(&c->mu);
   int last = --c->refs == 0;
   pthread_mutex_unlock(&c->mu);
@@ -40,9 +41,15 @@ void sg__mgr_local_unref(sg_mgr_local_t *c) {
   sg_free(c);
 }
 
+void sg__mgr_call_ref(sg_mgr_call_t *c) {
+  pthread_mutex_lock(&c->mu);
+  c->refs++;
+  pthread_mutex_unlock(&c->mu);
+}
+
 /* local_set_done: complete `c` with mu held (no-op if it is complete);
  * the caller then wakes its waiters (c->cv).  Returns 1 if it completed. */
-static int local_set_done(sg_mgr_local_t *c, int rc, const char *msg) {
+static int local_set_done(sg_mgr_call_t *c, int rc, const char *msg) {
   if (c->done)
     return 0;
   c->done = 1;
@@ -60,7 +67,7 @@ static int local_set_done(sg_mgr_local_t *c, int rc, const char *msg) {
  * deadline: a round that failed on the lighthouse deadline the call gave
  * it is a timeout for the caller).  Whoever answers calls of its kind.
  */
-void sg__mgr_local_complete(sg_mgr_local_t *c, int status, const char *msg,
+void sg__mgr_local_complete(sg_mgr_call_t *c, int status, const char *msg,
                             const uint8_t *body, size_t len) {
   uint8_t *copy = NULL;
   char m[sizeof(c->msg)];
@@ -100,15 +107,15 @@ void sg__mgr_local_complete(sg_mgr_local_t *c, int status, const char *msg,
 /* ---- the loop ----------------------------------------------------------- */
 
 /* local_take: detach the inbox and the cancel list (s->mu held). */
-static void local_take(sg_mgr_server_t *s, sg_mgr_local_t **inbox,
-                       sg_mgr_local_t **cancels) {
+static void local_take(sg_mgr_server_t *s, sg_mgr_call_t **inbox,
+                       sg_mgr_call_t **cancels) {
   *inbox = s->inbox;
   *cancels = s->cancels;
   s->inbox = s->inbox_tail = s->cancels = NULL;
 }
 
 /* local_qargs: the arguments of the in-process Quorum call `c`. */
-static sg__mgr_qargs_t local_qargs(const sg_mgr_local_t *c) {
+static sg__mgr_qargs_t local_qargs(const sg_mgr_call_t *c) {
   sg__mgr_qargs_t a = {0};
   a.group_rank = c->group_rank;
   a.step = c->step;
@@ -125,7 +132,7 @@ static sg__mgr_qargs_t local_qargs(const sg_mgr_local_t *c) {
  * server's reference passes to its waiter (which may be answered and
  * freed before the handler returns), or is dropped here when the call got
  * no waiter (refused at once, or ended before it ran). */
-static void local_run(sg_mgr_server_t *s, sg_mgr_local_t *c) {
+static void local_run(sg_mgr_server_t *s, sg_mgr_call_t *c) {
   pthread_mutex_lock(&c->mu);
   int ended = c->done;
   c->refs++; /* ours: an answer below may drop every other one */
@@ -142,13 +149,13 @@ static void local_run(sg_mgr_server_t *s, sg_mgr_local_t *c) {
     sg__mgr_commit_vote(s, to, c->group_rank, c->vote, 0, 0);
   }
   if (!c->had_waiter) /* answered without waiting, or not run */
-    sg__mgr_local_unref(c);
-  sg__mgr_local_unref(c);
+    sg__mgr_call_unref(c);
+  sg__mgr_call_unref(c);
 }
 
 /* local_cancel: forget the in-process call `c` whose caller gave up, if it
  * still waits (its waiter is read under the lock its round is under). */
-static void local_cancel(sg_mgr_server_t *s, sg_mgr_local_t *c) {
+static void local_cancel(sg_mgr_server_t *s, sg_mgr_call_t *c) {
   pthread_mutex_t *mu = sg__mgr_round_mu(s, c->kind);
   pthread_mutex_lock(mu);
   if (c->w)
@@ -160,55 +167,52 @@ static void local_cancel(sg_mgr_server_t *s, sg_mgr_local_t *c) {
  * forget the ones whose callers gave up.  Loop thread. */
 void sg__mgr_on_local(uv_async_t *a) {
   sg_mgr_server_t *s = a->data;
-  sg_mgr_local_t *inbox, *cancels;
+  sg_mgr_call_t *inbox, *cancels;
   pthread_mutex_lock(&s->mu);
   local_take(s, &inbox, &cancels);
   pthread_mutex_unlock(&s->mu);
   while (inbox) {
-    sg_mgr_local_t *c = inbox;
+    sg_mgr_call_t *c = inbox;
     inbox = c->next;
     c->next = NULL;
     local_run(s, c);
   }
   while (cancels) {
-    sg_mgr_local_t *c = cancels;
+    sg_mgr_call_t *c = cancels;
     cancels = c->cnext;
     c->cnext = NULL;
     local_cancel(s, c);
-    sg__mgr_local_unref(c); /* the cancellation's */
+    sg__mgr_call_unref(c); /* the cancellation's */
   }
 }
 
 /* sg__mgr_local_drain: once the loop has ended, fail what is left (stop). */
 void sg__mgr_local_drain(sg_mgr_server_t *s) {
-  sg_mgr_local_t *inbox, *cancels;
+  sg_mgr_call_t *inbox, *cancels;
   pthread_mutex_lock(&s->mu);
   local_take(s, &inbox, &cancels);
   pthread_mutex_unlock(&s->mu);
   while (inbox) {
-    sg_mgr_local_t *c = inbox;
+    sg_mgr_call_t *c = inbox;
     inbox = c->next;
     sg__mgr_local_complete(c, SG_GRPC_UNAVAILABLE, "manager shutting down",
                            NULL, 0);
-    sg__mgr_local_unref(c);
+    sg__mgr_call_unref(c);
   }
   while (cancels) {
-    sg_mgr_local_t *c = cancels;
+    sg_mgr_call_t *c = cancels;
     cancels = c->cnext;
-    sg__mgr_local_unref(c);
+    sg__mgr_call_unref(c);
   }
 }
 
 /* ---- starting ----------------------------------------------------------- */
 
-static int local_new(sg_mgr_server_t *s, sg__mgr_kind_t kind, int64_t g,
-                     int64_t step, sg_deadline_t deadline, sg_mgr_local_t **out,
+int sg__mgr_call_new(sg__mgr_kind_t kind, int64_t g, int64_t step,
+                     sg_deadline_t deadline, sg_mgr_call_t **out,
                      sg_err_t *err) {
   *out = NULL;
-  if (sg_sock_fork_count() != s->forks)
-    return sg_err_set(err, SG_ESTATE,
-                      "the manager server runs in the parent process");
-  sg_mgr_local_t *c = sg_calloc(1, sizeof(*c));
+  sg_mgr_call_t *c = sg_calloc(1, sizeof(*c));
   if (!c)
     return sg_err_set(err, SG_ENOMEM, "out of memory");
   pthread_condattr_t ca;
@@ -230,13 +234,52 @@ static int local_new(sg_mgr_server_t *s, sg__mgr_kind_t kind, int64_t g,
   c->step = step;
   c->deadline = deadline;
   c->refs = 1;
-  c->forks = s->forks;
+  c->forks = sg_sock_fork_count();
   *out = c;
   return 0;
 }
 
+static int local_new(sg_mgr_server_t *s, sg__mgr_kind_t kind, int64_t g,
+                     int64_t step, sg_deadline_t deadline, sg_mgr_call_t **out,
+                     sg_err_t *err) {
+  *out = NULL;
+  if (sg_sock_fork_count() != s->forks)
+    return sg_err_set(err, SG_ESTATE,
+                      "the manager server runs in the parent process");
+  return sg__mgr_call_new(kind, g, step, deadline, out, err);
+}
+
+int sg__mgr_call_set_quorum_args(sg_mgr_call_t *c, const char *metadata,
+                                 int shrink_only, int init_sync,
+                                 int64_t commit_failures, const char *handle,
+                                 sg_err_t *err) {
+  c->metadata = sg_strdup(metadata ? metadata : "");
+  c->handle = sg_strdup(handle ? handle : "");
+  if (!c->metadata || !c->handle)
+    return sg_err_set(err, SG_ENOMEM, "out of memory");
+  c->shrink_only = shrink_only != 0;
+  c->init_sync = init_sync != 0;
+  c->commit_failures = commit_failures;
+  return 0;
+}
+
+void sg__mgr_call_finish(sg_mgr_call_t *c, int rc, const char *msg,
+                         uint8_t *resp, size_t len) {
+  pthread_mutex_lock(&c->mu);
+  int woke = local_set_done(c, rc, msg);
+  if (woke && rc == 0) {
+    c->resp = resp;
+    c->resp_len = len;
+    resp = NULL;
+  }
+  pthread_mutex_unlock(&c->mu);
+  if (woke)
+    pthread_cond_broadcast(&c->cv);
+  sg_free(resp);
+}
+
 /* local_post: hand `c` to the loop (or fail it if the server stops). */
-static void local_post(sg_mgr_server_t *s, sg_mgr_local_t *c) {
+static void local_post(sg_mgr_server_t *s, sg_mgr_call_t *c) {
   c->srv = s;
   c->refs = 2; /* the caller's and the server's */
   pthread_mutex_lock(&s->mu);
@@ -244,7 +287,7 @@ static void local_post(sg_mgr_server_t *s, sg_mgr_local_t *c) {
     pthread_mutex_unlock(&s->mu);
     sg__mgr_local_complete(c, SG_GRPC_UNAVAILABLE, "manager shutting down",
                            NULL, 0);
-    sg__mgr_local_unref(c);
+    sg__mgr_call_unref(c);
     return;
   }
   if (s->inbox_tail)
@@ -262,7 +305,7 @@ static void local_post(sg_mgr_server_t *s, sg_mgr_local_t *c) {
  * round, if it starts, goes straight to the quorum thread).  Returns 1 if
  * it did (answered or waiting); 0 leaves it to the loop.
  */
-static int arrive_here(sg_mgr_server_t *s, sg_mgr_local_t *c) {
+static int arrive_here(sg_mgr_server_t *s, sg_mgr_call_t *c) {
   pthread_mutex_lock(&s->quorum_mu);
   if (s->q_closed || !sg__mgr_all_local(s->quorum_waiters)) {
     pthread_mutex_unlock(&s->quorum_mu);
@@ -276,7 +319,7 @@ static int arrive_here(sg_mgr_server_t *s, sg_mgr_local_t *c) {
   int had_waiter = c->had_waiter;
   pthread_mutex_unlock(&s->quorum_mu);
   if (!had_waiter) /* refused at once */
-    sg__mgr_local_unref(c);
+    sg__mgr_call_unref(c);
   return 1;
 }
 
@@ -285,21 +328,19 @@ int sg_mgr_local_quorum_start(sg_mgr_server_t *s, int64_t group_rank,
                               int shrink_only, int init_sync,
                               int64_t commit_failures,
                               const char *reconfigure_handle,
-                              sg_deadline_t deadline, sg_mgr_local_t **out,
+                              sg_deadline_t deadline, sg_mgr_call_t **out,
                               sg_err_t *err) {
-  sg_mgr_local_t *c = NULL;
+  sg_mgr_call_t *c = NULL;
   int rc = local_new(s, SG__MGR_QUORUM, group_rank, step, deadline, &c, err);
   if (rc)
     return rc;
-  c->metadata = sg_strdup(checkpoint_metadata ? checkpoint_metadata : "");
-  c->handle = sg_strdup(reconfigure_handle ? reconfigure_handle : "");
-  if (!c->metadata || !c->handle) {
-    sg__mgr_local_unref(c);
-    return sg_err_set(err, SG_ENOMEM, "out of memory");
+  rc = sg__mgr_call_set_quorum_args(c, checkpoint_metadata, shrink_only,
+                                    init_sync, commit_failures,
+                                    reconfigure_handle, err);
+  if (rc) {
+    sg__mgr_call_unref(c);
+    return rc;
   }
-  c->shrink_only = shrink_only != 0;
-  c->init_sync = init_sync != 0;
-  c->commit_failures = commit_failures;
   if (!arrive_here(s, c))
     local_post(s, c);
   *out = c;
@@ -312,7 +353,7 @@ int sg_mgr_local_quorum_start(sg_mgr_server_t *s, int64_t group_rank,
  * and complete `c`.  Returns 1 if it did; 0 leaves everything else to the
  * loop (refusals included, so their answers stay the loop's).
  */
-static int commit_here(sg_mgr_server_t *s, sg_mgr_local_t *c) {
+static int commit_here(sg_mgr_server_t *s, sg_mgr_call_t *c) {
   int64_t g = c->group_rank;
   if (g < 0 || g >= s->world_size || atomic_load(&s->left))
     return 0;
@@ -340,8 +381,8 @@ static int commit_here(sg_mgr_server_t *s, sg_mgr_local_t *c) {
 int sg_mgr_local_should_commit_start(sg_mgr_server_t *s, int64_t group_rank,
                                      int64_t step, int should_commit,
                                      sg_deadline_t deadline,
-                                     sg_mgr_local_t **out, sg_err_t *err) {
-  sg_mgr_local_t *c = NULL;
+                                     sg_mgr_call_t **out, sg_err_t *err) {
+  sg_mgr_call_t *c = NULL;
   int rc = local_new(s, SG__MGR_COMMIT, group_rank, step, deadline, &c, err);
   if (rc)
     return rc;
@@ -357,13 +398,13 @@ int sg_mgr_local_should_commit_start(sg_mgr_server_t *s, int64_t group_rank,
 /* local_end: the caller ends `c` early with `rc`; the loop is told to
  * forget it.  Takes c->mu, then s->mu (the loop never holds s->mu while it
  * takes c->mu, and it clears c->srv under c->mu before s goes away). */
-static void local_end(sg_mgr_local_t *c, int rc, const char *msg) {
+static void local_end(sg_mgr_call_t *c, int rc, const char *msg) {
   if (sg_sock_fork_count() != c->forks)
     return; /* a forked child: its lock may have been held at fork() */
   pthread_mutex_lock(&c->mu);
   sg_mgr_server_t *s = c->srv;
   if (!c->done) {
-    /* under c->mu: another thread may be waiting in sg_mgr_local_wait and
+    /* under c->mu: another thread may be waiting in sg_mgr_call_wait and
      * free c as soon as it sees it done */
     local_set_done(c, rc, msg);
     pthread_cond_broadcast(&c->cv);
@@ -380,7 +421,7 @@ static void local_end(sg_mgr_local_t *c, int rc, const char *msg) {
   pthread_mutex_unlock(&c->mu);
 }
 
-int sg_mgr_local_wait(sg_mgr_local_t *c, sg_deadline_t until) {
+int sg_mgr_call_wait(sg_mgr_call_t *c, sg_deadline_t until) {
   if (sg_sock_fork_count() != c->forks)
     return 0; /* never completes here: the result says so */
   int timed_out = 0;
@@ -408,7 +449,7 @@ int sg_mgr_local_wait(sg_mgr_local_t *c, sg_deadline_t until) {
   return done ? 0 : SG_EAGAIN;
 }
 
-int sg_mgr_local_done(sg_mgr_local_t *c) {
+int sg_mgr_call_done(sg_mgr_call_t *c) {
   if (sg_sock_fork_count() != c->forks)
     return 1;
   pthread_mutex_lock(&c->mu);
@@ -417,13 +458,13 @@ int sg_mgr_local_done(sg_mgr_local_t *c) {
   return done;
 }
 
-void sg_mgr_local_abort(sg_mgr_local_t *c) {
+void sg_mgr_call_abort(sg_mgr_call_t *c) {
   if (c)
     local_end(c, SG_EABORTED, "call aborted");
 }
 
 /* local_result: the raw outcome of a complete call of `kind`, once. */
-static int local_result(sg_mgr_local_t *c, sg__mgr_kind_t kind, uint8_t **resp,
+static int local_result(sg_mgr_call_t *c, sg__mgr_kind_t kind, uint8_t **resp,
                         size_t *len, sg_err_t *err) {
   *resp = NULL;
   *len = 0;
@@ -449,8 +490,8 @@ static int local_result(sg_mgr_local_t *c, sg__mgr_kind_t kind, uint8_t **resp,
   return rc;
 }
 
-int sg_mgr_local_quorum_result(sg_mgr_local_t *c, sg_mgr_quorum_result_t *out,
-                               sg_err_t *err) {
+int sg_mgr_call_quorum_result(sg_mgr_call_t *c, sg_mgr_quorum_result_t *out,
+                              sg_err_t *err) {
   uint8_t *resp = NULL;
   size_t len = 0;
   memset(out, 0, sizeof(*out));
@@ -461,8 +502,8 @@ int sg_mgr_local_quorum_result(sg_mgr_local_t *c, sg_mgr_quorum_result_t *out,
   return rc;
 }
 
-int sg_mgr_local_should_commit_result(sg_mgr_local_t *c, int *out,
-                                      sg_err_t *err) {
+int sg_mgr_call_should_commit_result(sg_mgr_call_t *c, int *out,
+                                     sg_err_t *err) {
   uint8_t *resp = NULL;
   size_t len = 0;
   *out = 0;
@@ -473,9 +514,9 @@ int sg_mgr_local_should_commit_result(sg_mgr_local_t *c, int *out,
   return rc;
 }
 
-void sg_mgr_local_free(sg_mgr_local_t *c) {
+void sg_mgr_call_free(sg_mgr_call_t *c) {
   if (!c || sg_sock_fork_count() != c->forks)
     return; /* in a forked child the memory is left alone, as its locks */
   local_end(c, SG_EABORTED, "call aborted");
-  sg__mgr_local_unref(c);
+  sg__mgr_call_unref(c);
 }

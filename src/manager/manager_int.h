@@ -81,10 +81,10 @@ typedef enum sg__mgr_kind_e {
 } sg__mgr_kind_t;
 
 /* Where an answer goes: a call from the wire, or one from this process
- * (sg_mgr_local_*); exactly one of the two is set. */
+ * (an in-process sg_mgr_call_t); exactly one of the two is set. */
 typedef struct sg__mgr_reply_s {
   sg_rpc_call_t *call;
-  sg_mgr_local_t *local;
+  sg_mgr_call_t *local;
 } sg__mgr_reply_t;
 
 /* A call waiting for a round (Quorum) or for the group's votes (commit). */
@@ -99,27 +99,28 @@ struct sg__mgr_waiter_s {
 };
 
 /*
- * An in-process call (manager.h).  References: the caller's, the server's
- * while the call is in the inbox or has a waiter, and one per posted
- * cancellation.  Whoever completes it first (the loop with an answer, the
+ * A started call (manager.h).  References: the caller's; in-process, the
+ * server's while the call is in the inbox or has a waiter, and one per
+ * posted cancellation; over the wire, the channel callback's until it ran.
+ * Whoever completes it first (the loop or the channel with an answer, the
  * caller with a deadline or an abort) sets `done`; the other finds it set.
  */
-struct sg_mgr_local_s {
+struct sg_mgr_call_s {
   /* the request: set at start, then read by the loop thread only */
   sg__mgr_kind_t kind;
   int64_t group_rank, step, commit_failures;
   int shrink_only, init_sync, vote;
   char *metadata, *handle; /* owned (Quorum) */
   sg_deadline_t deadline;
-  sg_mgr_local_t *next;  /* in the server's inbox (s->mu) */
-  sg_mgr_local_t *cnext; /* in the cancel list (s->mu) */
-  unsigned forks;        /* sg_sock_fork_count() where it started */
-  sg__mgr_waiter_t *w;   /* its waiter while it has one (its round's lock) */
-  int had_waiter;        /* a waiter took the server's reference (set by the
-                            thread that ran it, under its round's lock) */
-  pthread_mutex_t mu;    /* guards everything below */
-  pthread_cond_t cv;     /* signalled on completion (CLOCK_MONOTONIC) */
-  sg_mgr_server_t *srv;  /* NULL once done: nobody posts to it then */
+  sg_mgr_call_t *next;  /* in the server's inbox (s->mu) */
+  sg_mgr_call_t *cnext; /* in the cancel list (s->mu) */
+  unsigned forks;       /* sg_sock_fork_count() where it started */
+  sg__mgr_waiter_t *w;  /* its waiter while it has one (its round's lock) */
+  int had_waiter;       /* a waiter took the server's reference (set by the
+                           thread that ran it, under its round's lock) */
+  pthread_mutex_t mu;   /* guards everything below */
+  pthread_cond_t cv;    /* signalled on completion (CLOCK_MONOTONIC) */
+  sg_mgr_server_t *srv; /* NULL once done: nobody posts to it then */
   int refs;
   int done, taken;
   int rc;        /* 0 or the SG_E* code the caller gets */
@@ -224,8 +225,8 @@ struct sg_mgr_server_s {
   int result_ready, result_rc;
   char result_msg[256];
   Torchft__LighthouseQuorumResponse *result;
-  sg_mgr_local_t *inbox, *inbox_tail; /* started in-process calls, in order */
-  sg_mgr_local_t *cancels;            /* in-process calls that ended early */
+  sg_mgr_call_t *inbox, *inbox_tail; /* started in-process calls, in order */
+  sg_mgr_call_t *cancels;            /* in-process calls that ended early */
   unsigned forks; /* sg_sock_fork_count() where the server started (its
                      sockets are registered, so a fork() counts) */
 
@@ -309,8 +310,28 @@ void sg__mgr_commit_vote(sg_mgr_server_t *s, sg__mgr_reply_t to, int64_t g,
 
 /* ---- local.c: in-process calls ------------------------------------------ */
 
-/* sg__mgr_local_unref: drop one reference to `c`; the last frees it. */
-void sg__mgr_local_unref(sg_mgr_local_t *c);
+/* sg__mgr_call_unref: drop one reference to `c`; the last frees it.
+ * sg__mgr_call_ref takes one more. */
+void sg__mgr_call_unref(sg_mgr_call_t *c);
+void sg__mgr_call_ref(sg_mgr_call_t *c);
+
+/* sg__mgr_call_new: a call of `kind` with one reference (the caller's) and
+ * no server; 0 or SG_ENOMEM. */
+int sg__mgr_call_new(sg__mgr_kind_t kind, int64_t g, int64_t step,
+                     sg_deadline_t deadline, sg_mgr_call_t **out,
+                     sg_err_t *err);
+
+/* sg__mgr_call_set_quorum_args: copy a Quorum call's arguments into `c`. */
+int sg__mgr_call_set_quorum_args(sg_mgr_call_t *c, const char *metadata,
+                                 int shrink_only, int init_sync,
+                                 int64_t commit_failures, const char *handle,
+                                 sg_err_t *err);
+
+/* sg__mgr_call_finish: complete `c` with `rc` (detail `msg`) and, on 0, the
+ * encoded answer `resp` (owned: kept, or freed if `c` was complete
+ * already).  The wire client's completion. */
+void sg__mgr_call_finish(sg_mgr_call_t *c, int rc, const char *msg,
+                         uint8_t *resp, size_t len);
 
 /*
  * sg__mgr_local_complete: the server's answer to an in-process call, turned
@@ -318,7 +339,7 @@ void sg__mgr_local_unref(sg_mgr_local_t *c);
  * copied).  Whoever answers calls of its kind; `c` stays alive (the caller
  * holds the server's reference to it).
  */
-void sg__mgr_local_complete(sg_mgr_local_t *c, int status, const char *msg,
+void sg__mgr_local_complete(sg_mgr_call_t *c, int status, const char *msg,
                             const uint8_t *body, size_t len);
 
 /* sg__mgr_on_local: local_async's callback: run the calls started since

@@ -148,10 +148,10 @@ static void waiter_push(sg__mgr_waiter_t **head, sg__mgr_waiter_t *w) {
 /* waiter_free: free a waiter that left its list (answered or not), and
  * drop the server's reference to its in-process call. */
 static void waiter_free(sg__mgr_waiter_t *w) {
-  sg_mgr_local_t *c = w->to.local;
+  sg_mgr_call_t *c = w->to.local;
   if (c) {
     c->w = NULL;
-    sg__mgr_local_unref(c);
+    sg__mgr_call_unref(c);
   }
   sg_free(w);
 }

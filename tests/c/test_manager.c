@@ -1402,35 +1402,35 @@ static void test_stop_with_calls_in_flight(void **state) {
 static int local_quorum(sg_mgr_server_t *srv, int64_t g, int64_t step,
                         const char *md, int64_t timeout_ms,
                         sg_mgr_quorum_result_t *r, sg_err_t *err) {
-  sg_mgr_local_t *c = NULL;
+  sg_mgr_call_t *c = NULL;
   int rc = sg_mgr_local_quorum_start(srv, g, step, md, 0, 0, 0, NULL,
                                      sg_deadline_in_ms(timeout_ms), &c, err);
   if (rc)
     return rc;
-  assert_int_equal(sg_mgr_local_wait(c, sg_deadline_in_ms(60000)), 0);
-  rc = sg_mgr_local_quorum_result(c, r, err);
-  sg_mgr_local_free(c);
+  assert_int_equal(sg_mgr_call_wait(c, sg_deadline_in_ms(60000)), 0);
+  rc = sg_mgr_call_quorum_result(c, r, err);
+  sg_mgr_call_free(c);
   return rc;
 }
 
 /* local_start: group rank 0's in-process Quorum with metadata "m", started
  * and not waited for. */
 static int local_start(sg_mgr_server_t *srv, int64_t step, int64_t timeout_ms,
-                       sg_mgr_local_t **c, sg_err_t *err) {
+                       sg_mgr_call_t **c, sg_err_t *err) {
   return sg_mgr_local_quorum_start(srv, 0, step, "m", 0, 0, 0, NULL,
                                    sg_deadline_in_ms(timeout_ms), c, err);
 }
 
 static int local_vote(sg_mgr_server_t *srv, int64_t g, int vote, int *out,
                       sg_err_t *err) {
-  sg_mgr_local_t *c = NULL;
+  sg_mgr_call_t *c = NULL;
   int rc = sg_mgr_local_should_commit_start(srv, g, 1, vote,
                                             sg_deadline_in_ms(10000), &c, err);
   if (rc)
     return rc;
-  assert_int_equal(sg_mgr_local_wait(c, sg_deadline_in_ms(60000)), 0);
-  rc = sg_mgr_local_should_commit_result(c, out, err);
-  sg_mgr_local_free(c);
+  assert_int_equal(sg_mgr_call_wait(c, sg_deadline_in_ms(60000)), 0);
+  rc = sg_mgr_call_should_commit_result(c, out, err);
+  sg_mgr_call_free(c);
   return rc;
 }
 
@@ -1541,7 +1541,7 @@ static void test_local_first_then_wire(void **state) {
   group_t g;
   sg_lh_server_t *lh = lh_group_start(&g, 2);
   for (int order = 0; order < 2; order++) {
-    sg_mgr_local_t *c = NULL;
+    sg_mgr_call_t *c = NULL;
     sg_err_t err;
     struct qreq q;
     q_init(&q, &g, 1, 7 + order);
@@ -1552,13 +1552,13 @@ static void test_local_first_then_wire(void **state) {
     assert_int_equal(local_start(g.srv, 7 + order, 10000, &c, &err), 0);
     if (order == 0) {
       usleep(100 * 1000);
-      assert_false(sg_mgr_local_done(c));
+      assert_false(sg_mgr_call_done(c));
       q_start(&q);
     }
-    assert_int_equal(sg_mgr_local_wait(c, sg_deadline_in_ms(60000)), 0);
+    assert_int_equal(sg_mgr_call_wait(c, sg_deadline_in_ms(60000)), 0);
     sg_mgr_quorum_result_t r;
     sg_err_clear(&err);
-    if (sg_mgr_local_quorum_result(c, &r, &err))
+    if (sg_mgr_call_quorum_result(c, &r, &err))
       fail_msg("order %d: %s", order, err.msg);
     q_join(&q);
     if (q.rc)
@@ -1567,7 +1567,7 @@ static void test_local_first_then_wire(void **state) {
     assert_int_equal(r.max_step, 7 + order);
     sg_mgr_quorum_result_free(&r);
     q_free(&q, 1);
-    sg_mgr_local_free(c);
+    sg_mgr_call_free(c);
   }
   lh_group_stop(&g, lh);
 }
@@ -1602,15 +1602,15 @@ static void test_local_errors_match_wire(void **state) {
   assert_int_equal(lrc, SG_EINVAL);
   assert_non_null(strstr(err.msg, "out of range"));
   /* a result of the wrong kind, or taken twice, is refused */
-  sg_mgr_local_t *c = NULL;
+  sg_mgr_call_t *c = NULL;
   assert_int_equal(sg_mgr_local_should_commit_start(
                        g.srv, 5, 1, 1, sg_deadline_in_ms(2000), &c, &err),
                    0);
-  assert_int_equal(sg_mgr_local_wait(c, sg_deadline_in_ms(5000)), 0);
-  assert_int_equal(sg_mgr_local_quorum_result(c, &r, &err), SG_ESTATE);
-  assert_int_equal(sg_mgr_local_should_commit_result(c, &out, &err), SG_EINVAL);
-  assert_int_equal(sg_mgr_local_should_commit_result(c, &out, &err), SG_ESTATE);
-  sg_mgr_local_free(c);
+  assert_int_equal(sg_mgr_call_wait(c, sg_deadline_in_ms(5000)), 0);
+  assert_int_equal(sg_mgr_call_quorum_result(c, &r, &err), SG_ESTATE);
+  assert_int_equal(sg_mgr_call_should_commit_result(c, &out, &err), SG_EINVAL);
+  assert_int_equal(sg_mgr_call_should_commit_result(c, &out, &err), SG_ESTATE);
+  sg_mgr_call_free(c);
   lh_group_stop(&g, lh);
 }
 
@@ -1620,19 +1620,19 @@ static void test_local_deadline_abort_and_slices(void **state) {
   (void)state;
   group_t g;
   sg_lh_server_t *lh = lh_group_start(&g, 2);
-  sg_mgr_local_t *c = NULL;
+  sg_mgr_call_t *c = NULL;
   sg_err_t err;
   sg_mgr_quorum_result_t r;
   /* rank 1 never comes: slices time out, then the deadline ends it */
   assert_int_equal(local_start(g.srv, 1, 300, &c, &err), 0);
-  assert_int_equal(sg_mgr_local_wait(c, sg_deadline_in_ms(20)), SG_EAGAIN);
-  assert_false(sg_mgr_local_done(c));
-  assert_int_equal(sg_mgr_local_quorum_result(c, &r, &err), SG_ESTATE);
+  assert_int_equal(sg_mgr_call_wait(c, sg_deadline_in_ms(20)), SG_EAGAIN);
+  assert_false(sg_mgr_call_done(c));
+  assert_int_equal(sg_mgr_call_quorum_result(c, &r, &err), SG_ESTATE);
   int64_t t0 = sg_now_ns();
-  assert_int_equal(sg_mgr_local_wait(c, sg_deadline_in_ms(60000)), 0);
+  assert_int_equal(sg_mgr_call_wait(c, sg_deadline_in_ms(60000)), 0);
   assert_true((sg_now_ns() - t0) / 1000000 < 5000);
-  assert_int_equal(sg_mgr_local_quorum_result(c, &r, &err), SG_ETIMEDOUT);
-  sg_mgr_local_free(c);
+  assert_int_equal(sg_mgr_call_quorum_result(c, &r, &err), SG_ETIMEDOUT);
+  sg_mgr_call_free(c);
   usleep(100 * 1000); /* the cancellation reaches the loop */
   /* rank 1 alone starts no round */
   struct qreq q[2];
@@ -1643,15 +1643,15 @@ static void test_local_deadline_abort_and_slices(void **state) {
   assert_int_equal(q[1].rc, SG_ETIMEDOUT);
   /* abort from another thread's point of view: it completes at once */
   assert_int_equal(local_start(g.srv, 1, 30000, &c, &err), 0);
-  sg_mgr_local_abort(c);
-  sg_mgr_local_abort(c); /* idempotent */
-  assert_true(sg_mgr_local_done(c));
-  assert_int_equal(sg_mgr_local_wait(c, sg_deadline_in_ms(10)), 0);
-  assert_int_equal(sg_mgr_local_quorum_result(c, &r, &err), SG_EABORTED);
-  sg_mgr_local_free(c);
+  sg_mgr_call_abort(c);
+  sg_mgr_call_abort(c); /* idempotent */
+  assert_true(sg_mgr_call_done(c));
+  assert_int_equal(sg_mgr_call_wait(c, sg_deadline_in_ms(10)), 0);
+  assert_int_equal(sg_mgr_call_quorum_result(c, &r, &err), SG_EABORTED);
+  sg_mgr_call_free(c);
   /* free without waiting: aborted, nothing leaks */
   assert_int_equal(local_start(g.srv, 1, 30000, &c, &err), 0);
-  sg_mgr_local_free(c);
+  sg_mgr_call_free(c);
   usleep(100 * 1000);
   /* both ranks together still work */
   q_init(&q[1], &g, 1, 2);
@@ -1664,6 +1664,110 @@ static void test_local_deadline_abort_and_slices(void **state) {
   assert_int_equal(r.max_step, 2);
   sg_mgr_quorum_result_free(&r);
   q_free(&q[1], 1);
+  lh_group_stop(&g, lh);
+}
+
+/* One road: the same started call over the wire (rank 1) and in-process
+ * (rank 0's client pointed at its server), sharing rounds; slices, the
+ * deadline, abort, free in flight and a client freed under a started call
+ * end a wire call as they end an in-process one. */
+static void test_started_calls_one_road(void **state) {
+  (void)state;
+  group_t g;
+  sg_lh_server_t *lh = lh_group_start(&g, 2);
+  sg_mgr_client_use_server(g.cl[0], g.srv);
+  sg_err_t err;
+  sg_mgr_quorum_result_t r0, r1;
+  for (int64_t step = 1; step < 4; step++) {
+    sg_mgr_call_t *c0 = NULL, *c1 = NULL;
+    assert_int_equal(sg_mgr_client_quorum_start(g.cl[0], 0, step, "m0", 0, 0, 0,
+                                                NULL, sg_deadline_in_ms(10000),
+                                                &c0, &err),
+                     0);
+    assert_int_equal(sg_mgr_client_quorum_start(g.cl[1], 1, step, "m1", 0, 0, 0,
+                                                "h1", sg_deadline_in_ms(10000),
+                                                &c1, &err),
+                     0);
+    assert_int_equal(sg_mgr_call_wait(c1, sg_deadline_in_ms(60000)), 0);
+    assert_int_equal(sg_mgr_call_wait(c0, sg_deadline_in_ms(60000)), 0);
+    sg_err_clear(&err);
+    if (sg_mgr_call_quorum_result(c1, &r1, &err))
+      fail_msg("wire quorum: %s", err.msg);
+    if (sg_mgr_call_quorum_result(c0, &r0, &err))
+      fail_msg("in-process quorum: %s", err.msg);
+    assert_int_equal(r0.quorum_id, r1.quorum_id);
+    assert_int_equal(r1.max_step, step);
+    /* taken once */
+    assert_int_equal(sg_mgr_call_quorum_result(c1, &r1, &err), SG_ESTATE);
+    sg_mgr_quorum_result_free(&r0);
+    sg_mgr_quorum_result_free(&r1);
+    sg_mgr_call_free(c0);
+    sg_mgr_call_free(c1);
+    /* the votes, both roads, ANDed */
+    int vote1 = step != 2;
+    assert_int_equal(sg_mgr_client_should_commit_start(g.cl[0], 0, step, 1,
+                                                       sg_deadline_in_ms(10000),
+                                                       &c0, &err),
+                     0);
+    assert_int_equal(sg_mgr_client_should_commit_start(g.cl[1], 1, step, vote1,
+                                                       sg_deadline_in_ms(10000),
+                                                       &c1, &err),
+                     0);
+    int d0 = -1, d1 = -1;
+    assert_int_equal(sg_mgr_call_wait(c0, sg_deadline_in_ms(60000)), 0);
+    assert_int_equal(sg_mgr_call_wait(c1, sg_deadline_in_ms(60000)), 0);
+    assert_int_equal(sg_mgr_call_should_commit_result(c0, &d0, &err), 0);
+    assert_int_equal(sg_mgr_call_should_commit_result(c1, &d1, &err), 0);
+    assert_int_equal(d0, vote1);
+    assert_int_equal(d1, vote1);
+    sg_mgr_call_free(c0);
+    sg_mgr_call_free(c1);
+  }
+  /* a wire call alone: slices, then its deadline */
+  sg_mgr_call_t *c = NULL;
+  assert_int_equal(sg_mgr_client_quorum_start(g.cl[1], 1, 9, "m1", 0, 0, 0,
+                                              NULL, sg_deadline_in_ms(300), &c,
+                                              &err),
+                   0);
+  assert_int_equal(sg_mgr_call_wait(c, sg_deadline_in_ms(20)), SG_EAGAIN);
+  assert_false(sg_mgr_call_done(c));
+  int64_t t0 = sg_now_ns();
+  assert_int_equal(sg_mgr_call_wait(c, sg_deadline_in_ms(60000)), 0);
+  assert_true((sg_now_ns() - t0) / 1000000 < 5000);
+  assert_int_equal(sg_mgr_call_quorum_result(c, &r1, &err), SG_ETIMEDOUT);
+  sg_mgr_call_free(c);
+  /* aborted: complete at once */
+  assert_int_equal(sg_mgr_client_quorum_start(g.cl[1], 1, 9, "m1", 0, 0, 0,
+                                              NULL, sg_deadline_in_ms(30000),
+                                              &c, &err),
+                   0);
+  sg_mgr_call_abort(c);
+  assert_true(sg_mgr_call_done(c));
+  assert_int_equal(sg_mgr_call_quorum_result(c, &r1, &err), SG_EABORTED);
+  sg_mgr_call_free(c);
+  /* freed in flight, then the client freed under another started call:
+   * the call outlives it and ends aborted */
+  assert_int_equal(sg_mgr_client_quorum_start(g.cl[1], 1, 9, "m1", 0, 0, 0,
+                                              NULL, sg_deadline_in_ms(30000),
+                                              &c, &err),
+                   0);
+  sg_mgr_call_free(c);
+  assert_int_equal(sg_mgr_client_quorum_start(g.cl[1], 1, 9, "m1", 0, 0, 0,
+                                              NULL, sg_deadline_in_ms(30000),
+                                              &c, &err),
+                   0);
+  sg_mgr_client_free(g.cl[1]);
+  g.cl[1] = NULL;
+  assert_int_equal(sg_mgr_call_wait(c, sg_deadline_in_ms(60000)), 0);
+  assert_int_equal(sg_mgr_call_quorum_result(c, &r1, &err), SG_EABORTED);
+  sg_mgr_call_free(c);
+  /* an aborted client starts nothing, whichever road */
+  sg_mgr_client_abort(g.cl[0]);
+  assert_int_equal(sg_mgr_client_quorum_start(g.cl[0], 0, 9, "m0", 0, 0, 0,
+                                              NULL, sg_deadline_in_ms(1000), &c,
+                                              &err),
+                   SG_EABORTED);
+  assert_null(c);
   lh_group_stop(&g, lh);
 }
 
@@ -1691,15 +1795,15 @@ static void test_local_vote_ends_round_of_departed_voter(void **state) {
   assert_int_equal(local_vote(g.srv, 0, 1, &out, &err), 0);
   assert_int_equal(out, 1);
   /* rank 0 alone does not end a round of two: it waits, then times out */
-  sg_mgr_local_t *c = NULL;
+  sg_mgr_call_t *c = NULL;
   assert_int_equal(sg_mgr_local_should_commit_start(
                        g.srv, 0, 3, 1, sg_deadline_in_ms(200), &c, &err),
                    0);
-  assert_false(sg_mgr_local_done(c));
-  assert_int_equal(sg_mgr_local_wait(c, sg_deadline_in_ms(10000)), 0);
-  assert_int_equal(sg_mgr_local_should_commit_result(c, &out, &err),
+  assert_false(sg_mgr_call_done(c));
+  assert_int_equal(sg_mgr_call_wait(c, sg_deadline_in_ms(10000)), 0);
+  assert_int_equal(sg_mgr_call_should_commit_result(c, &out, &err),
                    SG_ETIMEDOUT);
-  sg_mgr_local_free(c);
+  sg_mgr_call_free(c);
   lh_group_stop(&g, lh);
 }
 
@@ -1709,23 +1813,23 @@ static void test_local_call_in_forked_child(void **state) {
   (void)state;
   group_t g;
   sg_lh_server_t *lh = lh_group_start(&g, 2);
-  sg_mgr_local_t *c = NULL;
+  sg_mgr_call_t *c = NULL;
   sg_err_t err;
   assert_int_equal(local_start(g.srv, 1, 30000, &c, &err), 0);
   pid_t pid = fork();
   assert_true(pid >= 0);
   if (pid == 0) {
     sg_mgr_quorum_result_t r;
-    sg_mgr_local_t *d = NULL;
-    int ok = sg_mgr_local_wait(c, sg_deadline_in_ms(60000)) == 0 &&
-             sg_mgr_local_done(c) &&
-             sg_mgr_local_quorum_result(c, &r, &err) == SG_ESTATE &&
+    sg_mgr_call_t *d = NULL;
+    int ok = sg_mgr_call_wait(c, sg_deadline_in_ms(60000)) == 0 &&
+             sg_mgr_call_done(c) &&
+             sg_mgr_call_quorum_result(c, &r, &err) == SG_ESTATE &&
              sg_mgr_local_should_commit_start(g.srv, 0, 1, 1,
                                               sg_deadline_in_ms(1000), &d,
                                               &err) == SG_ESTATE &&
              d == NULL;
-    sg_mgr_local_abort(c);
-    sg_mgr_local_free(c);
+    sg_mgr_call_abort(c);
+    sg_mgr_call_free(c);
     _exit(ok ? 0 : 1);
   }
   int status = 0;
@@ -1744,12 +1848,12 @@ static void test_local_call_in_forked_child(void **state) {
   struct qreq q;
   q_init(&q, &g, 1, 1);
   q_start(&q);
-  assert_int_equal(sg_mgr_local_wait(c, sg_deadline_in_ms(60000)), 0);
+  assert_int_equal(sg_mgr_call_wait(c, sg_deadline_in_ms(60000)), 0);
   sg_mgr_quorum_result_t r;
-  assert_int_equal(sg_mgr_local_quorum_result(c, &r, &err), 0);
+  assert_int_equal(sg_mgr_call_quorum_result(c, &r, &err), 0);
   assert_int_equal(r.max_step, 1);
   sg_mgr_quorum_result_free(&r);
-  sg_mgr_local_free(c);
+  sg_mgr_call_free(c);
   q_join(&q);
   assert_int_equal(q.rc, 0);
   q_free(&q, 1);
@@ -1762,7 +1866,7 @@ static void test_local_stop_fails_waiting_call(void **state) {
   (void)state;
   group_t g;
   sg_lh_server_t *lh = lh_group_start(&g, 2);
-  sg_mgr_local_t *c = NULL, *v = NULL;
+  sg_mgr_call_t *c = NULL, *v = NULL;
   sg_err_t err;
   assert_int_equal(local_start(g.srv, 1, 30000, &c, &err), 0);
   assert_int_equal(sg_mgr_local_should_commit_start(
@@ -1773,19 +1877,19 @@ static void test_local_stop_fails_waiting_call(void **state) {
   for (int r = 0; r < 2; r++)
     sg_mgr_client_free(g.cl[r]);
   sg_mgr_server_stop(g.srv);
-  assert_true(sg_mgr_local_done(c));
-  assert_true(sg_mgr_local_done(v));
-  assert_int_equal(sg_mgr_local_wait(c, sg_deadline_in_ms(10)), 0);
+  assert_true(sg_mgr_call_done(c));
+  assert_true(sg_mgr_call_done(v));
+  assert_int_equal(sg_mgr_call_wait(c, sg_deadline_in_ms(10)), 0);
   assert_true((sg_now_ns() - t0) / 1000000 < 5000);
   sg_mgr_quorum_result_t r;
-  assert_int_equal(sg_mgr_local_quorum_result(c, &r, &err), SG_ECONNREFUSED);
+  assert_int_equal(sg_mgr_call_quorum_result(c, &r, &err), SG_ECONNREFUSED);
   assert_non_null(strstr(err.msg, "UNAVAILABLE"));
   int out = -1;
-  assert_int_equal(sg_mgr_local_should_commit_result(v, &out, &err),
+  assert_int_equal(sg_mgr_call_should_commit_result(v, &out, &err),
                    SG_ECONNREFUSED);
-  sg_mgr_local_abort(c); /* complete already: the server is not touched */
-  sg_mgr_local_free(c);
-  sg_mgr_local_free(v);
+  sg_mgr_call_abort(c); /* complete already: the server is not touched */
+  sg_mgr_call_free(c);
+  sg_mgr_call_free(v);
   sg_lh_server_stop(lh);
 }
 
@@ -1849,6 +1953,7 @@ int main(void) {
       cmocka_unit_test(test_local_first_then_wire),
       cmocka_unit_test(test_local_errors_match_wire),
       cmocka_unit_test(test_local_deadline_abort_and_slices),
+      cmocka_unit_test(test_started_calls_one_road),
       cmocka_unit_test(test_local_vote_ends_round_of_departed_voter),
       cmocka_unit_test(test_local_call_in_forked_child),
       cmocka_unit_test(test_local_stop_fails_waiting_call),

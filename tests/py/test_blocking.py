@@ -20,7 +20,7 @@ from torch.distributed import TCPStore
 
 from lighthouse_util import td
 from stepguard.coordination import LighthouseServer, ManagerClient, ManagerServer
-from stepguard.manager import Manager, _NativeQuorum
+from stepguard.manager import Manager, _Quorum, _ThreadQuorumCall
 from stepguard.process_group import ProcessGroupDummy
 
 # A group of one whose votes need nobody else: every call returns at once.
@@ -42,22 +42,28 @@ REUSE_CHILD = SETUP + """
 lh, m, c = group()
 before = tids()
 assert c.should_commit(0, 0, True, td(5)) is True
+after_vote = tids()
+assert c._wait_lost(10**6, 0.01) is None
 after_one = tids()
 for i in range(40):
     assert c.should_commit(0, i + 1, True, td(5)) is True
+    assert c._wait_lost(10**6, 0.01) is None
 after_many = tids()
-print(len(after_one - before), len(after_many ^ after_one), flush=True)
+print(len(after_vote - before), len(after_one - after_vote),
+      len(after_many ^ after_one), flush=True)
 """
 
 
 def test_main_thread_calls_reuse_one_worker(procs) -> None:
-    """The first blocking call from the main thread leaves one worker
-    behind, and forty more calls run on it: no thread starts or ends."""
+    """A vote is a started call that no thread waits for; the first other
+    blocking call from the main thread leaves one worker behind, and forty
+    more of each run with no thread starting or ending."""
     p = procs.spawn(REUSE_CHILD, stdout=subprocess.PIPE, text=True)
     out, _ = p.communicate(timeout=60)
     assert p.returncode == 0, out
-    kept, changed = (int(x) for x in out.split())
-    assert kept == 1, f"{kept} threads left by the first call"
+    by_vote, kept, changed = (int(x) for x in out.split())
+    assert by_vote == 0, f"{by_vote} threads started by a vote"
+    assert kept == 1, f"{kept} threads left by the first blocking call"
     assert changed == 0, f"{changed} threads came or went over 40 calls"
 
 
@@ -270,8 +276,8 @@ def test_dropping_a_client_ends_its_started_quorum(procs) -> None:
 
 
 class _StandIn:
-    """A client that is not the extension's: the Manager falls back to its
-    quorum thread."""
+    """A client that is not the extension's: the one quorum road starts its
+    blocking call on a thread of its own."""
 
     def __init__(self, real: ManagerClient) -> None:
         self._real = real
@@ -295,7 +301,8 @@ def test_manager_steps_with_and_without_the_native_quorum(stand_in: bool) -> Non
             m._client = _StandIn(m._client)  # type: ignore[assignment]
         for i in range(4):
             m.start_quorum()
-            assert isinstance(m._quorum_future, _NativeQuorum) != stand_in
+            assert isinstance(m._quorum_future, _Quorum)
+            assert isinstance(m._quorum_future._call, _ThreadQuorumCall) == stand_in
             g = torch.full((4,), float(i + 1))
             assert m.allreduce(g).wait()
             assert m.should_commit()

@@ -29,6 +29,7 @@ MODULES = [
     "checkpointing._serialization",
     "local_sgd",
     "otel",
+    "parameter_server",
 ]
 
 # Private helpers torchft code imports from these modules, that we provide.

@@ -68,8 +68,10 @@ def test_every_torchft_name_is_the_stepguard_module():
         import stepguard, stepguard.manager, stepguard.process_group
         import stepguard.checkpointing.pg_transport, stepguard.local_sgd
         import stepguard.coordination
+        import torchft.parameter_server, stepguard.parameter_server
 
         pairs = {
+            "parameter_server": torchft.parameter_server is stepguard.parameter_server,
             "torchft": torchft is stepguard,
             "manager": torchft.manager is stepguard.manager,
             "process_group": torchft.process_group is stepguard.process_group,

@@ -53,6 +53,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import selectors
 import socket
 import threading
 import time
@@ -142,7 +143,7 @@ def _parse_request(head: bytes) -> str:
         name, sep, _ = line.partition(":")
         if not sep or not name or name != name.strip() or any(c in name for c in " \t"):
             raise _BadRequest(400, f"malformed header line {line[:100]!r}")
-        if not line.isprintable():
+        if not line.replace("\t", " ").isprintable():
             raise _BadRequest(400, "control character in a header")
     if not target.startswith("/") or not target.isprintable():
         raise _BadRequest(400, f"malformed path {target[:100]!r}")
@@ -257,7 +258,7 @@ class ParameterServer(ABC):
             "sessions_finished": 0,  # forward returned
         }
         self._sock = _listen(port)
-        self._sock.settimeout(0.2)  # how soon the accept loop sees shutdown()
+        self._sock.setblocking(False)
         ref = weakref.ref(self)
 
         def close_in_child() -> None:
@@ -431,45 +432,90 @@ class ParameterServer(ABC):
 
     # -- serving -------------------------------------------------------------------
 
+    #: a refused connection is drained for this long before it is closed,
+    #: so that closing it with the request unread does not reset it and
+    #: lose the 503 on its way to the client
+    _LINGER_S = 1.0
+    _MAX_LINGERING = 256
+
     def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, peer = self._sock.accept()
-            except socket.timeout:
-                continue
-            except OSError as e:
-                if self._closed:
-                    return
+        """Accepts connections and hands each to a request thread; refuses
+        (503) those beyond the limits itself, without a thread, and drains
+        them for a moment before closing them."""
+        sel = selectors.DefaultSelector()
+        sel.register(self._sock, selectors.EVENT_READ)
+        lingering: Dict[socket.socket, float] = {}
+        try:
+            while not self._closed:
+                try:
+                    events = sel.select(timeout=0.2)
+                except (OSError, ValueError):
+                    if self._closed:
+                        return
+                    raise
+                now = time.monotonic()
+                for key, _ in events:
+                    if key.fileobj is self._sock:
+                        self._accept_one(sel, lingering)
+                    else:
+                        conn = key.fileobj
+                        try:
+                            more = conn.recv(65536)  # type: ignore[union-attr]
+                        except (BlockingIOError, InterruptedError):
+                            continue
+                        except OSError:
+                            more = b""
+                        if not more:
+                            lingering[conn] = now  # type: ignore[index]
+                for conn, until in list(lingering.items()):
+                    if until <= now or self._closed:
+                        del lingering[conn]
+                        sel.unregister(conn)
+                        conn.close()
+        finally:
+            for conn in lingering:
+                conn.close()
+            sel.close()
+
+    def _accept_one(self, sel: selectors.BaseSelector, lingering: Dict[socket.socket, float]) -> None:
+        try:
+            conn, peer = self._sock.accept()
+        except (BlockingIOError, InterruptedError, socket.timeout):
+            return
+        except OSError as e:
+            if not self._closed:
                 logger.warning("parameter server accept: %s", e)
                 time.sleep(0.05)  # out of descriptors: let some close
-                continue
-            self._count("requests")
-            with self._lock:
-                busy = self._pending >= self.max_pending
-                if not busy:
-                    self._pending += 1
-            if busy:
-                self._refuse_now(conn, f"{self._pending} requests in progress, try again")
-                continue
+            return
+        self._count("requests")
+        with self._lock:
+            busy = self._pending >= self.max_pending
+            if not busy:
+                self._pending += 1
+        if not busy:
             try:
                 threading.Thread(
                     target=self._handle, args=(conn, peer), name="stepguard-ps-request", daemon=True
                 ).start()
+                return
             except RuntimeError as e:  # no more threads
                 with self._lock:
                     self._pending -= 1
-                self._refuse_now(conn, f"cannot start a thread: {e}")
-
-    def _refuse_now(self, conn: socket.socket, msg: str) -> None:
-        """Answers 503 without waiting (the accept loop calls this) and
-        closes."""
+                msg = f"cannot start a thread: {e}"
+        else:
+            msg = f"{self.max_pending} requests in progress, try again"
         self._count("refused")
         try:
             conn.setblocking(False)
             conn.send(_error_response(503, msg))
+            conn.shutdown(socket.SHUT_WR)
         except OSError:
             pass
-        conn.close()
+        if len(lingering) >= self._MAX_LINGERING:
+            conn.close()
+            return
+        lingering[conn] = time.monotonic() + self._LINGER_S
+        sel.register(conn, selectors.EVENT_READ)
 
     def _read_head(self, conn: socket.socket) -> bytes:
         """Reads a request head within ``request_timeout`` and
@@ -559,7 +605,7 @@ class ParameterServer(ABC):
             session.pg = self.new_process_group()
             backend = session.pg.getBackendName()
         except Exception as e:
-            self._end_session(session, failed=True)
+            self._end_session(session, failed=None)
             logger.exception("parameter server: new_process_group failed")
             raise _BadRequest(500, f"the server could not make a process group: {e}") from None
         session.thread = threading.current_thread()
@@ -605,7 +651,9 @@ class ParameterServer(ABC):
         store.set("handle/0", pg.get_reconfigure_handle())
         store.set("uuid", str(uuid.uuid4().int & ((1 << 63) - 1)))
         keys = ["uuid", "handle/0", "handle/1"]
-        pause = 0.001
+        # polled, not store.wait: a wait cannot be interrupted, and each
+        # slice of one that times out logs a warning from torch
+        pause = 0.0005
         while not store.check(keys):
             if self._closed:
                 raise RuntimeError("the parameter server shut down")
@@ -615,7 +663,7 @@ class ParameterServer(ABC):
                     f"the client did not join within {self.session_timeout}"
                 )
             time.sleep(min(pause, left))
-            pause = min(pause * 2, 0.02)
+            pause = min(pause * 2, 0.005)
         values = store.multi_get(keys)
         opts = ReconfigureOptions()
         opts.uuid = int(values[0])
@@ -632,10 +680,13 @@ class ParameterServer(ABC):
             except Exception as e:  # noqa: BLE001 - only a leak
                 logger.debug("deleting session key %s: %s", key, e)
 
-    def _end_session(self, session: _Session, failed: bool) -> None:
+    def _end_session(self, session: _Session, failed: Optional[bool]) -> None:
+        """Forgets a session and shuts its group down; ``failed`` None: it
+        never started (not counted)."""
         with self._lock:
             self._sessions.pop(session.session_id, None)
-            self._stats["sessions_failed" if failed else "sessions_finished"] += 1
+            if failed is not None:
+                self._stats["sessions_failed" if failed else "sessions_finished"] += 1
         pg = session.pg
         if pg is not None:
             try:

@@ -246,7 +246,7 @@ def _raw(port: int, data: bytes, half_close: bool = True, timeout: float = 30) -
             if half_close:
                 s.shutdown(socket.SHUT_WR)
         except (BrokenPipeError, ConnectionResetError):
-            pass
+            pass  # the server answered and closed before reading it all
         return _read_all(s)
 
 
@@ -300,6 +300,25 @@ def test_bad_request_gets_an_error_and_nothing_else(servers, name: str) -> None:
     assert st["refused"] == 1 and st["sessions_started"] == 0
     assert ps.store.num_keys() == keys
     _assert_still_serving(ps, cls, 0)
+
+
+def test_garbage_on_the_store_port(servers) -> None:
+    """The session store (torch's TCPStore, as in torchft) is reachable
+    too: garbage, an oversized blob and idle connections on it leave
+    sessions working."""
+    cls = _server_class("tcp")
+    ps = _start(servers, cls)
+    idle = [socket.create_connection(("127.0.0.1", ps.store.port), timeout=10) for _ in range(8)]
+    try:
+        for data in (b"\x00" * 8 + b"\xff" * 64, b"GET / HTTP/1.1\r\n\r\n", os.urandom(200000)):
+            try:
+                _raw(ps.store.port, data, timeout=10)
+            except OSError:
+                pass  # the store cut us: what matters is that it still serves
+        _assert_still_serving(ps, cls, 0)
+    finally:
+        for s in idle:
+            s.close()
 
 
 def test_connection_closed_without_a_request(servers) -> None:
@@ -377,8 +396,29 @@ def test_sessions_beyond_the_limit_get_503(servers) -> None:
     _assert_still_serving(ps, cls, 1)
 
 
+def test_process_group_failure_gets_500(servers) -> None:
+    class Broken(AddServer):
+        fail = True
+
+        @classmethod
+        def new_process_group(cls) -> ProcessGroup:
+            if cls.fail:
+                raise RuntimeError("no group today")
+            return super().new_process_group()
+
+    ps = _start(servers, Broken)
+    with pytest.raises(ConnectionError, match="500 .*no group today"):
+        Broken.new_session(ps.address())
+    st = ps.stats()
+    assert st["refused"] == 1 and st["sessions_started"] == st["sessions_failed"] == 0
+    assert ps.sessions() == []
+    Broken.fail = False
+    _assert_still_serving(ps, Broken, 0)
+
+
 def test_parse_request() -> None:
     assert _parse_request(b"GET /new_session HTTP/1.1\r\nHost: a:1\r\n\r\n") == "/new_session"
+    assert _parse_request(b"GET /new_session HTTP/1.1\r\nX-A: b\tc\r\n\r\n") == "/new_session"
     assert _parse_request(b"GET /new_session?x=1 HTTP/1.0\n\n") == "/new_session"
     for bad, code in [(b"", 400), (b"GET  / HTTP/1.1\r\n\r\n", 400), (b"get / HTTP/1.1\r\n\r\n", 400),
                       (b"DELETE / HTTP/1.1\r\n\r\n", 405), (b"GET x HTTP/1.1\r\n\r\n", 400),
@@ -575,3 +615,18 @@ def test_our_client_against_torchfts_server(procs) -> None:
     with pytest.raises(ValueError, match="torchft's"):
         _server_class("tcp").new_session(addr)
     assert time.monotonic() - t0 < 10
+
+
+# ---- the example ----------------------------------------------------------------------------
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_example_survives_a_killed_worker(backend: str) -> None:
+    p = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "parameter_server.py"),
+         "--workers", "2", "--steps", "60", "--backend", backend],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    assert "1 failed (the killed worker's)" in p.stdout and p.stdout.rstrip().endswith("ok")

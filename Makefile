@@ -76,6 +76,7 @@ bench: build
 	$(PY) bench/e2e.py
 	$(PY) bench/hsdp.py
 	$(PY) bench/lighthouse_failover.py
+	$(PY) bench/parameter_server.py
 
 sanitize: bootstrap $(ASAN)/build.ninja $(TSAN)/build.ninja
 	$(MESON) test -C $(ASAN) --print-errorlogs

@@ -1,0 +1,152 @@
+"""One trainer (one group rank of one replica group) that reads a dataset of
+``--samples`` samples through stepguard's ManagedDataLoader and logs, for
+each step, the samples it was served, before its forward pass (event
+``take``: the step, quorum id, participants, participant rank, committed
+stream position, and per sample its epoch, index and the random draw it was
+read with), then whether the step committed (event ``step``).  It stops
+once the committed position has passed one epoch.  Run through the
+training harness (tests/py/helpers/train_harness.py, ``worker="data_worker"``).
+
+    python data_worker.py --lighthouse ADDR --replica-id data_0 --dir DIR \
+        --samples 900 --batch 3 [--data-workers 2] [--discard-at 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from datetime import timedelta
+from train_worker import Log, child_pids, group_store, make_model, manager_kwargs, param_hash
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--impl", default="stepguard")
+    ap.add_argument("--lighthouse", required=True)
+    ap.add_argument("--replica-id", required=True)
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--group-rank", type=int, default=0)
+    ap.add_argument("--group-world-size", type=int, default=1)
+    ap.add_argument("--incarnation", type=int, default=0)
+    ap.add_argument("--samples", type=int, required=True)
+    ap.add_argument("--batch", type=int, default=3, help="samples per rank per step")
+    ap.add_argument("--data-workers", type=int, default=0)
+    ap.add_argument("--sync-quorum", action="store_true")
+    ap.add_argument("--min-replica-size", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=10.0)
+    ap.add_argument("--quorum-timeout", type=float, default=30.0)
+    ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--discard-at", type=int, default=-1,
+                    help="report an error at this step once: the step is not committed")
+    ap.add_argument("--mid-at", type=int, default=-1,
+                    help="at this step, after the forward pass, log 'mid' and sleep "
+                    "--mid-sleep")
+    ap.add_argument("--mid-sleep", type=float, default=0.0)
+    a = ap.parse_args(argv)
+    a.no_init_sync = False
+    a.same_init = False
+    return a
+
+
+def make_dataset(torch, n: int):
+    class Samples(torch.utils.data.Dataset):
+        """Sample i: features derived from i, a random draw (the kind of
+        thing a random transform makes), and i itself."""
+
+        def __len__(self) -> int:
+            return n
+
+        def __getitem__(self, i: int):
+            x = torch.full((8,), i / n) + 0.1 * torch.randn(8)
+            return x, torch.randn(4), torch.tensor(i)
+
+    return Samples()
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    g = a.group_rank
+    for sub in ("events", "stores"):
+        os.makedirs(os.path.join(a.dir, sub), exist_ok=True)
+    log = Log(os.path.join(a.dir, "events", f"{a.replica_id}.g{g}.i{a.incarnation}.jsonl"),
+              rid=a.replica_id, g=g, inc=a.incarnation)
+    log("start", pid=os.getpid(), ppid=os.getppid())
+
+    import torch
+
+    import stepguard as ft
+    from stepguard.data import DistributedSampler, ManagedDataLoader
+
+    torch.set_num_threads(1)
+    store, store_port = group_store(a, g)
+    model, inner_opt = make_model(a)
+    def state_dict() -> dict:
+        return {"model": model.state_dict(), "optim": inner_opt.state_dict()}
+
+    def load_state_dict(sd: dict) -> None:
+        model.load_state_dict(sd["model"])
+        inner_opt.load_state_dict(sd["optim"])
+
+    manager = ft.Manager(
+        pg=ft.ProcessGroupGloo(timeout=timedelta(seconds=a.timeout)),
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        use_async_quorum=not a.sync_quorum,
+        **manager_kwargs(a, g, a.group_world_size, "127.0.0.1", store_port),
+    )
+    dataset = make_dataset(torch, a.samples)
+    sampler = DistributedSampler(dataset, replica_rank=0, num_replica_groups=1, group_rank=g,
+                                 num_replicas=a.group_world_size, shuffle=True, seed=17)
+    loader = ManagedDataLoader(manager, dataset, a.batch, sampler=sampler,
+                               num_workers=a.data_workers)
+    manager.register_state_dict_fn("data", loader.load_state_dict, loader.state_dict)
+    ddp = ft.DistributedDataParallel(manager, model)
+    opt = ft.Optimizer(manager, inner_opt)
+
+    last = manager.current_step()
+    first = True
+    while loader.position() < a.samples:
+        opt.zero_grad()  # starts the quorum
+        x, y, idx = next(loader)
+        sl = loader.last
+        if first:  # the loader's worker processes run now: the harness kills them by pid
+            log("ready", step=manager.current_step(), pid=os.getpid(),
+                children=child_pids(os.getpid()))
+            first = False
+        step = manager.current_step()
+        log("take", step=step, qid=getattr(manager, "_quorum_id", None),
+            n=sl.participants, prank=sl.participant_rank, pos=sl.position,
+            start=sl.start, idx=idx.tolist(), epoch=[k[0] for k in sl.keys],
+            keys=[list(k) for k in sl.keys],
+            draw=[round(float(v), 6) for v in x.sum(dim=1)])
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        if step == a.mid_at:
+            log("mid", step=step)
+            time.sleep(a.mid_sleep)
+        loss.backward()
+        if step == a.discard_at:
+            manager.report_error(RuntimeError("injected discard"))
+            a.discard_at = -1
+        before = manager.current_step()
+        opt.step()  # should_commit
+        after = manager.current_step()
+        log("step", before=before, step=after, ok=after == before + 1,
+            healed=before != last, n=manager.num_participants(),
+            prank=manager.participating_rank(), batches=manager.batches_committed(),
+            qid=getattr(manager, "_quorum_id", None), hash=param_hash(model))
+        last = after
+        if a.step_sleep:
+            time.sleep(a.step_sleep)
+    log("done", step=manager.current_step(), pos=loader.position(), hash=param_hash(model))
+    loader.close()
+    manager.shutdown(wait=False)
+    del store
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -354,23 +354,33 @@ class ManagedDataLoader:
         self._plan: Optional[_Plan] = None
         self._inner: Optional[data.DataLoader] = None
         self._inner_it: Optional[Iterator[Any]] = None
+        self._inner_kwargs: Dict[str, Any] = dict(
+            num_workers=num_workers,
+            collate_fn=self.collate_fn,
+            pin_memory=pin_memory,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            prefetch_factor=prefetch_steps,
+            persistent_workers=True,
+        )
         if num_workers > 0:
             self._plan = _Plan(self)
-            self._inner = data.DataLoader(
-                self._seeded,
-                batch_sampler=self._plan,  # type: ignore[arg-type]
-                num_workers=num_workers,
-                collate_fn=self.collate_fn,
-                pin_memory=pin_memory,
-                timeout=timeout,
-                worker_init_fn=worker_init_fn,
-                multiprocessing_context=multiprocessing_context,
-                # iterators are started often (a reset per misguess): an own
-                # generator, so the trainer's global one is not drawn from
-                generator=torch.Generator(),
-                prefetch_factor=prefetch_steps,
-                persistent_workers=True,
-            )
+            self._make_inner()
+
+    def _make_inner(self) -> None:
+        """The torch DataLoader whose persistent workers read ahead (they
+        hold a copy of the seeded dataset: a new seed needs new workers)."""
+        assert self._plan is not None
+        self._inner_it = None
+        self._inner = data.DataLoader(
+            self._seeded,
+            batch_sampler=self._plan,  # type: ignore[arg-type]
+            # iterators are started often (a reset per misguess): an own
+            # generator, so the trainer's global one is not drawn from
+            generator=torch.Generator(),
+            **self._inner_kwargs,
+        )
 
     # -- position -------------------------------------------------------------
 
@@ -437,6 +447,8 @@ class ManagedDataLoader:
             self.sampler.shuffle = shuffle
             self._seeded.seed = seed
             self._orders.clear()
+            if self._plan is not None:
+                self._make_inner()
         self._anchor = (position, batches)
         self.sampler.set_epoch(position // self._len)
 

@@ -309,3 +309,40 @@ def test_non_participant_reads_but_is_marked():
     mgr.start_quorum(2, None)  # healing: not a participant this step
     next(loader)
     assert loader.last.participant_rank is None
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_loader_resumes_a_checkpoint_with_another_batch_size_and_seed(workers):
+    """The loaded position counts on from the Manager's committed batches,
+    whatever batch size read up to it; a loaded seed replaces the
+    configured one (in the worker processes too)."""
+    n = 50
+    mgr = FakeManager()
+    a = ManagedDataLoader(mgr, Samples(n), 3, sampler=DistributedSampler(
+        Samples(n), 0, 1, group_rank=0, num_replicas=1, shuffle=True, seed=5))
+    drive(a, mgr, [(2, 0, True), (3, 1, True), (1, 0, False)], [])
+    saved, batches = a.state_dict(), mgr.batches_committed()
+    assert saved["position"] == 15 and batches == 5
+    # the job restarts from the checkpoint with 4 samples per rank
+    mgr2 = FakeManager()
+    mgr2._batches = batches
+    b = ManagedDataLoader(mgr2, Samples(n), 4, num_workers=workers, sampler=DistributedSampler(
+        Samples(n), 0, 1, group_rank=0, num_replicas=1, shuffle=True, seed=99))
+    try:
+        drive(b, mgr2, [(1, 0, False)], [])  # its workers run (with seed 99)
+        b.load_state_dict(saved)
+        assert b.position() == 15 and b.sampler.seed == 5
+        log: list = []
+        drive(b, mgr2, [(2, 1, True), (1, 0, True)], log)
+        order = a.sampler.order(0)
+        assert log[0][1] == order[19:23] and log[1][1] == order[23:27]
+        assert b.position() == 27 and b.state_dict()["position"] == 27
+        # the draws are those of seed 5, not 99 (a reads sample order[19]
+        # at position 19 as well)
+        mgr.start_quorum(1, 0)
+        mgr._batches = 0
+        a.load_state_dict({**saved, "position": 19, "batches_committed": 0})
+        _, t, p = next(a)
+        assert (t[0].item(), p[0].item()) == (log[0][2][0], log[0][3][0])
+    finally:
+        b.close()

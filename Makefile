@@ -77,6 +77,7 @@ bench: build
 	$(PY) bench/hsdp.py
 	$(PY) bench/lighthouse_failover.py
 	$(PY) bench/parameter_server.py
+	$(PY) bench/data.py
 
 sanitize: bootstrap $(ASAN)/build.ninja $(TSAN)/build.ninja
 	$(MESON) test -C $(ASAN) --print-errorlogs

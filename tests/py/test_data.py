@@ -346,3 +346,14 @@ def test_loader_resumes_a_checkpoint_with_another_batch_size_and_seed(workers):
         assert (t[0].item(), p[0].item()) == (log[0][2][0], log[0][3][0])
     finally:
         b.close()
+
+
+def test_unseeded_loader_reads_with_the_generators_as_they_are():
+    mgr = FakeManager()
+    loader = ManagedDataLoader(mgr, Samples(10), 2, seeded=False)
+    torch.manual_seed(1)
+    drive(loader, mgr, [(1, 0, False)], log := [])
+    torch.manual_seed(2)
+    drive(loader, mgr, [(1, 0, True)], log)
+    # the same samples, served again, with other draws: nobody seeded them
+    assert log[0][1] == log[1][1] and log[0][2] != log[1][2]

@@ -4,7 +4,8 @@
  *   1. output helpers   bounded appends to an sg_buf_t
  *   2. UTF-8 / escaping utf8_seq_len(), JSON string escaping
  *   3. router           sg__lh_http_route(): pure
- *   4. renderers        /status JSON, /metrics text, the dashboard page
+ *   4. renderers        /status JSON, /metrics text (the page itself is in
+ *                       dashboard.c)
  *   5. MHD glue         daemon without a listening socket, one internal
  *                       polling thread; request handler, auth, fork registry
  *
@@ -308,6 +309,122 @@ out:
   return rc;
 }
 
+/* age_ms: milliseconds from t_ns to the snapshot's time. */
+static int64_t age_ms(const sg__lh_status_t *s, int64_t t_ns) {
+  return (s->now_ns - t_ns) / 1000000;
+}
+
+/* put_ids: a JSON array of the first min(n, cap) ids. */
+static int put_ids(sg_buf_t *b, const sg__lh_hid_t *ids, uint32_t n,
+                   uint32_t cap) {
+  int rc;
+  TRY(put(b, "["));
+  for (uint32_t i = 0; i < n && i < cap; i++) {
+    if (i)
+      TRY(put(b, ","));
+    TRY(put_json_str(b, ids[i].s));
+  }
+  TRY(put(b, "]"));
+out:
+  return rc;
+}
+
+/* render_replica: one element of history.replicas. */
+static int render_replica(const sg__lh_status_t *s, const sg__lh_hreplica_t *r,
+                          sg_buf_t *b) {
+  int rc;
+  int64_t win = 0;
+  double rate = sg__lh_history_rate(r, &win);
+  TRY(put(b, "{\"replica_id\":"));
+  TRY(put_json_str(b, r->id.s));
+  TRY(putf(b, ",\"member\":%s,\"step\":%" PRId64 ",\"step_age_ms\":",
+           json_bool(r->member), r->step));
+  if (r->step >= 0)
+    TRY(putf(b, "%" PRId64, age_ms(s, r->step_ns)));
+  else
+    TRY(put(b, "null"));
+  TRY(putf(b, ",\"step_rate\":%.3f,\"rate_window_ms\":%" PRId64 ",\"spans\":[",
+           rate, win / 1000000));
+  for (uint32_t i = 0; i < r->n_spans; i++) {
+    const sg__lh_hspan_t *sp = sg__lh_history_span(r, i);
+    TRY(putf(b, "%s[%" PRId64 ",", i ? "," : "", age_ms(s, sp->start_ns)));
+    if (sp->end_ns >= 0)
+      TRY(putf(b, "%" PRId64 "]", age_ms(s, sp->end_ns)));
+    else
+      TRY(put(b, "null]"));
+  }
+  TRY(put(b, "]}"));
+out:
+  return rc;
+}
+
+/*
+ * render_history: the "history" member: quorum changes, failures and heals
+ * oldest first, and the tracked replicas (spans as [start, end] ages in
+ * ms, end null while still a member).
+ */
+static int render_history(const sg__lh_status_t *s, sg_buf_t *b) {
+  int rc;
+  const sg__lh_history_t *h = s->history;
+  if (!h)
+    return put(b, "null");
+  TRY(putf(b,
+           "{\"window_ms\":%" PRId64 ",\"changes_total\":%" PRIu64
+           ",\"failures_total\":%" PRIu64 ",\"heals_total\":%" PRIu64
+           ",\"untracked\":%" PRIu64 ",\"changes\":[",
+           h->window_ns / 1000000, h->changes_total, h->failures_total,
+           h->heals_total, h->untracked));
+  for (uint32_t i = 0; i < h->n_changes; i++) {
+    const sg__lh_hchange_t *c = sg__lh_history_change(h, i);
+    TRY(putf(b,
+             "%s{\"age_ms\":%" PRId64 ",\"quorum_id\":%" PRId64
+             ",\"members\":%" PRIu32 ",\"max_step\":%" PRId64
+             ",\"heals\":%" PRIu32 ",\"n_joined\":%" PRIu32
+             ",\"n_left\":%" PRIu32 ",\"joined\":",
+             i ? "," : "", age_ms(s, c->t_ns), c->quorum_id, c->n_members,
+             c->max_step, c->n_heals, c->n_joined, c->n_left));
+    TRY(put_ids(b, c->joined, c->n_joined, SG__LH_HISTORY_LISTED));
+    TRY(put(b, ",\"left\":"));
+    TRY(put_ids(b, c->left, c->n_left, SG__LH_HISTORY_LISTED));
+    TRY(put(b, "}"));
+  }
+  TRY(put(b, "],\"failures\":["));
+  for (uint32_t i = 0; i < h->n_failures; i++) {
+    const sg__lh_hfailure_t *f = sg__lh_history_failure(h, i);
+    TRY(putf(b, "%s{\"age_ms\":%" PRId64 ",\"replica_id\":", i ? "," : "",
+             age_ms(s, f->t_ns)));
+    TRY(put_json_str(b, f->id.s));
+    TRY(putf(b, ",\"quorum_id\":%" PRId64 ",\"step\":%" PRId64 ",\"reason\":",
+             f->quorum_id, f->step));
+    TRY(put_json_str(b, f->reason));
+    TRY(put(b, "}"));
+  }
+  TRY(put(b, "],\"heals\":["));
+  for (uint32_t i = 0; i < h->n_heals; i++) {
+    const sg__lh_hheal_t *e = sg__lh_history_heal(h, i);
+    TRY(putf(b, "%s{\"age_ms\":%" PRId64 ",\"replica_id\":", i ? "," : "",
+             age_ms(s, e->t_ns)));
+    TRY(put_json_str(b, e->id.s));
+    TRY(putf(b,
+             ",\"quorum_id\":%" PRId64 ",\"step\":%" PRId64
+             ",\"max_step\":%" PRId64 "}",
+             e->quorum_id, e->step, e->max_step));
+  }
+  TRY(put(b, "],\"replicas\":["));
+  int first = 1;
+  for (size_t i = 0; i < SG__LH_HISTORY_REPLICAS; i++) {
+    if (!h->replicas[i].used)
+      continue;
+    if (!first)
+      TRY(put(b, ","));
+    first = 0;
+    TRY(render_replica(s, &h->replicas[i], b));
+  }
+  TRY(put(b, "]}"));
+out:
+  return rc;
+}
+
 /*
  * The document:
  *   {"quorum_id", "reason", "heartbeat_timeout_ms", "pending",
@@ -320,7 +437,19 @@ out:
  *                    "participating"}],
  *    "role": "single" | "follower" | "candidate" | "leader",
  *    "leader": null | address, "term", "lease_ttl_s", "lease_left_ms",
- *    "elections_won", "etcd_errors", "fenced_total", "proxied_total"}
+ *    "elections_won", "etcd_errors", "fenced_total", "proxied_total",
+ *    "history": null | {"window_ms", "changes_total", "failures_total",
+ *       "heals_total", "untracked",
+ *       "changes": [{"age_ms", "quorum_id", "members", "max_step", "heals",
+ *                    "n_joined", "n_left", "joined": [id], "left": [id]}],
+ *       "failures": [{"age_ms", "replica_id", "quorum_id", "step",
+ *                     "reason"}],
+ *       "heals": [{"age_ms", "replica_id", "quorum_id", "step",
+ *                  "max_step"}],
+ *       "replicas": [{"replica_id", "member", "step", "step_age_ms",
+ *                     "step_rate", "rate_window_ms",
+ *                     "spans": [[start_age_ms, end_age_ms | null]]}]}}
+ * Ages are milliseconds before the snapshot; lists are oldest first.
  */
 int sg__lh_render_status_json(const sg__lh_status_t *s, sg_buf_t *b) {
   int rc;
@@ -376,7 +505,9 @@ int sg__lh_render_status_json(const sg__lh_status_t *s, sg_buf_t *b) {
              h->age_ms, json_bool(h->expired), json_bool(h->connected),
              json_bool(h->participating)));
   }
-  TRY(put(b, "]}\n"));
+  TRY(put(b, "],\"history\":"));
+  TRY(render_history(s, b));
+  TRY(put(b, "}\n"));
 out:
   return rc;
 }
@@ -487,153 +618,6 @@ int sg__lh_render_metrics(const sg__lh_status_t *s, sg_buf_t *b) {
 out:
   return rc;
 }
-
-/*
- * The dashboard.  Self-contained: no external URL, nothing from the
- * snapshot is ever parsed as HTML (the script builds nodes and sets
- * textContent).  It polls /status once a second, one request at a time.
- */
-#if defined(__GNUC__)
-#pragma GCC diagnostic push /* the page may outgrow C's 4095-byte literal */
-#pragma GCC diagnostic ignored "-Woverlength-strings"
-#endif
-static const char index_html[] =
-    "<!DOCTYPE html>\n"
-    "<html lang=\"en\">\n"
-    "<head>\n"
-    "<meta charset=\"utf-8\">\n"
-    "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
-    "<title>Lighthouse Dashboard - stepguard</title>\n"
-    "<style>\n"
-    "body{font-family:system-ui,sans-serif;margin:1.5em;color:#222;"
-    "background:#fafafa}\n"
-    "h1{font-size:1.4em;margin:0 0 .6em}\n"
-    "h2{font-size:1.1em;margin:1.2em 0 .4em}\n"
-    ".bar{display:flex;gap:1em;align-items:center;flex-wrap:wrap}\n"
-    ".muted{color:#666}\n"
-    "#err{color:#b00020}\n"
-    "#members{display:flex;flex-wrap:wrap;gap:.8em;margin-top:.6em}\n"
-    ".member{background:#fff;border:1px solid #ccc;border-radius:6px;"
-    "padding:.6em .8em;min-width:16em}\n"
-    ".member.recovering{background:#ffd8a8;border-color:#e8590c}\n"
-    ".member .id{font-weight:600;word-break:break-all}\n"
-    ".member div{margin:.15em 0}\n"
-    "ul.hb{list-style:none;padding:0}\n"
-    "ul.hb li{padding:.1em 0}\n"
-    "ul.hb li.old{color:#fff;background:#c92a2a;padding:.1em .4em}\n"
-    "button{cursor:pointer}\n"
-    "code{word-break:break-all}\n"
-    "</style>\n"
-    "</head>\n"
-    "<body>\n"
-    "<h1>Lighthouse Dashboard - stepguard</h1>\n"
-    "<div class=\"bar\">\n"
-    "<label>Token <input id=\"token\" type=\"password\" autocomplete=\"off\" "
-    "placeholder=\"for kill, if required\"></label>\n"
-    "<span id=\"msg\" class=\"muted\"></span>\n"
-    "<span id=\"err\"></span>\n"
-    "</div>\n"
-    "<h2>Quorum</h2>\n"
-    "<div>Role: <b id=\"role\">?</b> <span id=\"lead\" "
-    "class=\"muted\"></span></div>\n"
-    "<div>Current quorum_id: <b id=\"qid\">?</b></div>\n"
-    "<div>Next quorum status: <code id=\"reason\"></code></div>\n"
-    "<div id=\"prev\"></div>\n"
-    "<div id=\"members\"></div>\n"
-    "<h2>Heartbeats</h2>\n"
-    "<ul id=\"hbs\" class=\"hb\"></ul>\n"
-    "<script>\n"
-    "'use strict';\n"
-    "const $ = (id) => document.getElementById(id);\n"
-    "function el(tag, cls, text) {\n"
-    "  const e = document.createElement(tag);\n"
-    "  if (cls) e.className = cls;\n"
-    "  if (text !== undefined) e.textContent = String(text);\n"
-    "  return e;\n"
-    "}\n"
-    "function secs(ms) { return (ms / 1000).toFixed(1) + 's'; }\n"
-    "function field(box, name, value) {\n"
-    "  const d = el('div');\n"
-    "  d.append(el('span', 'muted', name + ': '), el('span', '', value));\n"
-    "  box.append(d);\n"
-    "}\n"
-    "async function kill(id) {\n"
-    "  if (!confirm('Kill replica ' + id + '?')) return;\n"
-    "  const headers = {};\n"
-    "  const t = $('token').value;\n"
-    "  if (t) headers['Authorization'] = 'Bearer ' + t;\n"
-    "  try {\n"
-    "    const r = await fetch('/replica/' + encodeURIComponent(id) + "
-    "'/kill',\n"
-    "                          {method: 'POST', headers: headers});\n"
-    "    $('msg').textContent = 'kill ' + id + ': ' + r.status + ' ' +\n"
-    "                           (await r.text());\n"
-    "  } catch (e) {\n"
-    "    $('msg').textContent = 'kill ' + id + ' failed: ' + e;\n"
-    "  }\n"
-    "}\n"
-    "function render(s) {\n"
-    "  $('role').textContent = s.role;\n"
-    "  $('lead').textContent = s.role === 'single' ? '' :\n"
-    "    'leader ' + (s.leader || 'none') + ', term ' + s.term +\n"
-    "    (s.lease_left_ms >= 0 ? ', lease ' + s.lease_left_ms + ' ms left' "
-    ": '');\n"
-    "  $('qid').textContent = s.quorum_id;\n"
-    "  $('reason').textContent = s.reason;\n"
-    "  const prev = $('prev'), members = $('members');\n"
-    "  prev.replaceChildren();\n"
-    "  members.replaceChildren();\n"
-    "  const q = s.prev_quorum;\n"
-    "  if (q) {\n"
-    "    field(prev, 'Previous quorum id', q.quorum_id);\n"
-    "    field(prev, 'Num participants', q.num_participants);\n"
-    "    field(prev, 'Quorum age', secs(q.age_ms));\n"
-    "    for (const m of q.members) {\n"
-    "      const box = el('div', m.recovering ? 'member recovering' : "
-    "'member');\n"
-    "      box.append(el('div', 'id', m.replica_id));\n"
-    "      field(box, 'Step', m.step);\n"
-    "      field(box, 'Manager', m.address);\n"
-    "      field(box, 'TCPStore', m.store_address);\n"
-    "      field(box, 'World size', m.world_size);\n"
-    "      const b = el('button', '', 'Kill');\n"
-    "      b.addEventListener('click', () => kill(m.replica_id));\n"
-    "      box.append(b);\n"
-    "      members.append(box);\n"
-    "    }\n"
-    "  } else {\n"
-    "    prev.append(el('div', 'muted', 'No quorum yet.'));\n"
-    "  }\n"
-    "  const hbs = $('hbs');\n"
-    "  hbs.replaceChildren();\n"
-    "  for (const h of s.heartbeats) {\n"
-    "    const li = el('li', h.expired ? 'old' : '',\n"
-    "                  h.replica_id + ': seen ' + secs(h.age_ms) + ' ago' +\n"
-    "                  (h.participating ? ' (waiting for quorum)' : '') +\n"
-    "                  (h.connected ? '' : ' (not connected)'));\n"
-    "    hbs.append(li);\n"
-    "  }\n"
-    "}\n"
-    "async function poll() {\n"
-    "  try {\n"
-    "    const r = await fetch('/status', {cache: 'no-store'});\n"
-    "    if (!r.ok) throw new Error('HTTP ' + r.status);\n"
-    "    render(await r.json());\n"
-    "    $('err').textContent = '';\n"
-    "  } catch (e) {\n"
-    "    $('err').textContent = 'status unavailable: ' + e.message;\n"
-    "  }\n"
-    "  setTimeout(poll, 1000);\n"
-    "}\n"
-    "poll();\n"
-    "</script>\n"
-    "</body>\n"
-    "</html>\n";
-#if defined(__GNUC__)
-#pragma GCC diagnostic pop
-#endif
-
-const char *sg__lh_index_html(void) { return index_html; }
 
 /* ---- 5. MHD glue -------------------------------------------------------- */
 
@@ -895,8 +879,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c,
   rq->answered = 1;
   switch (rq->match.route) {
   case SG__LH_ROUTE_INDEX:
-    return reply_static(c, MHD_HTTP_OK, "text/html; charset=utf-8", index_html,
-                        NULL);
+    return reply_static(c, MHD_HTTP_OK, "text/html; charset=utf-8",
+                        sg__lh_index_html(), NULL);
   case SG__LH_ROUTE_STATUS:
     return serve_render(h, c, sg__lh_render_status_json,
                         "application/json; charset=utf-8");

@@ -5,7 +5,7 @@
  *
  *   router     sg__lh_http_route(): pure, method + raw path -> route
  *   renderers  sg__lh_render_status_json(), sg__lh_render_metrics(),
- *              sg__lh_index_html(): pure, snapshot -> bytes
+ *              sg__lh_index_html() (dashboard.c): pure, snapshot -> bytes
  *   server     sg__lh_http_new() / _add_connection() / _free(): an MHD
  *              daemon without a listening socket and with its own thread
  *
@@ -84,8 +84,9 @@ int sg__lh_render_status_json(const sg__lh_status_t *s, sg_buf_t *out);
 int sg__lh_render_metrics(const sg__lh_status_t *s, sg_buf_t *out);
 
 /*
- * sg__lh_index_html: the dashboard page, a static NUL-terminated string
- * with inline CSS and JS (no external URL) that polls /status every second.
+ * sg__lh_index_html: the dashboard page (dashboard.c), a static
+ * NUL-terminated string with inline CSS, JS and SVG (no external URL) that
+ * polls /status every second and draws its history.
  */
 const char *sg__lh_index_html(void);
 

@@ -34,6 +34,7 @@
 
 #include "lighthouse/answer.h"
 #include "lighthouse/etcd.h"
+#include "lighthouse/history.h"
 #include "lighthouse/http.h"
 #include "lighthouse/lease.h"
 #include "lighthouse/quorum.h"
@@ -189,7 +190,8 @@ struct sg_lh_server_s {
   uint64_t dec_count;
   int64_t dec_last_ns;      /* the last quorum's decision time; -1: none yet */
   int64_t status_logged_ns; /* when the last "Quorum status" line went out */
-  int status_unlogged; /* the reason changed since, and is not logged yet */
+  int status_unlogged;    /* the reason changed since, and is not logged yet */
+  sg__lh_history_t *hist; /* owned: the dashboard's recent past */
   int64_t quorum_logged_id;  /* the id on the last "Quorum!" line; -1: none */
   int64_t quorum_logged_ns;  /* when that line went out */
   uint64_t quorums_unlogged; /* quorums of that id since, logged at DEBUG */
@@ -559,6 +561,8 @@ static void expire_graces(sg_lh_server_t *s, int64_t now) {
              "replica %s: connection closed and silent for %lld ms, "
              "marking it unhealthy",
              id, (long long)s->o.disconnect_grace_ms);
+      sg__lh_history_down(s->hist, now, id,
+                          "connection closed, silent past the grace period");
       sg__lh_mark_dead(s->st, id);
       s->graces--;
       sg_map_del(&s->live, id); /* allowed while iterating: current entry */
@@ -629,6 +633,18 @@ static void after_join(sg_lh_server_t *s, int64_t now) {
 }
 
 /*
+ * why_lost: why member `id` of the last quorum is not in the one being
+ * issued, for the history (those whose connection closed were told
+ * already, in expire_graces).  Caller holds mu.
+ */
+static const char *why_lost(void *ud, const char *id) {
+  sg_lh_server_t *s = ud;
+  if (!sg__lh_is_healthy(s->st, id, sg_now_ns(), &s->qopts))
+    return "heartbeat timed out";
+  return "healthy, but did not ask for this quorum in time";
+}
+
+/*
  * process: the decision step, run after every event; `event_ns` is when the
  * event reached the lighthouse (the start of a quorum's decision time).
  * The status line is logged when the reason changed, at most once per
@@ -694,6 +710,7 @@ static void process(sg_lh_server_t *s, int64_t event_ns, int join) {
                "Detected quorum change, quorum id is now %lld",
                (long long)q->quorum_id);
       log_quorum(s, q, now);
+      sg__lh_history_quorum(s->hist, now, q, why_lost, s);
       sg__lh_free_retired(s->st);
       s->reason[0] = '\0'; /* log the next status afresh */
     }
@@ -1842,6 +1859,12 @@ static int snapshot(void *ud, sg__lh_status_t *out) {
   out->etcd_errors = s->etcd_errors;
   out->fenced_total = s->fenced_total;
   out->proxied_total = s->proxied_total;
+  out->now_ns = now;
+  out->history = sg_malloc(sizeof(*out->history));
+  if (!out->history)
+    goto out;
+  sg__lh_history_expire(s->hist, now);
+  memcpy(out->history, s->hist, sizeof(*s->hist)); /* flat: a full copy */
   if (s->o.etcd && s->leader_addr && !(out->leader = sg_strdup(s->leader_addr)))
     goto out;
   rc = 0;
@@ -1880,6 +1903,8 @@ static int kill_replica(void *ud, const char *replica_id, char *err,
   sg_rpc_channel_opts_t co = {0};
   co.target = addr;
   co.connect_timeout_ms = KILL_TIMEOUT_MS;
+  /* the job's one token: a manager started with it refuses a Kill without */
+  co.auth_token = s->o.auth_token;
   rc = sg_rpc_channel_new(&co, &ch, &e);
   if (rc)
     goto out;
@@ -1897,9 +1922,14 @@ static int kill_replica(void *ud, const char *replica_id, char *err,
 out:
   if (rc)
     snprintf(err, errlen, "%s", e.msg[0] ? e.msg : sg_strerror(rc));
-  else
+  if (!rc) {
     sg_log(SG_LOG_INFO, LOG, "killed replica %s at %s from the dashboard",
            replica_id, addr);
+    pthread_mutex_lock(&s->mu);
+    sg__lh_history_down(s->hist, sg_now_ns(), replica_id,
+                        "killed from the dashboard");
+    pthread_mutex_unlock(&s->mu);
+  }
   sg_free(resp);
   if (ch)
     sg_rpc_channel_free(ch);
@@ -1982,6 +2012,7 @@ static void server_free(sg_lh_server_t *s) {
   if (s->http)
     sg__lh_http_free(s->http);
   sg__lh_state_free(s->st);
+  sg_free(s->hist);
   sg_free(s->lost_resp);
   sg__etcd_free(s->etcd);
   while (s->proxy_done) { /* answered after the loop stopped */
@@ -2108,6 +2139,12 @@ int sg_lh_server_start(const sg_lh_opts_t *o, sg_lh_server_t **out,
     sg_err_set(err, rc, "quorum state: %s", sg_strerror(rc));
     goto fail;
   }
+  s->hist = sg_malloc(sizeof(*s->hist));
+  if (!s->hist) {
+    rc = sg_err_set(err, SG_ENOMEM, "out of memory");
+    goto fail;
+  }
+  sg__lh_history_init(s->hist, 0);
   int64_t floor = load_last_quorum(s);
   sg__lh_set_quorum_id_floor(s->st, floor);
   s->persisted_id = floor;

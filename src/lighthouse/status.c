@@ -27,5 +27,6 @@ void sg__lh_status_free(sg__lh_status_t *s) {
   sg_free(s->lat_bucket_counts);
   sg_free(s->decision.counts);
   sg_free(s->leader);
+  sg_free(s->history);
   memset(s, 0, sizeof(*s));
 }

@@ -6,13 +6,15 @@
  * snapshot callback; the HTTP module only reads it and then releases it with
  * sg__lh_status_free().  Every string and array in it is owned by the
  * snapshot except lat_bucket_le_s and decision.le_s, which are borrowed
- * (normally static tables of bucket bounds).
+ * (normally static tables of bucket bounds), and `role`, which is static.
  */
 #ifndef STEPGUARD_LH_STATUS_H
 #define STEPGUARD_LH_STATUS_H
 
 #include <stddef.h>
 #include <stdint.h>
+
+#include "lighthouse/history.h"
 
 /* A Prometheus histogram.  le_s is borrowed and strictly increasing (finite
  * bounds; +Inf is implied); counts is owned and cumulative: counts[i]
@@ -89,6 +91,10 @@ typedef struct sg__lh_status_s {
   uint64_t elections_won, etcd_errors;
   uint64_t fenced_total;  /* decisions skipped: not a leader inside its lease */
   uint64_t proxied_total; /* calls a follower forwarded to the leader */
+
+  /* the recent past (dashboard timeline, step rates, failures, heals) */
+  sg__lh_history_t *history; /* owned copy; NULL: none */
+  int64_t now_ns;            /* monotonic time of the snapshot */
 } sg__lh_status_t;
 
 /*

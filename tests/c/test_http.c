@@ -519,6 +519,79 @@ static void test_status_json(void **state) {
   sg_buf_free(&b);
 }
 
+/* history_status: a snapshot whose history holds a change, a failure, a
+ * heal and step rates, with ids that need escaping. */
+static void history_status(sg__lh_status_t *s) {
+  memset(s, 0, sizeof(*s));
+  s->history = sg_malloc(sizeof(*s->history));
+  assert_non_null(s->history);
+  sg__lh_history_init(s->history, 0);
+  const int64_t t0 = 1000000000000, ms = 1000000;
+  sg__lh_member_t m[3];
+  memset(m, 0, sizeof(m));
+  m[0].replica_id = (char *)TRICKY_ID;
+  m[1].replica_id = (char *)"<b>&";
+  m[2].replica_id = (char *)"late";
+  sg__lh_quorum_t q = {.quorum_id = 3, .n = 2, .members = m};
+  m[0].step = m[1].step = 10;
+  sg__lh_history_quorum(s->history, t0, &q, NULL, NULL);
+  m[0].step = m[1].step = 20; /* 10 steps in 1 s */
+  sg__lh_history_quorum(s->history, t0 + 1000 * ms, &q, NULL, NULL);
+  sg__lh_history_down(s->history, t0 + 1500 * ms, "<b>&", "said \"bye\"\n");
+  m[1] = m[2]; /* <b>& out, late in at step 4 behind 30: a heal */
+  m[0].step = 30;
+  m[1].step = 4;
+  q.quorum_id = 4;
+  sg__lh_history_quorum(s->history, t0 + 2000 * ms, &q, NULL, NULL);
+  s->now_ns = t0 + 2500 * ms;
+}
+
+static void test_status_json_history(void **state) {
+  (void)state;
+  sg__lh_status_t s;
+  history_status(&s);
+  sg_buf_t b;
+  sg_buf_init(&b, 1 << 20);
+  assert_int_equal(sg__lh_render_status_json(&s, &b), 0);
+  assert_int_equal(sg_buf_append(&b, "", 1), 0);
+  const char *j = (const char *)sg_buf_head(&b);
+  assert_true(json_valid(j, strlen(j)));
+  assert_non_null(strstr(j, "\"history\":{\"window_ms\":900000,"
+                            "\"changes_total\":2,\"failures_total\":1,"
+                            "\"heals_total\":1,\"untracked\":0,"));
+  assert_non_null(strstr(j, "{\"age_ms\":2500,\"quorum_id\":3,\"members\":2,"
+                            "\"max_step\":10,\"heals\":0,\"n_joined\":2,"
+                            "\"n_left\":0,\"joined\":[" TRICKY_ID_JSON
+                            ",\"\\u003cb\\u003e\\u0026\"],\"left\":[]}"));
+  assert_non_null(strstr(j, "\"quorum_id\":4,\"members\":2,\"max_step\":30,"
+                            "\"heals\":1,\"n_joined\":1,\"n_left\":1,"
+                            "\"joined\":[\"late\"],"
+                            "\"left\":[\"\\u003cb\\u003e\\u0026\"]}"));
+  assert_non_null(strstr(j,
+                         "\"failures\":[{\"age_ms\":1000,\"replica_id\":"
+                         "\"\\u003cb\\u003e\\u0026\",\"quorum_id\":3,"
+                         "\"step\":20,\"reason\":\"said \\\"bye\\\"\\n\"}]"));
+  assert_non_null(strstr(j, "\"heals\":[{\"age_ms\":500,\"replica_id\":"
+                            "\"late\",\"quorum_id\":4,\"step\":4,"
+                            "\"max_step\":30}]"));
+  /* the tricky id: 10 steps/s over its first second; open span */
+  assert_non_null(strstr(
+      j, "{\"replica_id\":" TRICKY_ID_JSON ",\"member\":true,\"step\":30,"
+         "\"step_age_ms\":500,\"step_rate\":10.000,"
+         "\"rate_window_ms\":2000,\"spans\":[[2500,null]]}"));
+  assert_non_null(strstr(j, "\"member\":false,\"step\":20,\"step_age_ms\":1500,"
+                            "\"step_rate\":10.000,\"rate_window_ms\":1000,"
+                            "\"spans\":[[2500,500]]}"));
+  sg_buf_free(&b);
+  /* a buffer too small for the history: SG_ETOOBIG within the maximum */
+  size_t full = strlen(j);
+  sg_buf_init(&b, full - 10);
+  assert_int_equal(sg__lh_render_status_json(&s, &b), SG_ETOOBIG);
+  sg_buf_free(&b);
+  sg__lh_status_free(&s);
+  assert_null(s.history);
+}
+
 static void test_status_json_limits(void **state) {
   (void)state;
   sg__lh_status_t s;
@@ -646,6 +719,13 @@ static void test_index_html(void **state) {
   assert_non_null(strstr(h, "Authorization"));
   assert_non_null(strstr(h, "recovering"));
   assert_non_null(strstr(h, "setTimeout(poll, 1000)"));
+  /* the history: timeline (inline SVG), step rates, failures, heals */
+  assert_non_null(strstr(h, "<svg id=\"tl\""));
+  assert_non_null(strstr(h, "id=\"rates\""));
+  assert_non_null(strstr(h, "id=\"changes\""));
+  assert_non_null(strstr(h, "id=\"failures\""));
+  assert_non_null(strstr(h, "id=\"heals\""));
+  assert_non_null(strstr(h, "s.history"));
   assert_non_null(strstr(h, "</html>\n"));
 }
 
@@ -1279,6 +1359,7 @@ int main(void) {
       cmocka_unit_test(test_route_table),
       cmocka_unit_test(test_route_id_length),
       cmocka_unit_test(test_status_json),
+      cmocka_unit_test(test_status_json_history),
       cmocka_unit_test(test_status_json_limits),
       cmocka_unit_test(test_metrics_text),
       cmocka_unit_test(test_index_html),

@@ -582,9 +582,9 @@ static void test_status_json_history(void **state) {
   assert_non_null(strstr(j, "\"member\":false,\"step\":20,\"step_age_ms\":1500,"
                             "\"step_rate\":10.000,\"rate_window_ms\":1000,"
                             "\"spans\":[[2500,500]]}"));
+  size_t full = strlen(j);
   sg_buf_free(&b);
   /* a buffer too small for the history: SG_ETOOBIG within the maximum */
-  size_t full = strlen(j);
   sg_buf_init(&b, full - 10);
   assert_int_equal(sg__lh_render_status_json(&s, &b), SG_ETOOBIG);
   sg_buf_free(&b);

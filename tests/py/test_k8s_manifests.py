@@ -158,3 +158,17 @@ def test_a_wrong_type_a_missing_field_and_an_unknown_kind_fail():
 def test_a_misspelled_variable_fails():
     with pytest.raises(KeyError):
         config.lookup("TORCHFT_LIGHTHOUS")
+
+
+def test_the_more_groups_command_of_the_docs_makes_a_valid_job():
+    # docs/kubernetes.md, "More groups": awk and sed, then kubectl apply
+    src = (K8S_DIR / "replica-groups.yaml").read_text()
+    doc = [d for d in src.split("---\n")][1]  # awk's RS="---\n", record 2
+    g = 2
+    doc = doc.replace("stepguard-group-1", f"stepguard-group-{g}", 1)
+    doc = doc.replace('"1"', f'"{g}"')
+    job = validate(yaml.safe_load(doc))
+    assert job.metadata.name == "stepguard-group-2"
+    (c,) = job.spec.template.spec.containers
+    assert env_of(c)["REPLICA_GROUP_ID"].value == "2"
+    assert job.spec.template.metadata.labels["stepguard/replica-group"] == "2"

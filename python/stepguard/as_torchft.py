@@ -58,7 +58,6 @@ _TARGET = "stepguard"
 _OPTIONAL_DEPENDENCY = {
     "torchcomms": "torchcomms",
     "quantization": "triton",
-    "torchx": "torchx",
 }
 
 

@@ -54,6 +54,8 @@ The package, one module per part:
 ``launcher``  :class:`LaunchConfig` and :class:`Launcher`: groups,
               restarts, injection, the timeline;
 ``cli``       ``stepguard-launch`` and ``python -m stepguard.launch``.
+``slurm``     ``stepguard-slurm``: the groups as Slurm jobs, kept running
+              from the head node (not imported here: see its docstring).
 """
 
 from stepguard.launch.cgroups import _CpuLimit

@@ -175,12 +175,14 @@ def hard_timeout():
     signal.signal(signal.SIGALRM, old)
 
 
-def worker_cmd(run_dir: Path, *extra: str) -> list[str]:
+def worker_cmd(run_dir: Path, *extra: str, torchrun: bool = False) -> list[str]:
     """Every rank runs train_worker.py as replica train_<group>, its
-    incarnation from the supervisor's environment."""
-    script = ('train="$1"; shift; exec "$0" "$train" --impl stepguard --lighthouse "$TORCHFT_LIGHTHOUSE" '
-              '--replica-id "train_$REPLICA_GROUP_ID" --incarnation "$STEPGUARD_INCARNATION" '
-              '--group-rank 0 --group-world-size 1 "$@"')
+    incarnation from the supervisor's environment (its group rank and size
+    from torchrun's, under torchrun)."""
+    rank = "" if torchrun else "--group-rank 0 --group-world-size 1 "
+    script = ('train="$1"; shift; exec "$0" "$train" --impl stepguard '
+              '--lighthouse "$TORCHFT_LIGHTHOUSE" --replica-id "train_$REPLICA_GROUP_ID" '
+              f'--incarnation "$STEPGUARD_INCARNATION" {rank}"$@"')
     return ["/bin/sh", "-c", script, sys.executable, TRAIN, "--dir", str(run_dir),
             "--steps", "100000", "--step-sleep", "0.05", "--quorum-timeout", "60", *extra]
 
@@ -191,9 +193,9 @@ class Events:
     def __init__(self, run_dir: Path) -> None:
         self.dir = run_dir / "events"
 
-    def read(self, rid: str = "*", inc: str | int = "*") -> list[dict]:
+    def read(self, rid: str = "*", inc: str | int = "*", g: str | int = 0) -> list[dict]:
         out = []
-        for p in sorted(self.dir.glob(f"{rid}.g0.i{inc}.jsonl")):
+        for p in sorted(self.dir.glob(f"{rid}.g{g}.i{inc}.jsonl")):
             with open(p) as f:
                 out += [json.loads(line) for line in f if line.endswith("\n")]
         return out
@@ -206,13 +208,13 @@ class Events:
         return [e for e in self.read(rid, inc) if e["ev"] == "step" and e["healed"]]
 
     def pids(self) -> list[int]:
-        return [e["pid"] for e in self.read() if e["ev"] == "start"]
+        return [e["pid"] for e in self.read(g="*") if e["ev"] == "start"]
 
     def assert_identical(self, min_compared: int) -> None:
-        by_step: dict[int, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
-        for e in self.read():
+        by_step: dict[tuple, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+        for e in self.read(g="*"):
             if e["ev"] == "step" and e["ok"]:
-                by_step[e["step"]][e["rid"]].add(e["hash"])
+                by_step[(e["g"], e["step"])][e["rid"]].add(e["hash"])
         compared = 0
         for step, by_rid in sorted(by_step.items()):
             for rid, hs in by_rid.items():
@@ -384,3 +386,38 @@ def test_a_controller_restart_does_not_stop_training(cluster, tmp_path, hard_tim
     assert not cluster.active_jobs(), cluster.jobs()
     assert not [p for p in ev.pids() if alive(p)]
     ev.assert_identical(8)
+
+
+def test_multi_rank_groups_run_torchrun_inside_their_job(cluster, tmp_path, hard_timeout):
+    """2 groups of 2 ranks: each job's srun step runs torchrun, whose ranks
+    train together; the jobs complete and the replicas agree rank by rank."""
+    hard_timeout(150)
+    run = tmp_path / "run"
+    ev = Events(run)
+    timeline: list[dict] = []
+    cfg = SlurmConfig(cmd=worker_cmd(run, torchrun=True), groups=2, nproc_per_group=2,
+                      lighthouse_host="127.0.0.1", lighthouse_bind="127.0.0.1",
+                      join_timeout_ms=1000, quorum_tick_ms=20, min_replicas=2,
+                      work_dir=str(tmp_path / "sup"), poll_interval=0.3, call_timeout=15,
+                      max_restarts=0, quiet=True)
+    sup = SlurmSupervisor(cfg, client=SlurmClient(15, env=cluster.env),
+                          on_event=timeline.append)
+    result: list[int] = []
+    th = threading.Thread(target=lambda: result.append(sup.run()), daemon=True)
+    th.start()
+    try:
+        (run).mkdir(parents=True, exist_ok=True)
+        (run / "stop_at").write_text("8\n")
+        th.join(120)
+        assert not th.is_alive(), ev.summary() + "\n" + cluster.logs()
+    finally:
+        sup.stop()
+        th.join(60)
+    assert result == [0], timeline
+    starts = [e for e in ev.read(g="*") if e["ev"] == "start"]
+    assert sorted((e["rid"], e["g"]) for e in starts) == [
+        ("train_0", 0), ("train_0", 1), ("train_1", 0), ("train_1", 1)], starts
+    assert all(e["torchrun"] for e in starts), starts
+    exits = [e["state"] for e in timeline if e["event"] == "exit"]
+    assert exits == ["COMPLETED", "COMPLETED"], timeline
+    ev.assert_identical(12)  # 2 group ranks x 8 steps, less the first

@@ -136,6 +136,8 @@ def test_multi_rank_groups_run_torchrun_under_srun(tmp_path):
     assert run.startswith("exec srun --nodes=2 --ntasks-per-node=1 "), run
     assert "-m torch.distributed.run --no-python --nnodes=2 --nproc-per-node=4" in run
     assert "--rdzv-endpoint=$head:29777" in run and "'a b'" in run
+    with pytest.raises(ValueError, match="no commas"):
+        SlurmSupervisor(SlurmConfig(cmd=["x"], job_name="a,b"))
     with pytest.raises(ValueError, match="not a multiple"):
         SlurmSupervisor(SlurmConfig(cmd=["x"], nproc_per_group=3, nodes_per_group=2))
 

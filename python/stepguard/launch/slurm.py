@@ -281,6 +281,10 @@ class SlurmSupervisor:
                              f"nodes_per_group {c.nodes_per_group}")
         if not c.cmd:
             raise ValueError("no worker command")
+        if c.job_name is not None and (not c.job_name or any(
+                ch in c.job_name for ch in ", \t\n|")):
+            raise ValueError(f"job name {c.job_name!r}: no commas, blanks or '|' "
+                             "(squeue lists jobs by name)")
         if c.poll_interval <= 0 or c.call_timeout <= 0:
             raise ValueError("poll_interval and call_timeout must be positive")
         self.cfg = c

@@ -86,6 +86,12 @@ typedef enum sg_comm_redop_e {
   SG_COMM_NREDOPS = 5,
 } sg_comm_redop_t;
 
+/* Formats of the quantized collectives. */
+typedef enum sg_comm_quant_e {
+  SG_COMM_QUANT_INT8 = 1, /* int8, symmetric: step = absmax / 127 */
+  SG_COMM_QUANT_FP8 = 2,  /* float8 e4m3fn: step = absmax / 448 */
+} sg_comm_quant_t;
+
 /* Limits on what a peer may send in a handshake. */
 #define SG_COMM_MAX_JOB 256
 #define SG_COMM_MAX_TOKEN 256
@@ -198,6 +204,58 @@ SG_EXPORT int sg_comm_alltoall(sg_comm_t *c, const void *const *ins,
                                const size_t *in_bytes, void *const *outs,
                                const size_t *out_bytes, sg_deadline_t deadline,
                                sg_comm_done_cb cb, void *ud, sg_err_t *err);
+
+/*
+ * Quantized collectives over float32, SUM or AVG only.  Each rank
+ * quantizes its input in blocks of 512 elements (one float32 scale per
+ * block, int8 or float8 e4m3fn codes), sends each owner its part
+ * (all-to-all), the owner dequantizes every rank's part (its own taken
+ * exactly), reduces them in float32 in rank order, quantizes the result
+ * once and, for the allreduce, sends it to every rank (all-gather); every
+ * rank, the owner included, ends with the dequantized result, so the bits
+ * are identical everywhere and each element is quantized at most twice,
+ * whatever the world size.  About a quarter of the full-precision bytes go
+ * on the wire.
+ *
+ * A NaN or infinity in any rank's input (or a reduction that overflows)
+ * fails the operation on every rank with SG_EINVAL and a message naming
+ * the rank(s); the buffers are then left as they were and the
+ * communicator stays usable (the failure is data, not transport).  A
+ * transport failure is handled as for every other operation.
+ */
+
+/* allreduce_quantized: buf (count float32) in place. */
+SG_EXPORT int sg_comm_allreduce_quantized(sg_comm_t *c, float *buf,
+                                          size_t count, sg_comm_quant_t fmt,
+                                          sg_comm_redop_t op,
+                                          sg_deadline_t deadline,
+                                          sg_comm_done_cb cb, void *ud,
+                                          sg_err_t *err);
+
+/* reduce_scatter_quantized: `in` holds world_size * count float32; part r
+ * (elements [r * count, (r + 1) * count)) of every rank is reduced into
+ * rank r's `out` (count float32).  `in` is not written. */
+SG_EXPORT int
+sg_comm_reduce_scatter_quantized(sg_comm_t *c, const float *in, float *out,
+                                 size_t count, sg_comm_quant_t fmt,
+                                 sg_comm_redop_t op, sg_deadline_t deadline,
+                                 sg_comm_done_cb cb, void *ud, sg_err_t *err);
+
+/* The kernels of the quantized collectives, for tests and benchmarks.
+ * sg_comm_quant_wire_bytes: the size of the wire block of `count` floats.
+ * sg_comm_quant_encode: quantize x into `wire` (that many bytes, 4-byte
+ * aligned); 1 when x holds a NaN or an infinity, 0, or SG_EINVAL (format).
+ * sg_comm_quant_decode: check the `nbytes` at wire (SG_EPROTO when they
+ * are not a block of `count` elements of fmt) and dequantize into out.
+ * sg_comm_fp8_from_f32 / _to_f32: float8 e4m3fn conversions, bit for bit
+ * torch.float8_e4m3fn's in range (nearest even); +-448 beyond it. */
+SG_EXPORT size_t sg_comm_quant_wire_bytes(size_t count);
+SG_EXPORT int sg_comm_quant_encode(sg_comm_quant_t fmt, const float *x,
+                                   size_t count, void *wire);
+SG_EXPORT int sg_comm_quant_decode(sg_comm_quant_t fmt, const void *wire,
+                                   size_t nbytes, size_t count, float *out);
+SG_EXPORT void sg_comm_fp8_from_f32(const float *in, uint8_t *out, size_t n);
+SG_EXPORT void sg_comm_fp8_to_f32(const uint8_t *in, float *out, size_t n);
 
 /* send / recv `nbytes` to / from one peer (matched in order per pair). */
 SG_EXPORT int sg_comm_send(sg_comm_t *c, const void *buf, size_t nbytes,

@@ -330,6 +330,118 @@ static PyObject *comm_reduce_scatter(PyObject *self_obj, PyObject *args) {
   return ret;
 }
 
+/* comm_quantized: allreduce_quantized(ptr, count, fmt, op, timeout_s, done)
+ * and reduce_scatter_quantized(in_ptr, out_ptr, count, fmt, op, timeout_s,
+ * done); float32 buffers. */
+static PyObject *comm_allreduce_quantized(PyObject *self_obj, PyObject *args) {
+  comm_obj *self = (comm_obj *)self_obj;
+  size_t ptr, count;
+  int fmt, op;
+  double timeout_s;
+  PyObject *fn;
+  if (!PyArg_ParseTuple(args, "nniidO:allreduce_quantized", &ptr, &count, &fmt,
+                        &op, &timeout_s, &fn))
+    return NULL;
+  int64_t ms;
+  if (guard(self) < 0 || check_fn(fn) < 0 ||
+      (ms = sg_py_timeout_ms(timeout_s)) < 0)
+    return NULL;
+  sg_err_t err;
+  sg_err_clear(&err);
+  Py_INCREF(fn);
+  int rc = sg_comm_allreduce_quantized(
+      self->comm, (float *)ptr, count, (sg_comm_quant_t)fmt,
+      (sg_comm_redop_t)op, sg_deadline_in_ms(ms), on_done, fn, &err);
+  return submit_done(self, rc, &err, fn);
+}
+
+static PyObject *comm_reduce_scatter_quantized(PyObject *self_obj,
+                                               PyObject *args) {
+  comm_obj *self = (comm_obj *)self_obj;
+  size_t in, out, count;
+  int fmt, op;
+  double timeout_s;
+  PyObject *fn;
+  if (!PyArg_ParseTuple(args, "nnniidO:reduce_scatter_quantized", &in, &out,
+                        &count, &fmt, &op, &timeout_s, &fn))
+    return NULL;
+  int64_t ms;
+  if (guard(self) < 0 || check_fn(fn) < 0 ||
+      (ms = sg_py_timeout_ms(timeout_s)) < 0)
+    return NULL;
+  sg_err_t err;
+  sg_err_clear(&err);
+  Py_INCREF(fn);
+  int rc = sg_comm_reduce_scatter_quantized(
+      self->comm, (const float *)in, (float *)out, count, (sg_comm_quant_t)fmt,
+      (sg_comm_redop_t)op, sg_deadline_in_ms(ms), on_done, fn, &err);
+  return submit_done(self, rc, &err, fn);
+}
+
+/* The kernels, module-level: quant_wire_bytes(count);
+ * quant_encode(fmt, in_ptr, count, wire_ptr) -> 1 when a NaN or inf was
+ * seen; quant_decode(fmt, wire_ptr, nbytes, count, out_ptr);
+ * fp8_from_f32(in_ptr, out_ptr, n); fp8_to_f32(in_ptr, out_ptr, n).  The
+ * kernels run without the GIL (they are long for large buffers). */
+PyObject *sg_py_quant_wire_bytes(PyObject *mod, PyObject *arg) {
+  size_t count = PyLong_AsSize_t(arg);
+  if (count == (size_t)-1 && PyErr_Occurred())
+    return NULL;
+  return PyLong_FromSize_t(sg_comm_quant_wire_bytes(count));
+}
+
+PyObject *sg_py_quant_encode(PyObject *mod, PyObject *args) {
+  int fmt, rc;
+  size_t in, count, wire;
+  if (!PyArg_ParseTuple(args, "innn:quant_encode", &fmt, &in, &count, &wire))
+    return NULL;
+  Py_BEGIN_ALLOW_THREADS
+  rc = sg_comm_quant_encode((sg_comm_quant_t)fmt, (const float *)in, count,
+                            (void *)wire);
+  Py_END_ALLOW_THREADS
+  if (rc < 0)
+    return sg_py_raise((sg_py_state *)PyModule_GetState(mod), rc,
+                       "quant_encode: unknown format");
+  return PyLong_FromLong(rc);
+}
+
+PyObject *sg_py_quant_decode(PyObject *mod, PyObject *args) {
+  int fmt, rc;
+  size_t wire, nbytes, count, out;
+  if (!PyArg_ParseTuple(args, "innnn:quant_decode", &fmt, &wire, &nbytes,
+                        &count, &out))
+    return NULL;
+  Py_BEGIN_ALLOW_THREADS
+  rc = sg_comm_quant_decode((sg_comm_quant_t)fmt, (const void *)wire, nbytes,
+                            count, (float *)out);
+  Py_END_ALLOW_THREADS
+  if (rc < 0)
+    return sg_py_raise((sg_py_state *)PyModule_GetState(mod), rc,
+                       "quant_decode: not a block of that format and size");
+  Py_RETURN_NONE;
+}
+
+static PyObject *fp8_convert(PyObject *args, int to_f32) {
+  size_t in, out, n;
+  if (!PyArg_ParseTuple(args, "nnn", &in, &out, &n))
+    return NULL;
+  Py_BEGIN_ALLOW_THREADS
+  if (to_f32)
+    sg_comm_fp8_to_f32((const uint8_t *)in, (float *)out, n);
+  else
+    sg_comm_fp8_from_f32((const float *)in, (uint8_t *)out, n);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+PyObject *sg_py_fp8_from_f32(PyObject *mod, PyObject *args) {
+  return fp8_convert(args, 0);
+}
+
+PyObject *sg_py_fp8_to_f32(PyObject *mod, PyObject *args) {
+  return fp8_convert(args, 1);
+}
+
 static PyObject *comm_alltoall(PyObject *self_obj, PyObject *args) {
   comm_obj *self = (comm_obj *)self_obj;
   PyObject *ins_l, *inb_l, *outs_l, *outb_l, *fn;
@@ -480,6 +592,11 @@ static PyMethodDef comm_methods[] = {
      "allgather(in_ptr, nbytes, out_ptrs, timeout_s, done)"},
     {"reduce_scatter", comm_reduce_scatter, METH_VARARGS,
      "reduce_scatter(in_ptrs, out_ptr, count, dtype, op, timeout_s, done)"},
+    {"allreduce_quantized", comm_allreduce_quantized, METH_VARARGS,
+     "allreduce_quantized(ptr, count, fmt, op, timeout_s, done): float32"},
+    {"reduce_scatter_quantized", comm_reduce_scatter_quantized, METH_VARARGS,
+     "reduce_scatter_quantized(in_ptr, out_ptr, count, fmt, op, timeout_s, "
+     "done): float32; in holds world_size * count"},
     {"alltoall", comm_alltoall, METH_VARARGS,
      "alltoall(in_ptrs, in_bytes, out_ptrs, out_bytes, timeout_s, done)"},
     {"send", comm_send, METH_VARARGS,
@@ -531,7 +648,8 @@ int sg_py_comm_init(PyObject *module, sg_py_state *st) {
       {"COMM_I32", SG_COMM_I32},         {"COMM_I64", SG_COMM_I64},
       {"COMM_SUM", SG_COMM_SUM},         {"COMM_AVG", SG_COMM_AVG},
       {"COMM_MIN", SG_COMM_MIN},         {"COMM_MAX", SG_COMM_MAX},
-      {"COMM_PRODUCT", SG_COMM_PRODUCT},
+      {"COMM_PRODUCT", SG_COMM_PRODUCT}, {"QUANT_INT8", SG_COMM_QUANT_INT8},
+      {"QUANT_FP8", SG_COMM_QUANT_FP8},
   };
   for (size_t i = 0; i < sizeof(consts) / sizeof(consts[0]); i++)
     if (PyModule_AddIntConstant(module, consts[i].name, consts[i].v) < 0)

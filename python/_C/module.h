@@ -121,6 +121,13 @@ int sg_py_manager_init(PyObject *module, sg_py_state *st);
 /* sg_py_comm_init: add the collectives' types (comm.c). */
 int sg_py_comm_init(PyObject *module, sg_py_state *st);
 
+/* The quantization kernels as module functions (comm.c). */
+PyObject *sg_py_quant_wire_bytes(PyObject *mod, PyObject *arg);
+PyObject *sg_py_quant_encode(PyObject *mod, PyObject *args);
+PyObject *sg_py_quant_decode(PyObject *mod, PyObject *args);
+PyObject *sg_py_fp8_from_f32(PyObject *mod, PyObject *args);
+PyObject *sg_py_fp8_to_f32(PyObject *mod, PyObject *args);
+
 /* sg_py_ckpt_init: add the checkpoint server and fetch (ckpt.c). */
 int sg_py_ckpt_init(PyObject *module, sg_py_state *st);
 

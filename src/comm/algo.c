@@ -10,6 +10,7 @@
  *   broadcast       root to everyone directly when small, else a chain
  *   alltoall        pairwise exchanges
  *   send/recv       one exchange; barrier: a one-byte MAX allreduce
+ *   quantized       qalgo.c
  */
 #include <stdio.h>
 #include <string.h>
@@ -263,6 +264,9 @@ int sg__comm_run_op(sg_comm_t *c, sg__comm_op_t *op, char *msg) {
   case SG__COMM_KIND_RECV:
     return sg__comm_exchange(c, op, -1, NULL, 0, op->peer, op->buf, op->nbytes,
                              msg);
+  case SG__COMM_KIND_ALLREDUCE_Q:
+  case SG__COMM_KIND_REDUCE_SCATTER_Q:
+    return sg__comm_run_quant(c, op, msg);
   case SG__COMM_KIND_BARRIER: {
     uint8_t one = 1;
     if (c->world == 1)

@@ -34,10 +34,18 @@
  */
 
 const char *sg__comm_kind_name(int k) {
-  static const char *names[] = {"?",         "allreduce",      "broadcast",
-                                "allgather", "reduce_scatter", "alltoall",
-                                "send",      "recv",           "barrier"};
-  return k > 0 && k <= SG__COMM_KIND_BARRIER ? names[k] : "?";
+  static const char *names[] = {"?",
+                                "allreduce",
+                                "broadcast",
+                                "allgather",
+                                "reduce_scatter",
+                                "alltoall",
+                                "send",
+                                "recv",
+                                "barrier",
+                                "allreduce_quantized",
+                                "reduce_scatter_quantized"};
+  return k > 0 && k <= SG__COMM_KIND_REDUCE_SCATTER_Q ? names[k] : "?";
 }
 
 void sg__comm_wake(sg_comm_t *c) {
@@ -181,7 +189,10 @@ void *sg__comm_progress_main(void *arg) {
       msg[0] = '\0';
       rc = sg__comm_run_op(c, op, msg);
     }
-    if (rc && !code) {
+    if (rc && !code && op->data_error) {
+      /* every rank failed alike, streams in step: no poison */
+      sg_log(SG_LOG_WARN, LOG_SUB, "rank %d: %s", c->rank, msg);
+    } else if (rc && !code) {
       if (rc != SG_ECANCELED)
         sg_log(SG_LOG_WARN, LOG_SUB, "rank %d: %s", c->rank, msg);
       set_error(c, rc, msg);
@@ -374,6 +385,53 @@ int sg_comm_alltoall(sg_comm_t *c, const void *const *ins,
   memcpy(op->in_bytes, in_bytes, (size_t)n * sizeof(size_t));
   memcpy(op->out_bytes, out_bytes, (size_t)n * sizeof(size_t));
   return submit(c, op, err);
+}
+
+/* quant_op: check and queue a quantized operation. */
+static int quant_op(sg_comm_t *c, int kind, const float *in, float *out,
+                    size_t count, size_t parts, sg_comm_quant_t fmt,
+                    sg_comm_redop_t redop, sg_deadline_t deadline,
+                    sg_comm_done_cb cb, void *ud, sg_err_t *err) {
+  int rc = check_common(c, cb, err);
+  if (rc)
+    return rc;
+  if (fmt != SG_COMM_QUANT_INT8 && fmt != SG_COMM_QUANT_FP8)
+    return sg_err_set(err, SG_EINVAL, "unknown quantization format %d",
+                      (int)fmt);
+  if (redop != SG_COMM_SUM && redop != SG_COMM_AVG)
+    return sg_err_set(err, SG_EINVAL,
+                      "quantized collectives support SUM and AVG only");
+  if (count > MAX_BYTES / sizeof(float) / parts)
+    return sg_err_set(err, SG_ETOOBIG, "%zu elements is too many", count);
+  if (count && (!in || !out))
+    return sg_err_set(err, SG_EINVAL, "NULL buffer");
+  sg__comm_op_t *op = op_new(kind, deadline, cb, ud);
+  if (!op)
+    return sg_err_set(err, SG_ENOMEM, "out of memory");
+  op->in = (const uint8_t *)in;
+  op->buf = (uint8_t *)out;
+  op->count = count;
+  op->dtype = SG_COMM_F32;
+  op->redop = redop;
+  op->quant = fmt;
+  return submit(c, op, err);
+}
+
+int sg_comm_allreduce_quantized(sg_comm_t *c, float *buf, size_t count,
+                                sg_comm_quant_t fmt, sg_comm_redop_t redop,
+                                sg_deadline_t deadline, sg_comm_done_cb cb,
+                                void *ud, sg_err_t *err) {
+  return quant_op(c, SG__COMM_KIND_ALLREDUCE_Q, buf, buf, count, 1, fmt, redop,
+                  deadline, cb, ud, err);
+}
+
+int sg_comm_reduce_scatter_quantized(sg_comm_t *c, const float *in, float *out,
+                                     size_t count, sg_comm_quant_t fmt,
+                                     sg_comm_redop_t redop,
+                                     sg_deadline_t deadline, sg_comm_done_cb cb,
+                                     void *ud, sg_err_t *err) {
+  return quant_op(c, SG__COMM_KIND_REDUCE_SCATTER_Q, in, out, count,
+                  c ? (size_t)c->world : 1, fmt, redop, deadline, cb, ud, err);
 }
 
 static int p2p(sg_comm_t *c, int kind, void *buf, size_t nbytes, int peer,

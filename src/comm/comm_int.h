@@ -6,10 +6,12 @@
  *   proto.c    handshake and frame encoders and parsers (no I/O)
  *   plan.c     chunk plans and ring schedules
  *   kernels.c  reduction kernels and half-precision conversions
+ *   quant.c    quantization kernels (int8, fp8 e4m3fn) and their wire blocks
  *   comm.c     the queue, the progress thread, abort and teardown
  *   setup.c    listen, dial lower ranks, accept higher ones, same-host probe
  *   engine.c   the transfer engine (sg__comm_xfer_run)
  *   algo.c     the collective algorithms over the engine
+ *   qalgo.c    the quantized allreduce and reduce-scatter
  */
 #ifndef SG_COMM_INT_H
 #define SG_COMM_INT_H
@@ -199,6 +201,53 @@ uint16_t sg__comm_f32_to_f16(float f);
 float sg__comm_bf16_to_f32(uint16_t h);
 uint16_t sg__comm_f32_to_bf16(float f);
 
+/* ---- quantization (quant.c) --------------------------------------------- */
+
+/* Elements per scale.  The wire format is described in quant.c. */
+#define SG__QUANT_BLOCK 512
+
+/* Wire block flags: the sender's input held a NaN or an infinity; the
+ * owner's reduction overflowed to infinity. */
+#define SG__QUANT_NONFINITE 1u
+#define SG__QUANT_OVERFLOW 2u
+#define SG__QUANT_FLAGS_ALL 3u
+
+/* float32 <-> float8 e4m3fn, bit for bit as torch.float8_e4m3fn converts
+ * in range: round to nearest even; beyond +-448 (infinity included) the
+ * result saturates to +-448; NaN gives the NaN code (0x7f, sign kept).
+ * The NaN codes decode to the quiet NaN, sign kept. */
+uint8_t sg__fp8_from_f32(float f);
+float sg__fp8_to_f32(uint8_t c);
+
+/* sg__quant_wire_bytes: the size of the wire block of `count` elements. */
+size_t sg__quant_wire_bytes(size_t count);
+
+/* sg__quant_encode: quantize x[0..count) into `wire`
+ * (sg__quant_wire_bytes(count) bytes, 4-byte aligned) with flags 0.
+ * Returns 1 when x holds a NaN or an infinity (those blocks are encoded as
+ * zeros), else 0. */
+int sg__quant_encode(sg_comm_quant_t fmt, const float *x, size_t count,
+                     uint8_t *wire);
+
+/* sg__quant_set_flags: set the header's flags (SG__QUANT_*). */
+void sg__quant_set_flags(uint8_t *wire, unsigned flags);
+
+/* sg__quant_check: whether the `nbytes` at wire are a block of `count`
+ * elements of format fmt: 0 (flags in *flags) or SG_EPROTO. */
+int sg__quant_check(const uint8_t *wire, size_t nbytes, sg_comm_quant_t fmt,
+                    size_t count, unsigned *flags);
+
+/* sg__quant_decode: out[i] = element i of a checked block;
+ * sg__quant_decode_add: acc[i] += it (float32, one rounding each). */
+void sg__quant_decode(sg_comm_quant_t fmt, const uint8_t *wire, size_t count,
+                      float *out);
+void sg__quant_decode_add(sg_comm_quant_t fmt, const uint8_t *wire,
+                          size_t count, float *acc);
+
+/* sg__quant_add_f32: acc[i] += x[i]; sg__quant_div: acc[i] /= d. */
+void sg__quant_add_f32(float *acc, const float *x, size_t n);
+void sg__quant_div(float *acc, size_t n, int d);
+
 /* ---- the communicator (comm.c, setup.c, engine.c, algo.c) -------------- */
 
 typedef struct sg__comm_op_s sg__comm_op_t;
@@ -216,6 +265,8 @@ typedef enum sg__comm_kind_e {
   SG__COMM_KIND_SEND = 6,
   SG__COMM_KIND_RECV = 7,
   SG__COMM_KIND_BARRIER = 8,
+  SG__COMM_KIND_ALLREDUCE_Q = 9,
+  SG__COMM_KIND_REDUCE_SCATTER_Q = 10,
 } sg__comm_kind_t;
 
 /* A queued operation (a request object): the arguments of one collective. */
@@ -235,6 +286,10 @@ struct sg__comm_op_s {
   uint8_t **outs;      /* world pointers, owned (allgather, alltoall) */
   const uint8_t **ins; /* world pointers, owned (reduce_scatter, alltoall) */
   size_t *in_bytes, *out_bytes; /* world sizes, owned (alltoall) */
+  sg_comm_quant_t quant;        /* quantized kinds: the format */
+  int data_error; /* set by the algorithm: the operation failed on every
+                     rank alike for its data (a NaN), with every stream in
+                     step, so the communicator stays usable */
 };
 
 /* One connection of the mesh. */
@@ -399,5 +454,8 @@ int sg__comm_exchange(sg_comm_t *c, sg__comm_op_t *op, int sp, const void *sbuf,
  * 0 or a negative SG_E* code with detail in `msg` (256 bytes).  Progress
  * thread only. */
 int sg__comm_run_op(sg_comm_t *c, sg__comm_op_t *op, char *msg);
+
+/* sg__comm_run_quant: the quantized kinds (qalgo.c); as sg__comm_run_op. */
+int sg__comm_run_quant(sg_comm_t *c, sg__comm_op_t *op, char *msg);
 
 #endif

@@ -1179,6 +1179,225 @@ static void test_mismatch(void **state) {
   group_stop(&g);
 }
 
+/* ---- quantized collectives ------------------------------------------------
+ */
+
+/* qerr: the bound on one quantization's error of v in a block of absmax
+ * am (int8: half a step; fp8: half an ulp of 3 mantissa bits or half the
+ * subnormal step), with slack for the float32 roundings. */
+static double qerr(sg_comm_quant_t fmt, double v, double am) {
+  double b = fmt == SG_COMM_QUANT_INT8
+                 ? am / 127 / 2
+                 : fmax(fabs(v) / 16, am / 448 * ldexp(1, -10));
+  return b * 1.01 + fabs(v) * 1e-6 + 1e-30;
+}
+
+/* block_absmax: the largest |x| of element i's block within its part
+ * [off, off + len). */
+static double block_absmax(const float *x, size_t off, size_t len, size_t i) {
+  size_t b = off + (i - off) / SG__QUANT_BLOCK * SG__QUANT_BLOCK;
+  size_t e = b + SG__QUANT_BLOCK < off + len ? b + SG__QUANT_BLOCK : off + len;
+  double am = 0;
+  for (size_t k = b; k < e; k++)
+    am = fmax(am, fabs((double)x[k]));
+  return am;
+}
+
+/* Quantized allreduce and reduce-scatter on 1-4 ranks, both formats, SUM
+ * and AVG: identical bits on every rank, within the error bound of two
+ * quantizations of the exact result; the owner's result is the same bits
+ * as everyone else's. */
+static void test_quantized(void **state) {
+  size_t counts[] = {0, 1, 1000, 5001};
+  for (int n = 1; n <= 4; n++) {
+    struct group g;
+    group_start(&g, n);
+    for (size_t ci = 0; ci < 4; ci++) {
+      for (int fmt = 1; fmt <= 2; fmt++) {
+        for (int avg = 0; avg <= 1; avg++) {
+          size_t count = counts[ci];
+          sg_comm_redop_t op = avg ? SG_COMM_AVG : SG_COMM_SUM;
+          float *x[MAXW], *buf[MAXW], *rsin[MAXW], *rsout[MAXW];
+          struct done d[MAXW], e[MAXW];
+          for (int r = 0; r < n; r++) {
+            x[r] = malloc((count + 1) * sizeof(float));
+            buf[r] = malloc((count + 1) * sizeof(float));
+            rsin[r] = malloc((count * (size_t)n + 1) * sizeof(float));
+            rsout[r] = malloc((count + 1) * sizeof(float));
+            for (size_t i = 0; i < count; i++) {
+              double u = (double)(rnd() >> 11) / 9007199254740992.0 * 2 - 1;
+              x[r][i] = (float)(i % 700 == 3 ? u * 1e6 : u); /* outliers */
+            }
+            memcpy(buf[r], x[r], count * sizeof(float));
+            for (int p = 0; p < n; p++)
+              memcpy(rsin[r] + (size_t)p * count, x[r], count * sizeof(float));
+            done_init(&d[r]);
+            done_init(&e[r]);
+            assert_int_equal(sg_comm_allreduce_quantized(
+                                 g.c[r], buf[r], count, (sg_comm_quant_t)fmt,
+                                 op, sg_deadline_in_ms(20000), done_cb, &d[r],
+                                 NULL),
+                             0);
+            assert_int_equal(
+                sg_comm_reduce_scatter_quantized(
+                    g.c[r], rsin[r], rsout[r], count, (sg_comm_quant_t)fmt, op,
+                    sg_deadline_in_ms(20000), done_cb, &e[r], NULL),
+                0);
+          }
+          wait_all(&g, d);
+          wait_all(&g, e);
+          for (int r = 1; r < n; r++)
+            assert_memory_equal(buf[r], buf[0], count * sizeof(float));
+          /* pass 0: the allreduce (element i's owner: its chunk's rank);
+           * pass 1: rank r's reduce-scatter output (every rank's part r is
+           * its x, one part of `count`, owned by r).  The owner's own
+           * values are taken exactly, the others' quantized once, the
+           * result quantized once more. */
+          for (int pass = 0; pass < 2; pass++) {
+            for (int r = 0; r < (pass ? n : 1); r++) {
+              const float *got = pass ? rsout[r] : buf[0];
+              for (size_t i = 0; i < count; i++) {
+                size_t off = 0, len = count;
+                int owner = r;
+                if (!pass)
+                  for (owner = 0; owner < n; owner++) {
+                    sg__comm_chunk(count, n, owner, &off, &len);
+                    if (i >= off && i < off + len)
+                      break;
+                  }
+                double exact = 0, bound = 0, amsum = 0;
+                for (int q = 0; q < n; q++) {
+                  double am = block_absmax(x[q], off, len, i);
+                  exact += x[q][i];
+                  amsum += am;
+                  if (q != owner)
+                    bound += qerr((sg_comm_quant_t)fmt, x[q][i], am);
+                }
+                double scale = avg ? n : 1;
+                bound = bound / scale + qerr((sg_comm_quant_t)fmt,
+                                             (fabs(exact) + bound) / scale,
+                                             (amsum + bound) / scale);
+                exact /= scale;
+                if (fabs((double)got[i] - exact) > bound)
+                  fail_msg("n %d fmt %d avg %d pass %d r %d i %zu: %g vs %g "
+                           "(bound %g)",
+                           n, fmt, avg, pass, r, i, (double)got[i], exact,
+                           bound);
+              }
+            }
+          }
+          for (int r = 0; r < n; r++) {
+            free(x[r]);
+            free(buf[r]);
+            free(rsin[r]);
+            free(rsout[r]);
+          }
+        }
+      }
+    }
+    group_stop(&g);
+  }
+}
+
+/* A NaN or an infinity on one rank fails the operation on every rank,
+ * naming that rank; the buffers are left alone and the communicator goes
+ * on working. */
+static void test_quantized_nonfinite(void **state) {
+  struct group g;
+  group_start(&g, 3);
+  float special[2] = {NAN, -INFINITY};
+  for (int k = 0; k < 2; k++) {
+    for (int rs = 0; rs <= 1; rs++) {
+      size_t count = 3000;
+      float *buf[3], *out[3];
+      struct done d[3];
+      for (int r = 0; r < 3; r++) {
+        buf[r] = malloc(count * 3 * sizeof(float));
+        out[r] = malloc(count * sizeof(float));
+        for (size_t i = 0; i < count * 3; i++)
+          buf[r][i] = (float)i;
+        for (size_t i = 0; i < count; i++)
+          out[r][i] = -1.0f;
+        if (r == 2)
+          buf[r][rs ? 2 * count + 5 : 17] = special[k];
+        done_init(&d[r]);
+        int rc =
+            rs ? sg_comm_reduce_scatter_quantized(
+                     g.c[r], buf[r], out[r], count, SG_COMM_QUANT_FP8,
+                     SG_COMM_AVG, sg_deadline_in_ms(20000), done_cb, &d[r],
+                     NULL)
+               : sg_comm_allreduce_quantized(
+                     g.c[r], buf[r], count, SG_COMM_QUANT_INT8, SG_COMM_SUM,
+                     sg_deadline_in_ms(20000), done_cb, &d[r], NULL);
+        assert_int_equal(rc, 0);
+      }
+      for (int r = 0; r < 3; r++) {
+        assert_int_equal(done_wait(&d[r], 20000), SG_EINVAL);
+        assert_non_null(strstr(d[r].msg, "NaN or infinity"));
+        assert_non_null(strstr(d[r].msg, "rank 2"));
+        done_destroy(&d[r]);
+        for (size_t i = 0; i < count; i++) {
+          assert_true(out[r][i] == -1.0f);
+          if (!(r == 2 && i == 17))
+            assert_true(buf[r][i] == (float)i);
+        }
+        assert_int_equal(sg_comm_error(g.c[r], NULL), 0);
+      }
+      for (int r = 0; r < 3; r++) {
+        free(buf[r]);
+        free(out[r]);
+      }
+    }
+  }
+  /* still usable */
+  int32_t v[3][4] = {{1, 2, 3, 4}, {1, 2, 3, 4}, {1, 2, 3, 4}};
+  struct done d[3];
+  for (int r = 0; r < 3; r++) {
+    done_init(&d[r]);
+    assert_int_equal(sg_comm_allreduce(g.c[r], v[r], 4, SG_COMM_I32,
+                                       SG_COMM_SUM, sg_deadline_in_ms(20000),
+                                       done_cb, &d[r], NULL),
+                     0);
+  }
+  wait_all(&g, d);
+  assert_int_equal(v[1][3], 12);
+  group_stop(&g);
+}
+
+/* Ranks that disagree on the format or the operator fail with a protocol
+ * error; bad arguments are refused at submission. */
+static void test_quantized_mismatch(void **state) {
+  struct group g;
+  group_start(&g, 2);
+  float a[100] = {1}, b[100] = {2};
+  struct done d[2];
+  assert_int_equal(sg_comm_allreduce_quantized(
+                       g.c[0], a, 100, SG_COMM_QUANT_INT8, SG_COMM_MAX,
+                       sg_deadline_in_ms(1000), done_cb, &d[0], NULL),
+                   SG_EINVAL);
+  assert_int_equal(sg_comm_allreduce_quantized(
+                       g.c[0], a, 100, (sg_comm_quant_t)0, SG_COMM_SUM,
+                       sg_deadline_in_ms(1000), done_cb, &d[0], NULL),
+                   SG_EINVAL);
+  done_init(&d[0]);
+  done_init(&d[1]);
+  assert_int_equal(sg_comm_allreduce_quantized(
+                       g.c[0], a, 100, SG_COMM_QUANT_INT8, SG_COMM_SUM,
+                       sg_deadline_in_ms(10000), done_cb, &d[0], NULL),
+                   0);
+  assert_int_equal(sg_comm_allreduce_quantized(
+                       g.c[1], b, 100, SG_COMM_QUANT_FP8, SG_COMM_SUM,
+                       sg_deadline_in_ms(10000), done_cb, &d[1], NULL),
+                   0);
+  int rc0 = done_wait(&d[0], 20000), rc1 = done_wait(&d[1], 20000);
+  assert_true(rc0 == SG_EPROTO || rc1 == SG_EPROTO);
+  assert_true(rc0 != 0 && rc1 != 0);
+  assert_true(a[0] == 1.0f && b[0] == 2.0f);
+  done_destroy(&d[0]);
+  done_destroy(&d[1]);
+  group_stop(&g);
+}
+
 /* Closing with work queued completes it with SG_ECANCELED. */
 static void test_free_cancels(void **state) {
   struct group g;
@@ -2178,6 +2397,9 @@ int main(void) {
       cmocka_unit_test(test_abort_from_thread),
       cmocka_unit_test(test_deadline),
       cmocka_unit_test(test_mismatch),
+      cmocka_unit_test(test_quantized),
+      cmocka_unit_test(test_quantized_nonfinite),
+      cmocka_unit_test(test_quantized_mismatch),
       cmocka_unit_test(test_free_cancels),
       cmocka_unit_test(test_bye),
       cmocka_unit_test(test_handshake_rejects),
@@ -2208,6 +2430,7 @@ int main(void) {
       cmocka_unit_test(test_abort_from_thread),
       cmocka_unit_test(test_deadline),
       cmocka_unit_test(test_mismatch),
+      cmocka_unit_test(test_quantized),
       cmocka_unit_test(test_free_cancels),
       cmocka_unit_test(test_bye),
       cmocka_unit_test(test_progress_late_peer),

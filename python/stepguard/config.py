@@ -132,6 +132,11 @@ VARIABLES: Tuple[Var, ...] = (
         "ProcessGroupTCP: a peer silent this long (seconds, fractions allowed) "
         "during an operation fails it; 0 off; wins over the progress_timeout "
         "argument", _PY),
+    Var("STEPGUARD_QUANTIZE", None, "str", "fp8,int8",
+        "ProcessGroupTCP: the quantized formats this member advertises to its "
+        "quorum, preferred first (fp8, int8); empty advertises none. A "
+        "quantized collective uses the first format of rank 0's list that "
+        "every member advertises, else full precision", _PY),
     Var("STEPGUARD_AUTH_TOKEN", None, "str", None,
         "shared secret for the lighthouse, manager, collectives and checkpoint "
         "server when no token is passed", _BOTH),

@@ -61,7 +61,7 @@ from torch.utils._pytree import tree_map
 
 from stepguard.checkpointing import CheckpointTransport, NativeTransport
 from stepguard.checkpointing._rwlock import RWLock
-from stepguard import config
+from stepguard import collectives, config
 from stepguard import coordination as _coordination
 from stepguard import hsdp as _hsdp
 from stepguard.coordination import ManagerClient, ManagerServer, QuorumResult
@@ -402,7 +402,7 @@ class Manager:
         # the quorum being joined, while _reconfigure_pg runs
         self._reconfiguring: Optional[QuorumResult] = None
         self._is_state_dict_read_allowed = True
-        self._warned_quantize = False
+        self._warned_quantize = ""  # the last reason warned about
         # When state is read (see the class doc): None until the first
         # start_quorum looks at the registered state; True for a state with
         # DTensors (FSDP2), whose reads then happen on the training thread.
@@ -510,8 +510,10 @@ class Manager:
 
         Args:
             tensor: the tensor to reduce.
-            should_quantize: ask for FP8 collectives (not available here: a
-                full-precision allreduce is done instead).
+            should_quantize: quantize (``stepguard.collectives``): done
+                when the process group can (ProcessGroupTCP whose quorum
+                agreed on a format); otherwise full precision, with one
+                warning naming the reason.
             reduce_op: AVG (default), SUM, MAX, MIN, PRODUCT, ...
 
         Returns:
@@ -538,12 +540,18 @@ class Manager:
             pg_reduce_op = reduce_op
 
         try:
-            if should_quantize and not self._warned_quantize:
-                self._warned_quantize = True
-                self._logger.warn("quantized allreduce is not available; not quantizing")
-            opts = AllreduceOptions()
-            opts.reduceOp = pg_reduce_op
-            work = self._pg.allreduce([tensor], opts)
+            fmt = None
+            if should_quantize:
+                fmt, why = collectives.quantized_format(self._pg)
+                if fmt is None and why != self._warned_quantize:
+                    self._warned_quantize = why
+                    self._logger.warn(f"not quantizing the allreduce: {why}")
+            if fmt is not None:
+                work = self._pg.allreduce_quantized([tensor], pg_reduce_op, fmt)  # type: ignore[attr-defined]
+            else:
+                opts = AllreduceOptions()
+                opts.reduceOp = pg_reduce_op
+                work = self._pg.allreduce([tensor], opts)
             managed = _ManagedWork(self, work, tensor)
 
             if reduce_op == ReduceOp.AVG:

@@ -87,6 +87,17 @@ _OPS = (
 )
 
 
+def _quant_redop(op: object) -> int:
+    op = getattr(op, "reduceOp", op)
+    if op == ReduceOp.SUM:
+        return _C.COMM_SUM
+    if op == ReduceOp.AVG:
+        return _C.COMM_AVG
+    raise NotImplementedError(
+        f"quantized collectives support ReduceOp.AVG and ReduceOp.SUM only, got {op}"
+    )
+
+
 def _redop(opts: object) -> int:
     op = getattr(opts, "reduceOp", opts)
     for torch_op, ours in _OPS:
@@ -239,7 +250,7 @@ class _TCPWork(dist._Work):
             self._pg._completions.put(self)
 
     def _release(self) -> None:
-        if self._exc is not None:
+        if self._exc is not None and not getattr(self._exc, "data_error", False):
             self._pg._record_error(self._exc)
         self._event.set()
 
@@ -317,7 +328,39 @@ def _exception(rc: int, msg: str) -> Exception:
         return TimeoutError(msg)
     exc = _C.Error(msg)
     exc.code = rc
+    # EINVAL from a running operation: its data (a NaN in a quantized
+    # collective) failed it on every member alike; the group is healthy
+    exc.data_error = rc == _C.EINVAL
     return exc
+
+
+# Quantized formats: names, as STEPGUARD_QUANTIZE lists them, and the C
+# constants.
+QUANT_FORMATS = {"fp8": _C.QUANT_FP8, "int8": _C.QUANT_INT8}
+
+
+def _advertised_formats() -> List[str]:
+    """The formats this member advertises, preferred first."""
+    raw = config.get("STEPGUARD_QUANTIZE") or ""
+    names = [n.strip().lower() for n in raw.split(",") if n.strip()]
+    return [n for n in dict.fromkeys(names) if n in QUANT_FORMATS]
+
+
+def _agree(advertised: List[Optional[str]]) -> Tuple[Optional[str], str]:
+    """The quantized format of a group whose member r advertised
+    ``advertised[r]`` (comma-separated, or None when it said nothing): the
+    first of rank 0's formats that every member lists; else None and why."""
+    lists = [None if a is None else [f for f in a.split(",") if f] for a in advertised]
+    silent = [r for r, l in enumerate(lists) if not l]
+    if silent:
+        return None, (
+            f"member(s) {silent} of the quorum do not advertise quantized "
+            "collectives (another version, or STEPGUARD_QUANTIZE empty)"
+        )
+    for f in lists[0] or []:
+        if all(f in l for l in lists):
+            return f, ""
+    return None, f"the members advertise no common quantized format: {advertised}"
 
 
 class ProcessGroupTCP(ProcessGroup):
@@ -364,6 +407,7 @@ class ProcessGroupTCP(ProcessGroup):
         self._lock = threading.Lock()
         self._completions: "queue.SimpleQueue[Optional[_TCPWork]]" = queue.SimpleQueue()
         self._completer: Optional[threading.Thread] = None
+        self._quant: Tuple[Optional[str], str] = (None, "the group is not configured")
 
     # -- configuration ----------------------------------------------------------
 
@@ -437,9 +481,18 @@ class ProcessGroupTCP(ProcessGroup):
         try:
             addr = f"{_advertise_host(store_host)}:{comm.port()}"
             keys = [f"stepguard_comm/{r}" for r in range(world_size)]
+            # the quantized formats go first: a member's address in the
+            # store means its formats are there too, if it has any (a
+            # member of another version writes none): every member reads
+            # the same answer, without waiting for a key that may not come
+            qkeys = [f"stepguard_comm_quant/{r}" for r in range(world_size)]
+            store.set(qkeys[rank], ",".join(_advertised_formats()))
             store.set(keys[rank], addr)
             self._wait_keys(store, keys, aborts)
             addrs = [store.get(k).decode() for k in keys]
+            quant = _agree(
+                [store.get(k).decode() if store.check([k]) else None for k in qkeys]
+            )
             comm.connect(addrs, self._timeout.total_seconds())
         except BaseException:
             with self._lock:
@@ -452,6 +505,7 @@ class ProcessGroupTCP(ProcessGroup):
             self._rank = rank
             self._world_size = world_size
             self._errored = None
+            self._quant = quant
 
     def _wait_keys(self, store: Store, keys: List[str], aborts: int) -> None:
         """Waits for every key like ``store.wait``, in short slices so that
@@ -572,6 +626,99 @@ class ProcessGroupTCP(ProcessGroup):
         rather than received over TCP.  False before ``configure``."""
         comm = self._comm
         return comm is not None and bool(comm.same_host(peer))
+
+    def quantized_format(self) -> Tuple[Optional[str], str]:
+        """The quantized format every member of the current quorum
+        advertised (``"fp8"`` or ``"int8"``), agreed when the group was
+        configured; or None and the reason (a member advertised none, no
+        common format, not configured)."""
+        return self._quant
+
+    def allreduce_quantized(
+        self, tensors: List[torch.Tensor], op: ReduceOp, fmt: str
+    ) -> _TCPWork:
+        """Quantized allreduce (SUM or AVG) of ``tensors`` in place, all in
+        one operation: they are staged as one float32 buffer (other dtypes
+        and devices are converted there and back).  ``fmt`` must be the
+        group's :meth:`quantized_format`."""
+        comm, code, s = self._require(), _quant_redop(op), _Staged()
+        qfmt = QUANT_FORMATS[fmt]
+        if (
+            len(tensors) == 1
+            and tensors[0].dtype == torch.float32
+            and tensors[0].device.type == "cpu"
+            and tensors[0].is_contiguous()
+        ):
+            flat = tensors[0]
+            s.keep.append(flat)
+        else:
+            flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
+            s.keep.append(flat)
+            off = 0
+            for t in tensors:
+                n = t.numel()
+                s.writebacks.append((t, flat[off : off + n].view(t.shape)))
+                off += n
+        n = flat.numel()
+        return self._issue(
+            tensors,
+            s,
+            [
+                lambda done: comm.allreduce_quantized(
+                    flat.data_ptr(), n, qfmt, code, self._t(), done
+                )
+            ],
+        )
+
+    def reduce_scatter_quantized(
+        self,
+        output: torch.Tensor,
+        inputs: List[torch.Tensor],
+        op: ReduceOp,
+        fmt: str,
+    ) -> _TCPWork:
+        """Quantized reduce-scatter in torchft's layout: each input, seen as
+        rows (a 1-D tensor as a column), is padded with zero rows to a
+        multiple of the world size; member r's ``output`` gets, input after
+        input, the reduction of rows [r m / W, (r + 1) m / W) of every
+        member's padded input (``collectives.allocate_reduce_scatter_output``
+        allocates it)."""
+        comm, code = self._require(), _quant_redop(op)
+        qfmt, w = QUANT_FORMATS[fmt], self._world_size
+        parts: List[List[torch.Tensor]] = [[] for _ in range(w)]
+        for t in inputs:
+            rows = t.detach().reshape(t.shape[0] if t.dim() else 1, -1)
+            m = -(-rows.shape[0] // w) * w
+            if m == 0 or rows.shape[1] == 0:
+                continue  # nothing to reduce, nothing in the output
+            padded = torch.zeros((m, rows.shape[1]), dtype=torch.float32)
+            padded[: rows.shape[0]].copy_(rows)
+            for r, chunk in enumerate(padded.chunk(w)):
+                parts[r].append(chunk.reshape(-1))
+        flat_in = torch.cat([torch.cat(p) if p else torch.zeros(0) for p in parts])
+        count = flat_in.numel() // w if w else 0
+        if output.numel() != count:
+            raise ValueError(
+                f"reduce_scatter_quantized: output has {output.numel()} elements, "
+                f"the padded inputs give {count} per member"
+            )
+        s = _Staged()
+        s.keep.append(flat_in)
+        if output.dtype == torch.float32 and output.device.type == "cpu" and output.is_contiguous():
+            out = output
+        else:
+            out = torch.empty(count, dtype=torch.float32)
+            s.writebacks.append((output, out.view(output.shape)))
+        s.keep.append(out)
+        return self._issue(
+            output,
+            s,
+            [
+                lambda done: comm.reduce_scatter_quantized(
+                    flat_in.data_ptr(), out.data_ptr(), count, qfmt, code, self._t(), done
+                )
+            ],
+        )
 
     def _require(self) -> "_C.Comm":
         comm = self._comm

@@ -288,16 +288,24 @@ def test_good_arguments_accepted() -> None:
     assert _ctor_error(local_sgd, "diloco", sync_every=1, fragment_update_alpha=0.0) is None
 
 
-def test_quantized_collectives_say_what_they_need() -> None:
+def test_quantized_collectives_refuse_other_ops_and_pad_as_torchft() -> None:
     from stepguard import collectives
 
     t = [torch.ones(4)]
-    with pytest.raises(RuntimeError, match="needs CUDA and Triton"):
-        collectives.allreduce_quantized(t, ReduceOp.AVG, None)  # type: ignore[arg-type]
-    with pytest.raises(NotImplementedError, match="AVG and ReduceOp.SUM"):
+    with pytest.raises(NotImplementedError, match="only AVG and SUM"):
         collectives.allreduce_quantized(t, ReduceOp.MAX, None)  # type: ignore[arg-type]
-    with pytest.raises(RuntimeError, match="needs CUDA and Triton"):
-        collectives.reduce_scatter_quantized(torch.ones(2), t, ReduceOp.SUM, None)  # type: ignore[arg-type]
+    with pytest.raises(NotImplementedError, match="only AVG and SUM"):
+        collectives.reduce_scatter_quantized(torch.ones(2), t, ReduceOp.PRODUCT, None)  # type: ignore[arg-type]
+    fmt, why = collectives.quantized_format(object())
+    assert fmt is None and "object has no quantized collectives" in why
+    ins = [torch.zeros(5), torch.zeros(3, 4), torch.zeros(2, 2, 3)]
+    assert collectives.get_padded_sizes(ins, 2) == [
+        torch.Size((6, 1)), torch.Size((4, 4)), torch.Size((2, 2, 3))]
+    out, sizes = collectives.allocate_reduce_scatter_output(ins, 2)
+    assert out.shape == (3 + 8 + 6,) and out.dtype == torch.float32
+    assert sizes == collectives.get_padded_sizes(ins, 2)
+    with pytest.raises(AssertionError, match="same dtype"):
+        collectives.allocate_reduce_scatter_output([torch.zeros(2), torch.zeros(2, dtype=torch.float64)], 2)
 
 
 # ---- real processes ------------------------------------------------------
@@ -474,3 +482,52 @@ def test_dtensor_parameters_match_torchft() -> None:
     p = subprocess.run([sys.executable, "-c", DTENSOR_PROBE], capture_output=True,
                        text=True, env=env, timeout=120)
     assert p.returncode == 0 and "dtensor ok" in p.stdout, p.stderr[-3000:]
+
+
+def _diloco_run(job_factory, *extra: str, advertise: dict[int, str] | None = None) -> dict:
+    """Two replica groups of seeded DiLoCo over ProcessGroupTCP for 20
+    outer steps (3 inner steps each) on a linear task; each group's done
+    event."""
+    job = job_factory(hard_timeout=120, min_replicas=2)
+    args = ("--algo", "diloco", "--sync-every", "3", "--pg", "tcp", "--steps", "20",
+            "--same-init", "--task", "linear", "--min-replica-size", "2",
+            "--timeout", "10", "--outer-momentum", "0.5", *extra)
+    for i in range(2):
+        adv = ("--advertise", advertise[i]) if advertise and i in advertise else ()
+        job.start_group(f"train_{i}", 1, *args, *adv)
+    for rid in job.groups:
+        assert job.wait_exit(rid, 100) == [0], job.summary()
+    done = {rid: job.events(rid, ev="done")[-1] for rid in job.groups}
+    job.close()
+    for d in done.values():
+        assert d["step"] >= 20
+    return done
+
+
+def test_diloco_quantized_loss_and_agreement(job_factory) -> None:
+    """The same seeded DiLoCo run in full precision, with should_quantize
+    (the group agrees on fp8), and with should_quantize where one replica
+    advertises no quantized format: the quantized run's final loss is
+    within 2% of full precision, and it really quantized (counted
+    quantized allreduces, other bits); the mixed run falls back to full
+    precision on both replicas and gives full precision's bits."""
+    full = _diloco_run(job_factory)
+    quant = _diloco_run(job_factory, "--quantize")
+    mixed = _diloco_run(job_factory, "--quantize", advertise={1: ""})
+    for d in full.values():
+        assert d["qcalls"] == 0 and d["qfmt"] == "fp8"
+    for d in quant.values():
+        assert d["qcalls"] >= 20 and d["qfmt"] == "fp8"
+    for d in mixed.values():
+        assert d["qcalls"] == 0 and d["qfmt"] is None
+    # every replica ends with the same global state
+    for run in (full, quant, mixed):
+        assert len({d["hash"] for d in run.values()}) == 1, run
+    assert quant["train_0"]["hash"] != full["train_0"]["hash"]
+    assert mixed["train_0"]["hash"] == full["train_0"]["hash"]
+    lf = sum(d["loss"] for d in full.values()) / 2
+    lq = sum(d["loss"] for d in quant.values()) / 2
+    first = full["train_0"]
+    assert lf < 0.2 * first["loss0"], f"the task did not train: {first}"
+    print(f"final loss: full precision {lf:.5f}, fp8 {lq:.5f} (from {first['loss0']:.4f})")
+    assert abs(lq - lf) <= 0.02 * lf, (lf, lq)

@@ -64,6 +64,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="after the sync that commits this step, log 'hold' "
                     "and sleep --hold-sleep (between two syncs)")
     ap.add_argument("--hold-sleep", type=float, default=0.0)
+    ap.add_argument("--quantize", action="store_true",
+                    help="DiLoCo / LocalSGD with should_quantize=True")
+    ap.add_argument("--advertise", default=None,
+                    help="STEPGUARD_QUANTIZE for this worker (\"\": advertise none)")
+    ap.add_argument("--outer-lr", type=float, default=0.7)
+    ap.add_argument("--outer-momentum", type=float, default=0.9)
+    ap.add_argument("--task", choices=("noise", "linear"), default="noise",
+                    help="linear: targets from a fixed linear map, and the "
+                    "done event carries the loss on a fixed evaluation set")
     return ap.parse_args(argv)
 
 
@@ -92,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
               rid=a.replica_id, g=a.group_rank, inc=a.incarnation)
     log("start", pid=os.getpid(), ppid=os.getppid(), torchrun=False)
 
+    if a.advertise is not None:
+        os.environ["STEPGUARD_QUANTIZE"] = a.advertise
     import torch
 
     torch.set_num_threads(1)
@@ -136,8 +147,20 @@ def main(argv: list[str] | None = None) -> int:
 
     manager.should_commit = should_commit
 
+    # quantized allreduces the process group ran (stepguard's TCP group)
+    qcalls = [0]
+    if hasattr(pg, "allreduce_quantized"):
+        run_quantized = pg.allreduce_quantized
+
+        def counted(*args: Any, **kw: Any) -> Any:
+            qcalls[0] += 1
+            return run_quantized(*args, **kw)
+
+        pg.allreduce_quantized = counted
+    quant = {"should_quantize": True} if a.quantize else {}
     if a.algo == "localsgd":
-        algo = local_sgd.LocalSGD(manager, model, inner_opt, sync_every=a.sync_every)
+        algo = local_sgd.LocalSGD(manager, model, inner_opt, sync_every=a.sync_every,
+                                  **quant)
 
         def synced_hash() -> str:
             return param_hash(model)
@@ -145,19 +168,28 @@ def main(argv: list[str] | None = None) -> int:
         n = a.fragments
         bounds = [0, 2, 3] if n == 2 else [0, 3]
         fragments = [model[bounds[i]:bounds[i + 1]] for i in range(n)]
-        outers = [torch.optim.SGD(f.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        outers = [torch.optim.SGD(f.parameters(), lr=a.outer_lr, momentum=a.outer_momentum,
+                                  nesterov=True)
                   for f in fragments]
         algo = local_sgd.DiLoCo(manager, fragments, inner_opt,
                                 outers if n > 1 else outers[0],
                                 sync_every=a.sync_every, use_bucketization=a.bucket,
                                 fragment_sync_delay=a.delay,
-                                fragment_update_alpha=a.alpha)
+                                fragment_update_alpha=a.alpha, **quant)
 
         def synced_hash() -> str:
             return global_hash(algo)
 
     log("ready", step=manager.current_step(), hash=synced_hash(), pid=os.getpid(),
         children=[])
+    target = 0.3 * torch.randn(8, 4, generator=torch.Generator().manual_seed(7))
+    xe = torch.randn(512, 8, generator=torch.Generator().manual_seed(99))
+
+    def eval_loss() -> float:
+        with torch.no_grad():
+            return torch.nn.functional.mse_loss(model(xe), xe @ target).item()
+
+    loss0 = eval_loss()
     stop_file = os.path.join(a.dir, "stop_at")
     inner = 0
     last = manager.current_step()
@@ -170,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                 (rindex * 1000 + a.group_rank) * 100003 + inner)
             x = torch.randn(16, 8, generator=gen)
             y = torch.randn(16, 4, generator=gen)
+            if a.task == "linear":
+                y = x @ target + 0.01 * y
             inner_opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             before = manager.current_step()
@@ -191,7 +225,13 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(a.hold_sleep)
             if a.step_sleep:
                 time.sleep(a.step_sleep)
-    log("done", step=manager.current_step(), hash=synced_hash(), model=param_hash(model))
+    extra: dict[str, Any] = {"qcalls": qcalls[0]}
+    if hasattr(pg, "quantized_format"):
+        extra["qfmt"] = pg.quantized_format()[0]
+    if a.task == "linear":
+        extra.update(loss0=loss0, loss=eval_loss())
+    log("done", step=manager.current_step(), hash=synced_hash(), model=param_hash(model),
+        **extra)
     manager.shutdown(wait=False)
     sys.stdout.flush()
     sys.stderr.flush()

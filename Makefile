@@ -71,6 +71,7 @@ bench: build
 	$(PY) bench/lighthouse.py --build-dir $(NATIVE)
 	$(PY) bench/manager.py
 	$(PY) bench/allreduce.py
+	$(PY) bench/quantized.py
 	$(PY) bench/recovery.py
 	$(PY) bench/step.py
 	$(PY) bench/e2e.py

@@ -331,3 +331,19 @@ def test_kernels_detect_nonfinite_and_check_blocks():
             z = x.clone()
             z[1500] = bad
             assert _C.quant_encode(fmt, z.data_ptr(), 2000, wire.data_ptr()) == 1
+
+
+def test_other_groups_fall_back_with_one_warning_naming_them(caplog):
+    from torch.distributed import ReduceOp
+
+    from stepguard import collectives
+    from stepguard.process_group import ProcessGroupDummy
+
+    pg = ProcessGroupDummy(0, 1)
+    t = torch.full((4,), 3.0)
+    with caplog.at_level("WARNING", logger="stepguard.collectives"):
+        for op in (ReduceOp.AVG, ReduceOp.SUM):
+            collectives.allreduce_quantized([t], op, pg).wait()
+    assert torch.equal(t, torch.full((4,), 3.0))  # one member: the sum is itself
+    msgs = [r.getMessage() for r in caplog.records if "full precision" in r.getMessage()]
+    assert len(msgs) == 1 and "ProcessGroupDummy" in msgs[0], msgs

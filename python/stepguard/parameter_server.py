@@ -553,10 +553,41 @@ class ParameterServer(ABC):
             pass
         conn.close()
 
+    #: after an error answer, the rest of the request is read and dropped
+    #: for at most this long (and this many bytes) before the close
+    _LINGER_CLOSE_S = 2.0
+    _LINGER_CLOSE_BYTES = 1 << 20
+
+    def _linger_close(self, conn: socket.socket) -> None:
+        """Closes a connection whose request was refused unread: a close
+        with unread bytes sends a reset, which can destroy the error answer
+        before the client reads it, so the answer is followed by our FIN
+        and the rest of the request is drained, within bounds, first."""
+        try:
+            conn.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + self._LINGER_CLOSE_S
+            drained = 0
+            while drained < self._LINGER_CLOSE_BYTES and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                conn.settimeout(min(left, 0.5))
+                try:
+                    chunk = conn.recv(65536)
+                except socket.timeout:
+                    continue
+                if not chunk:
+                    break
+                drained += len(chunk)
+        except OSError:
+            pass
+        conn.close()
+
     def _handle(self, conn: socket.socket, peer: object) -> None:
         """One connection: read and check the request, answer it, and, for
         a session, become the session's thread."""
         session: Optional[_Session] = None
+        refused = False
         try:
             try:
                 path = _parse_request(self._read_head(conn))
@@ -565,6 +596,7 @@ class ParameterServer(ABC):
                 session, reply = self._open_session()
                 self._send(conn, reply)
             except _BadRequest as e:
+                refused = True
                 self._count("refused")
                 logger.info("parameter server: refused a request from %s: %d %s", peer, e.code, e)
                 try:
@@ -582,7 +614,10 @@ class ParameterServer(ABC):
                     session = None
                 return
             finally:
-                self._close(conn)
+                if refused:
+                    self._linger_close(conn)
+                else:
+                    self._close(conn)
                 with self._lock:
                     self._pending -= 1
         except BaseException:

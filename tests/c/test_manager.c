@@ -1698,7 +1698,8 @@ static void test_started_calls_one_road(void **state) {
     assert_int_equal(r0.quorum_id, r1.quorum_id);
     assert_int_equal(r1.max_step, step);
     /* taken once */
-    assert_int_equal(sg_mgr_call_quorum_result(c1, &r1, &err), SG_ESTATE);
+    sg_mgr_quorum_result_t again;
+    assert_int_equal(sg_mgr_call_quorum_result(c1, &again, &err), SG_ESTATE);
     sg_mgr_quorum_result_free(&r0);
     sg_mgr_quorum_result_free(&r1);
     sg_mgr_call_free(c0);

@@ -70,6 +70,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def training_command(args: argparse.Namespace) -> list[str]:
+    """The trainer's command line from the launchers' common options
+    (``script``, ``script_args``, ``--module``, ``--no-python``)."""
+    if args.no_python:
+        return [args.script, *args.script_args]
+    if args.module:
+        return [sys.executable, "-m", args.script, *args.script_args]
+    return [sys.executable, args.script, *args.script_args]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``stepguard-launch`` and ``python -m stepguard.launch``."""
     args = _parser().parse_args(argv)
@@ -78,12 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"stepguard-launch: {e}", file=sys.stderr)
         return 2
-    if args.no_python:
-        cmd = [args.script, *args.script_args]
-    elif args.module:
-        cmd = [sys.executable, "-m", args.script, *args.script_args]
-    else:
-        cmd = [sys.executable, args.script, *args.script_args]
+    cmd = training_command(args)
     cfg = LaunchConfig(
         cmd=cmd, groups=args.groups, nproc_per_group=args.nproc_per_group,
         lighthouse=args.lighthouse, lighthouse_impl=args.lighthouse_impl,

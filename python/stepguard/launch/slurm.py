@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
+from stepguard.launch.cli import training_command
 from stepguard.launch.launcher import _LISTEN_RE, _OURS_LIGHTHOUSE, _die_with_parent, _Injector
 from stepguard.launch.spec import FailureSpec, parse_failure_spec
 from stepguard.launch.worker import INCARNATION_ENV
@@ -798,12 +799,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"stepguard-slurm: {e}", file=sys.stderr)
         return 2
-    if a.no_python:
-        cmd = [a.script, *a.script_args]
-    elif a.module:
-        cmd = [sys.executable, "-m", a.script, *a.script_args]
-    else:
-        cmd = [sys.executable, a.script, *a.script_args]
+    cmd = training_command(a)
     cfg = SlurmConfig(
         cmd=cmd, groups=a.groups, nproc_per_group=a.nproc_per_group,
         nodes_per_group=a.nodes_per_group, lighthouse=a.lighthouse,

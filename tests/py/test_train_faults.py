@@ -130,25 +130,35 @@ def test_injected_errors_discard_the_step_in_that_group_only(job_factory, fail_m
 
 def test_recovery_source_killed_while_a_peer_heals(job_factory):
     job = job_factory(min_replicas=2)
-    # both up-to-date replicas are slow to serve a healer: one source (torchft
-    # picks train_0) or every source (a striped fetch) is still pending when
-    # train_0 dies.  A short operation timeout: a peer whose step failed may
-    # leave the others' allreduce waiting for it that long.
+    # Both up-to-date replicas hold a healer's state read at a gate: which
+    # of them serves train_2 (torchft's rule, a striped fetch from both, or
+    # only train_1 when train_0 was a step behind as the quorum formed) is
+    # the quorum's choice, so the test kills whichever serves first and
+    # then opens the gate for the other.  A short operation timeout: a peer
+    # whose step failed may leave the others' allreduce waiting that long.
     fast = ("--timeout", "4", *PACE)
-    job.start_group("train_0", 1, "--steps", "400", "--slow-send", "30", *fast)
-    job.start_group("train_1", 1, "--steps", "400", "--slow-send", "1", *fast)
+    gate = job.dir / "send_gate"
+    slow = ("--slow-send", "60", "--slow-send-gate", str(gate))
+    job.start_group("train_0", 1, "--steps", "400", *slow, *fast)
+    job.start_group("train_1", 1, "--steps", "400", *slow, *fast)
     wait_for(lambda: job.all_committed(3), 60, "3 committed steps", job)
     job.start_group("train_2", 1, "--steps", "400", *fast)
-    wait_for(lambda: job.events("train_0", ev="send_state"), 60,
-             "train_0 to start serving its state to train_2", job)
-    job.kill_group("train_0")
+
+    def serving() -> list[str]:
+        return [rid for rid in ("train_0", "train_1") if job.events(rid, ev="send_state")]
+
+    victim = wait_for(serving, 60, "a source to start serving its state to train_2", job)[0]
+    survivor = "train_1" if victim == "train_0" else "train_0"
+    job.kill_group(victim)
+    gate.touch()
     first = wait_for(lambda: job.steps("train_2")[:1], 30, "train_2's first step", job)[0]
-    # that step's quorum held train_0: it cannot commit, and it says why
+    # that step's quorum held the victim as a source: it cannot commit, and
+    # it says why
     assert not first["ok"] and first["err"], first
     wait_for(lambda: heal_events(job, "train_2", 0), 60, "train_2 to heal", job)
     assert job.alive("train_2"), "a source dying must not kill the healing trainer"
-    target = job.committed("train_1") + 3
+    target = job.committed(survivor) + 3
     job.stop_at(target)
-    for rid in ("train_1", "train_2"):
+    for rid in (survivor, "train_2"):
         assert job.wait_exit(rid, 60) == [0], job.summary()
-    job.assert_identical(3, ["train_1", "train_2"])
+    job.assert_identical(3, [survivor, "train_2"])

@@ -183,6 +183,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the first time after step 0 that this rank's state "
                     "is read for a recovering peer, log 'send_state' and sleep "
                     "this long")
+    ap.add_argument("--slow-send-gate", default=None,
+                    help="with --slow-send: end that sleep as soon as this "
+                    "file exists (a test opens the gate once it has acted on "
+                    "'send_state')")
     # checkpoints and data
     ap.add_argument("--ckpt-every", type=int, default=0)
     ap.add_argument("--resume", action="store_true")
@@ -249,7 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     def state_dict() -> dict:
         if send_state["slow"] > 0 and manager.current_step() > 0:
             log("send_state", step=manager.current_step())
-            time.sleep(send_state["slow"])
+            until = time.monotonic() + send_state["slow"]
+            gate = a.slow_send_gate
+            while time.monotonic() < until and not (gate and os.path.exists(gate)):
+                time.sleep(min(0.05, max(0.0, until - time.monotonic())))
             send_state["slow"] = 0.0
         return {"model": model.state_dict(), "optim": inner_opt.state_dict()}
 

@@ -13,12 +13,13 @@
  *             it is unhealthy at once
  *   ids       quorum ids never go backwards, also across restarts (a file,
  *             or a floor taken from the wall clock; docs/lighthouse.md)
- *   etcd      with --etcd, a thread of its own (etcd_main) holds a lease and
- *             campaigns for the leader key; only the leader decides, and
- *             only inside its lease; a new id is written to etcd (fenced by
- *             the leader key's create revision) before it is answered;
- *             followers forward Quorum and Heartbeat calls to the leader
- *             (proxy), or answer UNAVAILABLE naming it when they cannot
+ *   etcd      with --etcd, a thread of its own (leader.c) holds a lease
+ *             and campaigns for the leader key; only the leader decides,
+ *             and only inside its lease; a new id is written to etcd
+ *             (fenced by the leader key's create revision) before it is
+ *             answered; followers forward Quorum and Heartbeat calls to the
+ *             leader (proxy.c), or answer UNAVAILABLE naming it when they
+ *             cannot
  *
  * A quorum response is encoded once and shared by every waiter.
  */
@@ -38,6 +39,7 @@
 #include "lighthouse/http.h"
 #include "lighthouse/lease.h"
 #include "lighthouse/quorum.h"
+#include "lighthouse/server_int.h"
 #include "lighthouse/status.h"
 #include "rpc/client_async.h"
 #include "rpc/grpc.h"
@@ -47,7 +49,6 @@
 #include "stepguard/rpc_client.h"
 #include "torchft.pb-c.h"
 
-#define LOG "lighthouse"
 #define MAX_ID_LEN 1024    /* replica ids and addresses */
 #define MAX_DATA_LEN 65536 /* QuorumMember.data, each reconfigure handle */
 #define MAX_HANDLES 65536  /* reconfigure handles per member (group ranks) */
@@ -55,49 +56,9 @@
 #define STATUS_LOG_MS 100  /* at most one "Quorum status" line per 100 ms */
 #define QUORUM_LOG_MS 1000 /* a quorum of unchanged id: one line per second */
 
-/* A Quorum call waiting for its quorum. */
-struct pending {
-  int is_proxy; /* 0: a call's user pointer is a pending or a proxied */
-  sg_rpc_call_t *call;
-  int64_t start_ns;
-  struct pending *prev, *next;
-  char replica_id[]; /* in the same allocation */
-};
-
-/* A call a follower forwarded to the leader (proxy_call). */
-struct proxied {
-  int is_proxy; /* 1 */
-  struct sg_lh_server_s *s;
-  sg_rpc_call_t *call;         /* NULL once cancelled (under mu) */
-  struct proxied *prev, *next; /* s->proxied (under mu) */
-  struct proxied *done_next;   /* s->proxy_done (under proxy_mu), or
-                                  s->proxy_wait (under mu) */
-  int rc, status;              /* the leader's answer */
-  uint8_t *resp;               /* owned */
-  size_t resp_len;
-  char msg[512];
-};
-
-/* Liveness of one replica id: how many open connections it spoke on. */
-struct live {
-  unsigned nconns;
-  int64_t grace_deadline; /* 0: none pending */
-};
-
-/* One open HTTP/2 connection and the replica ids heard on it. */
-struct conn {
-  sg_map_t ids; /* replica id -> (void *)1 */
-  uint64_t id;  /* the connection's */
-  char *last;   /* owned: the replica id last noted on it, or NULL */
-};
-
-/* Connections by id modulo: a replica's next request finds its connection
- * and itself known there without a formatted key and three lookups. */
-#define CONN_CACHE 64
-
 static const double lat_le_s[] = {0.0005, 0.001, 0.005, 0.01, 0.05, 0.1,
                                   0.5,    1,     5,     10,   30,   60};
-#define N_LAT (sizeof(lat_le_s) / sizeof(lat_le_s[0]))
+_Static_assert(sizeof(lat_le_s) / sizeof(lat_le_s[0]) == N_LAT, "N_LAT");
 
 /* Decision time: from the event that completes a quorum (a request handed
  * over by the gRPC layer, a heartbeat, a cancel, a disconnect, a timer) to
@@ -105,106 +66,12 @@ static const double lat_le_s[] = {0.0005, 0.001, 0.005, 0.01, 0.05, 0.1,
 static const double dec_le_s[] = {0.00005, 0.0001, 0.00025, 0.0005, 0.001,
                                   0.0025,  0.005,  0.01,    0.025,  0.05,
                                   0.1,     0.25,   0.5,     1};
-#define N_DEC (sizeof(dec_le_s) / sizeof(dec_le_s[0]))
-
-struct sg_lh_server_s {
-  /* options (strings owned) */
-  sg_lh_opts_t o;
-  sg__lh_opts_t qopts;
-  char *address;
-
-  uv_loop_t loop;
-  uv_thread_t thread;
-  uv_async_t stop_async;
-  uv_timer_t tick_timer; /* torchft's periodic tick */
-  uv_timer_t wake_timer; /* earliest deadline */
-  int64_t wake_due_ns;   /* when wake_timer fires, if active */
-  sg_rpc_server_t *rpc;
-  sg__lh_http_t *http;
-  int port;
-  int closing;
-  int handles_open;
-
-  pthread_mutex_t mu; /* guards everything below (MHD thread reads it) */
-  sg__lh_state_t *st;
-  struct pending *pending; /* list head */
-  size_t n_pending;
-  sg_map_t live;                       /* replica id -> struct live * */
-  sg_map_t conns;                      /* "%llu" conn id -> struct conn * */
-  struct conn *conn_cache[CONN_CACHE]; /* by id % CONN_CACHE, or NULL */
-  size_t graces;                       /* live entries with a grace deadline */
-  char reason[512];                    /* last logged reason */
-  int64_t next_prune_ns;
-  int64_t persisted_id;
-  /* the heartbeat answer to members of the last quorum (lost_answer) */
-  uint8_t *lost_resp; /* owned, lost_resp_len bytes; NULL: none lost */
-  size_t lost_resp_len;
-  int64_t lost_for_qid, lost_at_ns;
-
-  uint64_t quorums_issued, heartbeats_total, disconnects_total,
-      quorum_requests_total, rejected_total;
-
-  /* etcd leadership (o.etcd set); under mu unless said otherwise */
-  sg__etcd_t *etcd; /* used by the etcd thread only (and by start) */
-  pthread_t etcd_thread;
-  int etcd_started;
-  pthread_cond_t etcd_cv; /* wakes the etcd thread: a record, or stop */
-  uv_async_t etcd_async;  /* wakes the loop: promoted, demoted, confirmed */
-  int etcd_stop;
-  sg__lh_fence_t fence; /* role, lease deadline, confirmed id */
-  char *leader_addr;    /* owned: the leader's address as etcd holds it */
-  int64_t term;         /* the leader key's create revision we hold/saw */
-  int64_t lease_ttl_s;  /* the TTL etcd granted */
-  int64_t lease_id;
-  int64_t lease_sent_ns; /* when the grant of lease_id was sent (start) */
-  int promote;           /* the etcd thread won: the loop installs */
-  int64_t promote_qid;   /* the last quorum read from etcd */
-  char **promote_ids;
-  size_t promote_n;
-  int demote;     /* the loop fails what waits and drops `held` */
-  char *want_rec; /* owned: a record for the etcd thread to write */
-  int64_t want_id;
-  sg_rpc_blob_t *held; /* the answer of quorum held_id, waiting for its
-                          record to be confirmed */
-  int64_t held_id, held_event_ns;
-  uint64_t elections_won, etcd_errors, fenced_total;
-  /* followers forward calls to the leader: the channel is made and
-   * replaced by the etcd thread (it may block), used by the loop */
-  sg_rpc_channel_t *proxy_ch; /* under mu; NULL: answer UNAVAILABLE */
-  char *proxy_addr;           /* owned: where proxy_ch goes (etcd thread) */
-  int64_t proxy_retry_ns;     /* etcd thread: next try after a failed dial */
-  struct proxied *proxied;    /* forwarded calls not answered yet (mu) */
-  pthread_mutex_t proxy_mu;   /* guards proxy_done */
-  struct proxied *proxy_done; /* answered by the leader, for the loop */
-  uv_async_t proxy_async;
-  struct proxied *proxy_wait; /* Quorum calls to forward again (mu) */
-  int etcd_ok;                /* the etcd thread's last call succeeded */
-  uv_timer_t proxy_timer;     /* forwards them every PROXY_RETRY_TICK_MS */
-  uint64_t proxied_total;
-
-  uint64_t lat_counts[N_LAT];
-  double lat_sum_s;
-  uint64_t lat_count;
-  uint64_t dec_counts[N_DEC]; /* cumulative, like lat_counts */
-  double dec_sum_s;
-  uint64_t dec_count;
-  int64_t dec_last_ns;      /* the last quorum's decision time; -1: none yet */
-  int64_t status_logged_ns; /* when the last "Quorum status" line went out */
-  int status_unlogged;    /* the reason changed since, and is not logged yet */
-  sg__lh_history_t *hist; /* owned: the dashboard's recent past */
-  int64_t quorum_logged_id;  /* the id on the last "Quorum!" line; -1: none */
-  int64_t quorum_logged_ns;  /* when that line went out */
-  uint64_t quorums_unlogged; /* quorums of that id since, logged at DEBUG */
-};
+_Static_assert(sizeof(dec_le_s) / sizeof(dec_le_s[0]) == N_DEC, "N_DEC");
 
 /* ---- helpers ------------------------------------------------------------- */
 
 static void conn_key(uint64_t id, char out[24]) {
   snprintf(out, 24, "%llu", (unsigned long long)id);
-}
-
-static int64_t ms_to_ns(int64_t ms) {
-  return ms > INT64_MAX / 1000000 ? INT64_MAX : ms * 1000000;
 }
 
 /* ct_equal: constant-time comparison of two NUL-terminated strings. */
@@ -484,7 +351,7 @@ static void answer_quorum(sg_lh_server_t *s, const sg__lh_quorum_t *q,
 
 /* fail_pending: answer every waiting call with UNAVAILABLE `msg` (a
  * lighthouse that stopped leading; clients try the next address). */
-static void fail_pending(sg_lh_server_t *s, const char *msg) {
+void sg__lh_fail_pending(sg_lh_server_t *s, const char *msg) {
   while (s->pending) {
     struct pending *p = s->pending;
     pending_unlink(s, p);
@@ -654,7 +521,7 @@ static const char *why_lost(void *ud, const char *id) {
  * STATUS_LOG_MS.  `join`: the event was a quorum request (after_join may
  * stand in for the decision).  Caller holds mu.
  */
-static void process(sg_lh_server_t *s, int64_t event_ns, int join) {
+void sg__lh_process(sg_lh_server_t *s, int64_t event_ns, int join) {
   int64_t now = sg_now_ns();
   if (s->o.etcd && !fence_step(s, now)) {
     if (s->n_pending)
@@ -800,7 +667,7 @@ static void on_conn_close(void *ud, uint64_t conn_id) {
     sg_free(c->last);
     sg_free(c);
     if (!s->closing)
-      process(s, event_ns, 0);
+      sg__lh_process(s, event_ns, 0);
   }
   pthread_mutex_unlock(&s->mu);
 }
@@ -939,12 +806,12 @@ static void handle_heartbeat(sg_lh_server_t *s, sg_rpc_call_t *call,
   /* A heartbeat of a replica that was already healthy cannot change the
    * decision; skip the work (1,000 replicas heartbeat 10,000 times/s). */
   if (!was_healthy)
-    process(s, event_ns, 0);
+    sg__lh_process(s, event_ns, 0);
 out:
   torchft__lighthouse_heartbeat_request__free_unpacked(req, &sg__pb_allocator);
 }
 
-static void handle_quorum(sg_lh_server_t *s, sg_rpc_call_t *call,
+void sg__lh_handle_quorum(sg_lh_server_t *s, sg_rpc_call_t *call,
                           const uint8_t *body, size_t len, int64_t event_ns) {
   struct pending *p = NULL;
   s->quorum_requests_total++;
@@ -1062,13 +929,10 @@ static void handle_quorum(sg_lh_server_t *s, sg_rpc_call_t *call,
   s->n_pending++;
   sg_rpc_call_set_user(call, p);
   note_speaker(s, r->replica_id, sg_rpc_call_conn_id(call));
-  process(s, event_ns, 1);
+  sg__lh_process(s, event_ns, 1);
 out:
   torchft__lighthouse_quorum_request__free_unpacked(req, &sg__pb_allocator);
 }
-
-static int proxy_call(sg_lh_server_t *s, sg_rpc_call_t *call,
-                      const char *method, const uint8_t *body, size_t len);
 
 static void on_call(void *ud, sg_rpc_call_t *call) {
   sg_lh_server_t *s = ud;
@@ -1084,7 +948,7 @@ static void on_call(void *ud, sg_rpc_call_t *call) {
     reject(s, call, SG_GRPC_UNAUTHENTICATED, "%s",
            "missing or wrong authorization token");
   } else if (s->o.etcd && s->fence.role != SG__LH_ROLE_LEADER &&
-             proxy_call(s, call, method, body, len)) {
+             sg__lh_proxy_call(s, call, method, body, len)) {
     /* a follower forwarded it to the leader */
   } else if (s->o.etcd && s->fence.role != SG__LH_ROLE_LEADER) {
     /* a follower that cannot forward: the client tries its next address */
@@ -1099,7 +963,7 @@ static void on_call(void *ud, sg_rpc_call_t *call) {
   } else if (strcmp(method, "/torchft.LighthouseService/Heartbeat") == 0) {
     handle_heartbeat(s, call, body, len, event_ns);
   } else if (strcmp(method, "/torchft.LighthouseService/Quorum") == 0) {
-    handle_quorum(s, call, body, len, event_ns);
+    sg__lh_handle_quorum(s, call, body, len, event_ns);
   } else {
     reject(s, call, SG_GRPC_UNIMPLEMENTED, "unknown method %.200s", method);
   }
@@ -1125,625 +989,8 @@ static void on_call_cancel(void *ud, sg_rpc_call_t *call) {
     sg__lh_leave(s->st, p->replica_id);
   pending_free(p);
   if (!s->closing)
-    process(s, event_ns, 0);
+    sg__lh_process(s, event_ns, 0);
   pthread_mutex_unlock(&s->mu);
-}
-
-/* ---- followers forward to the leader --------------------------------------
- *
- * A follower sends each Quorum and Heartbeat call on to the leader over one
- * channel (the async call of src/rpc/client.c) and answers with what the
- * leader answered, so a client given this lighthouse's address alone
- * (torchft's) keeps working while another lighthouse leads.  The answer
- * is the leader's: fenced there.  What a proxy changes: the leader sees
- * the follower's connection, not the client's, so a client whose own
- * connection closes is found dead by its heartbeat timeout, not the
- * disconnect grace.
- */
-
-#define PROXY_CONNECT_MS 200    /* the etcd thread dials the leader */
-#define PROXY_RETRY_MS 1000     /* after a failed dial */
-#define PROXY_RETRY_TICK_MS 100 /* a held Quorum call is forwarded again */
-
-static void handle_heartbeat(sg_lh_server_t *s, sg_rpc_call_t *call,
-                             const uint8_t *body, size_t len, int64_t event_ns);
-static void handle_quorum(sg_lh_server_t *s, sg_rpc_call_t *call,
-                          const uint8_t *body, size_t len, int64_t event_ns);
-
-static void on_proxied(void *ud, int rc, int grpc_status, uint8_t *resp,
-                       size_t resp_len, const char *msg) {
-  struct proxied *p = ud;
-  sg_lh_server_t *s = p->s;
-  p->rc = rc;
-  p->status = grpc_status;
-  p->resp = resp;
-  p->resp_len = resp_len;
-  snprintf(p->msg, sizeof(p->msg), "%s", msg ? msg : "");
-  pthread_mutex_lock(&s->proxy_mu);
-  p->done_next = s->proxy_done;
-  s->proxy_done = p;
-  pthread_mutex_unlock(&s->proxy_mu);
-  uv_async_send(&s->proxy_async); /* the channel is freed before the loop */
-}
-
-static void proxied_unlink(sg_lh_server_t *s, struct proxied *p) {
-  if (p->prev)
-    p->prev->next = p->next;
-  else
-    s->proxied = p->next;
-  if (p->next)
-    p->next->prev = p->prev;
-  p->prev = p->next = NULL;
-}
-
-static void on_proxy_retry(uv_timer_t *t);
-
-/* forward: send p's call to the leader over proxy_ch (mu held); 0, or
- * an error (then p is not linked anywhere). */
-static int forward(sg_lh_server_t *s, struct proxied *p, const char *method,
-                   const uint8_t *body, size_t len) {
-  if (!s->proxy_ch)
-    return SG_ECLOSED;
-  p->next = s->proxied;
-  p->prev = NULL;
-  if (s->proxied)
-    s->proxied->prev = p;
-  s->proxied = p;
-  sg_err_t e;
-  sg_err_clear(&e);
-  int rc = sg__rpc_channel_call_start(s->proxy_ch, method, body, len,
-                                      sg_rpc_call_deadline(p->call), on_proxied,
-                                      p, &e);
-  if (rc) {
-    proxied_unlink(s, p);
-    return rc;
-  }
-  s->proxied_total++;
-  return 0;
-}
-
-/* proxy_call: forward `call` to the leader (mu held).  1: it will be
- * answered from on_proxy_async; 0: not forwarded (no channel to a leader,
- * not a LighthouseService call, out of memory). */
-static int proxy_call(sg_lh_server_t *s, sg_rpc_call_t *call,
-                      const char *method, const uint8_t *body, size_t len) {
-  int quorum = strcmp(method, "/torchft.LighthouseService/Quorum") == 0;
-  if (!quorum && strcmp(method, "/torchft.LighthouseService/Heartbeat") != 0)
-    return 0;
-  /* no leader to forward to: a Quorum call waits for one while etcd
-   * answers us (an election is on); cut off etcd we cannot know one, and
-   * the client had better try its other addresses */
-  int hold = quorum && s->etcd_ok &&
-             sg_rpc_call_deadline(call) - sg_now_ns() >
-                 ms_to_ns(2 * PROXY_RETRY_TICK_MS);
-  if (!s->proxy_ch && !hold)
-    return 0;
-  struct proxied *p = sg_calloc(1, sizeof(*p));
-  if (!p)
-    return 0;
-  p->is_proxy = 1;
-  p->s = s;
-  p->call = call;
-  if (forward(s, p, method, body, len) != 0) {
-    if (!hold) {
-      sg_free(p);
-      return 0;
-    }
-    p->done_next = s->proxy_wait;
-    s->proxy_wait = p;
-    if (!uv_is_active((uv_handle_t *)&s->proxy_timer))
-      uv_timer_start(&s->proxy_timer, on_proxy_retry, PROXY_RETRY_TICK_MS, 0);
-  }
-  sg_rpc_call_set_user(call, p);
-  return 1;
-}
-
-/* on_proxy_retry: forward the held Quorum calls again, or handle them
- * here once this lighthouse leads. */
-static void on_proxy_retry(uv_timer_t *t) {
-  sg_lh_server_t *s = t->data;
-  int64_t now = sg_now_ns();
-  pthread_mutex_lock(&s->mu);
-  struct proxied *list = s->proxy_wait, *keep = NULL;
-  s->proxy_wait = NULL;
-  while (list) {
-    struct proxied *p = list;
-    list = p->done_next;
-    if (!p->call || s->closing) { /* cancelled meanwhile */
-      sg_free(p);
-      continue;
-    }
-    size_t len = 0;
-    const uint8_t *body = sg_rpc_call_body(p->call, &len);
-    const char *method = sg_rpc_call_method(p->call);
-    if (s->fence.role == SG__LH_ROLE_LEADER) {
-      sg_rpc_call_t *call = p->call;
-      sg_rpc_call_set_user(call, NULL);
-      sg_free(p);
-      handle_quorum(s, call, body, len, now);
-      continue;
-    }
-    if (sg_rpc_call_deadline(p->call) <= now ||
-        (forward(s, p, method, body, len) != 0 &&
-         sg_rpc_call_deadline(p->call) - now <=
-             ms_to_ns(PROXY_RETRY_TICK_MS))) {
-      sg_rpc_call_respond(p->call, SG_GRPC_UNAVAILABLE,
-                          "not the leader, and no leader answered in time",
-                          NULL, 0);
-      sg_free(p);
-      continue;
-    }
-    if (!p->prev && s->proxied != p) { /* not forwarded: wait on */
-      p->done_next = keep;
-      keep = p;
-    }
-  }
-  s->proxy_wait = keep;
-  if (keep && !s->closing)
-    uv_timer_start(&s->proxy_timer, on_proxy_retry, PROXY_RETRY_TICK_MS, 0);
-  pthread_mutex_unlock(&s->mu);
-}
-
-/* on_proxy_async: answer the forwarded calls the leader answered. */
-static void on_proxy_async(uv_async_t *a) {
-  sg_lh_server_t *s = a->data;
-  pthread_mutex_lock(&s->proxy_mu);
-  struct proxied *done = s->proxy_done;
-  s->proxy_done = NULL;
-  pthread_mutex_unlock(&s->proxy_mu);
-  pthread_mutex_lock(&s->mu);
-  while (done) {
-    struct proxied *p = done;
-    done = p->done_next;
-    proxied_unlink(s, p);
-    int again = p->call && !s->closing && p->rc != 0 &&
-                (p->status < 0 || p->status == SG_GRPC_UNAVAILABLE) &&
-                strcmp(sg_rpc_call_method(p->call),
-                       "/torchft.LighthouseService/Quorum") == 0 &&
-                sg_rpc_call_deadline(p->call) - sg_now_ns() >
-                    ms_to_ns(2 * PROXY_RETRY_TICK_MS);
-    if (again) {
-      /* no leader answers now (it died, lost its lease, or none is
-       * elected yet): hold the Quorum call and forward it again, to
-       * whoever leads then, until its deadline; a client of one address
-       * (torchft's, with quorum_retries=0) rides out the failover */
-      sg_free(p->resp);
-      p->resp = NULL;
-      p->done_next = s->proxy_wait;
-      s->proxy_wait = p;
-      if (!uv_is_active((uv_handle_t *)&s->proxy_timer))
-        uv_timer_start(&s->proxy_timer, on_proxy_retry, PROXY_RETRY_TICK_MS, 0);
-      continue;
-    }
-    if (p->call && !s->closing) {
-      if (p->rc == 0) {
-        sg_rpc_call_respond(p->call, SG_GRPC_OK, NULL, p->resp, p->resp_len);
-      } else if (p->status > 0) { /* the leader's own error */
-        sg_rpc_call_respond(p->call, p->status, p->msg, NULL, 0);
-      } else {
-        char m[700];
-        snprintf(m, sizeof(m),
-                 "not the leader, and the leader %.100s did not "
-                 "answer: %.500s",
-                 s->leader_addr ? s->leader_addr : "(none)", p->msg);
-        sg_rpc_call_respond(p->call, SG_GRPC_UNAVAILABLE, m, NULL, 0);
-      }
-    }
-    sg_free(p->resp);
-    sg_free(p);
-  }
-  pthread_mutex_unlock(&s->mu);
-}
-
-/* proxy_sync: on the etcd thread (mu held, released while dialing): keep
- * proxy_ch going to `want` (the leader's address; NULL: none, or we lead).
- * The old channel is freed outside mu: its calls in flight complete with
- * SG_EABORTED through on_proxied, while the loop still runs. */
-static void proxy_sync(sg_lh_server_t *s, const char *want) {
-  if (want && s->address && strcmp(want, s->address) == 0)
-    want = NULL; /* our own key: no proxy */
-  int same = want ? (s->proxy_addr && strcmp(want, s->proxy_addr) == 0)
-                  : !s->proxy_addr;
-  if (same && (s->proxy_ch || !want || sg_now_ns() < s->proxy_retry_ns))
-    return;
-  sg_rpc_channel_t *old = s->proxy_ch, *ch = NULL;
-  s->proxy_ch = NULL;
-  sg_free(s->proxy_addr);
-  s->proxy_addr = want ? sg_strdup(want) : NULL;
-  char *addr = s->proxy_addr ? sg_strdup(s->proxy_addr) : NULL;
-  pthread_mutex_unlock(&s->mu);
-  if (old)
-    sg_rpc_channel_free(old);
-  if (addr) {
-    sg_rpc_channel_opts_t co = {0};
-    co.target = addr;
-    co.connect_timeout_ms = PROXY_CONNECT_MS;
-    co.auth_token = s->o.auth_token;
-    co.fail_fast = 1;
-    sg_err_t e;
-    sg_err_clear(&e);
-    if (sg_rpc_channel_new(&co, &ch, &e) != 0) {
-      sg_log(SG_LOG_DEBUG, LOG, "cannot reach the leader %s to forward: %s",
-             addr, e.msg);
-      ch = NULL;
-    }
-  }
-  pthread_mutex_lock(&s->mu);
-  if (ch && !s->etcd_stop && s->proxy_addr && addr &&
-      strcmp(s->proxy_addr, addr) == 0) {
-    s->proxy_ch = ch;
-    ch = NULL;
-  } else {
-    s->proxy_retry_ns = sg_now_ns() + ms_to_ns(PROXY_RETRY_MS);
-  }
-  sg_free(addr);
-  if (ch) {
-    pthread_mutex_unlock(&s->mu);
-    sg_rpc_channel_free(ch);
-    pthread_mutex_lock(&s->mu);
-  }
-}
-
-/* ---- leadership in etcd ----------------------------------------------------
- *
- * The etcd thread (etcd_main) holds a lease, campaigns for the leader key
- * <prefix>/leader (value: our address) and keeps the lease alive; the
- * leader also writes each new quorum's record to <prefix>/quorum.  It
- * talks to the loop only through the fields under mu and etcd_async.
- */
-
-#define ETCD_POLL_MS                                                           \
-  100 /* a follower campaigns (reads the holder) this often */
-#define ETCD_START_MS 5000 /* start gives up without a lease after this */
-#define ETCD_LOG_MS 5000   /* one line per etcd error kind this often */
-
-static int64_t call_ms(const sg_lh_server_t *s) {
-  int64_t ms = s->lease_ttl_s * 1000 / 4;
-  return ms < 100 ? 100 : ms > 1000 ? 1000 : ms;
-}
-
-/* lease_margin_ns: a tenth of the TTL plus 100 ms (clock rates, the
- * keepalive's answer in flight, the answer leaving the socket). */
-static int64_t lease_margin_ns(int64_t ttl_s) {
-  return ttl_s * 100000000 + 100000000;
-}
-
-/* demote: stop leading at once (mu held): no call is answered from here;
- * the loop fails what waits (etcd_async). */
-static void demote(sg_lh_server_t *s, const char *why) {
-  if (s->fence.role == SG__LH_ROLE_LEADER || s->promote)
-    sg_log(SG_LOG_WARN, LOG, "no longer the leader (term %lld): %s",
-           (long long)s->term, why);
-  s->fence.role = SG__LH_ROLE_FOLLOWER;
-  s->fence.ready = 0;
-  s->fence.write_in_flight = 0;
-  s->fence.lease_deadline = 0;
-  s->promote = 0;
-  sg__lh_record_ids_free(s->promote_ids, s->promote_n);
-  s->promote_ids = NULL;
-  s->promote_n = 0;
-  sg_free(s->want_rec);
-  s->want_rec = NULL;
-  sg_free(s->leader_addr);
-  s->leader_addr = NULL;
-  s->demote = 1;
-  uv_async_send(&s->etcd_async);
-}
-
-/* install: the loop side of winning (mu held): a fresh quorum state whose
- * ids start above the wall clock, the last quorum in etcd and our id file,
- * and which waits for that quorum's members (or their silence) before its
- * first quorum (sg__lh_expect: the restart hold). */
-static void install(sg_lh_server_t *s, int64_t now) {
-  sg__lh_state_t *st = NULL;
-  if (sg__lh_state_new(s->o.max_replicas, &st) == 0) {
-    fail_pending(s, "lighthouse became the leader; ask again");
-    sg__lh_state_free(s->st);
-    s->st = st;
-    s->lost_for_qid = -1;
-  } else {
-    sg_log(SG_LOG_ERROR, LOG, "out of memory for a fresh quorum state");
-  }
-  int64_t floor = sg_wall_ns() / 1000;
-  if (s->promote_qid > floor)
-    floor = s->promote_qid;
-  if (s->persisted_id > floor)
-    floor = s->persisted_id;
-  sg__lh_set_quorum_id_floor(s->st, floor);
-  if (s->promote_n)
-    sg__lh_expect(s->st, s->promote_qid, (const char *const *)s->promote_ids,
-                  s->promote_n, now);
-  s->fence.confirmed_id = s->promote_qid;
-  s->fence.role = SG__LH_ROLE_LEADER;
-  s->fence.ready = 1;
-  sg_log(SG_LOG_INFO, LOG,
-         "leader (term %lld): the last quorum in etcd is %lld with %zu "
-         "members; ids continue above %lld",
-         (long long)s->term, (long long)s->promote_qid, s->promote_n,
-         (long long)floor);
-  sg__lh_record_ids_free(s->promote_ids, s->promote_n);
-  s->promote_ids = NULL;
-  s->promote_n = 0;
-  s->promote = 0;
-}
-
-static void on_etcd_async(uv_async_t *a) {
-  sg_lh_server_t *s = a->data;
-  int64_t now = sg_now_ns();
-  pthread_mutex_lock(&s->mu);
-  if (!s->closing) {
-    if (s->demote) {
-      s->demote = 0;
-      if (s->held) {
-        sg_rpc_blob_unref(s->held);
-        s->held = NULL;
-      }
-      fail_pending(s, "not the leader; the lighthouse lost its leadership");
-    }
-    if (s->promote)
-      install(s, now);
-    process(s, now, 0);
-  }
-  pthread_mutex_unlock(&s->mu);
-}
-
-/* etcd_wait: sleep on etcd_cv until `until` (monotonic ns), stop, or (with
- * `on_record`) a record to write.  mu held. */
-static void etcd_wait(sg_lh_server_t *s, int64_t until, int on_record) {
-  while (!s->etcd_stop &&
-         !(on_record && s->want_rec && s->fence.role == SG__LH_ROLE_LEADER)) {
-    int64_t now = sg_now_ns();
-    if (now >= until)
-      return;
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    int64_t left = until - now;
-    ts.tv_sec += left / 1000000000;
-    ts.tv_nsec += left % 1000000000;
-    if (ts.tv_nsec >= 1000000000) {
-      ts.tv_sec++;
-      ts.tv_nsec -= 1000000000;
-    }
-    pthread_cond_timedwait(&s->etcd_cv, &s->mu, &ts);
-  }
-}
-
-/* etcd_error: count and log (at most one line per ETCD_LOG_MS). */
-static void etcd_error(sg_lh_server_t *s, const char *what, const sg_err_t *e,
-                       int rc, int64_t *logged) {
-  s->etcd_errors++;
-  s->etcd_ok = 0;
-  int64_t now = sg_now_ns();
-  if (now - *logged >= ms_to_ns(ETCD_LOG_MS)) {
-    *logged = now;
-    sg_log(SG_LOG_WARN, LOG, "etcd %s failed: %s%s", what,
-           e->msg[0] ? e->msg : sg_strerror(rc),
-           s->fence.role == SG__LH_ROLE_LEADER
-               ? " (the leader decides only inside its lease)"
-               : "");
-  }
-}
-
-static void *etcd_main(void *arg) {
-  sg_lh_server_t *s = arg;
-  sg_thread_name("sg-lh-etcd");
-  char kl[600], kq[600];
-  snprintf(kl, sizeof(kl), "%s/leader", s->o.etcd_prefix);
-  snprintf(kq, sizeof(kq), "%s/quorum", s->o.etcd_prefix);
-  int64_t logged = INT64_MIN / 2;
-  int leading = 0, have_record = 0;
-  int64_t rev = 0, lease_sent = s->lease_sent_ns, next_campaign = 0;
-  int64_t ka_ns = s->lease_ttl_s * 1000000000 / 4;
-  int64_t next_ka = lease_sent + ka_ns;
-  pthread_mutex_lock(&s->mu);
-  while (!s->etcd_stop) {
-    int64_t now = sg_now_ns(), cms = call_ms(s);
-    sg_err_t e;
-    sg_err_clear(&e);
-    int rc;
-    proxy_sync(s, leading ? NULL : s->leader_addr);
-    if (leading && now >= s->fence.lease_deadline) {
-      /* no keepalive came back in time: etcd may already have let the key
-       * go.  Stop, so clients move on, and start over with a new lease. */
-      demote(s, "the lease ran out before a keepalive came back");
-      leading = 0;
-      s->lease_id = 0;
-      continue;
-    }
-    if (leading && have_record && s->want_rec) {
-      /* fencing 2: the write holds only while our leader key does */
-      char *rec = s->want_rec;
-      int64_t id = s->want_id;
-      int ok = 0;
-      s->want_rec = NULL;
-      pthread_mutex_unlock(&s->mu);
-      rc = sg__etcd_put_if(s->etcd, kl, rev, kq, rec, cms, &ok, &e);
-      pthread_mutex_lock(&s->mu);
-      if (rc) {
-        etcd_error(s, "quorum write", &e, rc, &logged);
-        if (!s->want_rec && s->fence.role == SG__LH_ROLE_LEADER)
-          s->want_rec = rec; /* again, while the lease lasts */
-        else
-          sg_free(rec);
-        etcd_wait(s, sg_now_ns() + ms_to_ns(ETCD_POLL_MS), 0);
-        continue;
-      }
-      sg_free(rec);
-      if (!ok) {
-        demote(s, "etcd refused the quorum write: another lighthouse holds "
-                  "the leader key");
-        leading = 0;
-        continue;
-      }
-      if (id > s->fence.confirmed_id)
-        s->fence.confirmed_id = id;
-      if (!s->want_rec)
-        s->fence.write_in_flight = 0;
-      uv_async_send(&s->etcd_async);
-      continue;
-    }
-    if (s->lease_id && now >= next_ka) {
-      int64_t id = s->lease_id, ttl = 0;
-      pthread_mutex_unlock(&s->mu);
-      int64_t sent = sg_now_ns();
-      rc = sg__etcd_keepalive(s->etcd, id, cms, &ttl, &e);
-      pthread_mutex_lock(&s->mu);
-      if (rc) {
-        etcd_error(s, "lease keepalive", &e, rc, &logged);
-        next_ka = sg_now_ns() + ms_to_ns(ETCD_POLL_MS);
-      } else if ((s->etcd_ok = 1, ttl <= 0)) {
-        if (leading)
-          demote(s, "the lease expired in etcd");
-        leading = 0;
-        s->lease_id = 0;
-      } else {
-        lease_sent = sent;
-        next_ka = sent + ka_ns;
-        if (leading) {
-          /* fencing 1: no answer after this instant unless renewed */
-          s->fence.lease_deadline =
-              sg__lh_lease_deadline(sent, ttl, lease_margin_ns(ttl));
-          uv_async_send(&s->etcd_async);
-        }
-      }
-      continue;
-    }
-    if (!s->lease_id) {
-      int64_t id = 0, ttl = 0;
-      pthread_mutex_unlock(&s->mu);
-      int64_t sent = sg_now_ns();
-      rc = sg__etcd_grant(s->etcd, s->o.etcd_ttl_s, cms, &id, &ttl, &e);
-      pthread_mutex_lock(&s->mu);
-      if (rc) {
-        etcd_error(s, "lease grant", &e, rc, &logged);
-        etcd_wait(s, sg_now_ns() + ms_to_ns(ETCD_POLL_MS), 0);
-        continue;
-      }
-      s->lease_id = id;
-      s->lease_ttl_s = ttl;
-      lease_sent = sent;
-      ka_ns = ttl * 1000000000 / 4;
-      next_ka = sent + ka_ns;
-      continue;
-    }
-    if (!leading && now >= next_campaign) {
-      int won = 0;
-      int64_t crev = 0, id = s->lease_id;
-      char *holder = NULL;
-      pthread_mutex_unlock(&s->mu);
-      rc = sg__etcd_campaign(s->etcd, kl, s->address, id, cms, &won, &crev,
-                             &holder, &e);
-      pthread_mutex_lock(&s->mu);
-      next_campaign = sg_now_ns() + ms_to_ns(ETCD_POLL_MS);
-      s->etcd_ok = rc == 0;
-      if (rc) {
-        etcd_error(s, "campaign", &e, rc, &logged);
-      } else if (won) {
-        leading = 1;
-        have_record = 0;
-        rev = crev;
-        s->term = crev;
-        s->elections_won++;
-        s->fence.lease_deadline = sg__lh_lease_deadline(
-            lease_sent, s->lease_ttl_s, lease_margin_ns(s->lease_ttl_s));
-        sg_free(s->leader_addr);
-        s->leader_addr = sg_strdup(s->address);
-        sg_log(SG_LOG_INFO, LOG, "won the election in etcd (term %lld)",
-               (long long)crev);
-      } else {
-        if (crev != s->term ||
-            (holder && (!s->leader_addr || strcmp(holder, s->leader_addr))))
-          sg_log(SG_LOG_INFO, LOG, "following the leader %s (term %lld)",
-                 holder ? holder : "(none)", (long long)crev);
-        s->term = crev;
-        sg_free(s->leader_addr);
-        s->leader_addr = holder;
-        holder = NULL;
-      }
-      sg_free(holder);
-      continue;
-    }
-    if (leading && !have_record) {
-      /* fencing 3: the last quorum etcd holds, before the first decision */
-      char *val = NULL;
-      size_t vlen = 0;
-      int64_t qrev = 0, qid = 0;
-      char **ids = NULL;
-      size_t n = 0;
-      pthread_mutex_unlock(&s->mu);
-      rc = sg__etcd_get(s->etcd, kq, cms, &val, &vlen, &qrev, &e);
-      if (!rc && val &&
-          sg__lh_record_decode(val, vlen, s->o.max_replicas, &qid, &ids, &n))
-        sg_log(SG_LOG_WARN, LOG, "%s in etcd is not a quorum record: ignored",
-               kq);
-      sg_free(val);
-      pthread_mutex_lock(&s->mu);
-      if (rc) {
-        etcd_error(s, "read of the last quorum", &e, rc, &logged);
-        etcd_wait(s, sg_now_ns() + ms_to_ns(ETCD_POLL_MS), 0);
-        continue;
-      }
-      have_record = 1;
-      sg__lh_record_ids_free(s->promote_ids, s->promote_n);
-      s->promote_ids = ids;
-      s->promote_n = n;
-      s->promote_qid = qid;
-      s->promote = 1;
-      uv_async_send(&s->etcd_async);
-      continue;
-    }
-    int64_t until = next_ka;
-    if (!leading && next_campaign < until)
-      until = next_campaign;
-    if (leading && s->fence.lease_deadline < until)
-      until = s->fence.lease_deadline;
-    etcd_wait(s, until, 1);
-  }
-  int64_t id = s->lease_id;
-  s->lease_id = 0;
-  sg_rpc_channel_t *pch = s->proxy_ch;
-  s->proxy_ch = NULL;
-  pthread_mutex_unlock(&s->mu);
-  if (pch) /* its calls complete while the loop still runs */
-    sg_rpc_channel_free(pch);
-  if (id) { /* a successor need not wait for the TTL */
-    sg_err_t e;
-    sg_err_clear(&e);
-    sg__etcd_revoke(s->etcd, id, call_ms(s), &e);
-  }
-  return NULL;
-}
-
-/* etcd_start: the client and a first lease, before anything serves: an
- * unreachable etcd at start is a clear error, not a silent follower. */
-static int etcd_start(sg_lh_server_t *s, sg_err_t *err) {
-  int rc = sg__etcd_new(s->o.etcd, &s->etcd, err);
-  if (rc)
-    return rc;
-  sg_deadline_t until = sg_deadline_in_ms(ETCD_START_MS);
-  for (;;) {
-    sg_err_t e;
-    sg_err_clear(&e);
-    int64_t id = 0, ttl = 0, sent = sg_now_ns();
-    rc = sg__etcd_grant(s->etcd, s->o.etcd_ttl_s, 1000, &id, &ttl, &e);
-    if (!rc) {
-      s->lease_id = id;
-      s->lease_sent_ns = sent;
-      s->lease_ttl_s = ttl;
-      sg_log(SG_LOG_INFO, LOG,
-             "etcd at %s granted lease %llx with a TTL of %lld s (asked %lld)",
-             sg__etcd_endpoint(s->etcd), (unsigned long long)id, (long long)ttl,
-             (long long)s->o.etcd_ttl_s);
-      return 0;
-    }
-    if (rc == SG_EPEER || sg_deadline_passed(until))
-      return sg_err_set(err, rc,
-                        "etcd unreachable at start (--etcd %s, tried for "
-                        "%d ms): %s",
-                        s->o.etcd, ETCD_START_MS,
-                        e.msg[0] ? e.msg : sg_strerror(rc));
-    usleep(100000);
-  }
 }
 
 /* ---- HTTP/1.1 side
@@ -1944,7 +1191,7 @@ static void on_tick(uv_timer_t *t) {
   sg_lh_server_t *s = t->data;
   int64_t event_ns = sg_now_ns();
   pthread_mutex_lock(&s->mu);
-  process(s, event_ns, 0);
+  sg__lh_process(s, event_ns, 0);
   pthread_mutex_unlock(&s->mu);
 }
 
@@ -2148,7 +1395,7 @@ int sg_lh_server_start(const sg_lh_opts_t *o, sg_lh_server_t **out,
   int64_t floor = load_last_quorum(s);
   sg__lh_set_quorum_id_floor(s->st, floor);
   s->persisted_id = floor;
-  if (s->o.etcd && (rc = etcd_start(s, err)) != 0)
+  if (s->o.etcd && (rc = sg__lh_leader_start(s, err)) != 0)
     goto fail;
   s->next_prune_ns = sg_now_ns() + ms_to_ns(o->prune_after_ms / 10 + 1);
 
@@ -2174,8 +1421,8 @@ int sg_lh_server_start(const sg_lh_opts_t *o, sg_lh_server_t **out,
   s->tick_timer.data = s->wake_timer.data = s->stop_async.data = s;
   s->handles_open = 3;
   if (s->o.etcd) {
-    uv_async_init(&s->loop, &s->etcd_async, on_etcd_async);
-    uv_async_init(&s->loop, &s->proxy_async, on_proxy_async);
+    uv_async_init(&s->loop, &s->etcd_async, sg__lh_leader_async);
+    uv_async_init(&s->loop, &s->proxy_async, sg__lh_proxy_answer);
     uv_timer_init(&s->loop, &s->proxy_timer);
     s->etcd_async.data = s->proxy_async.data = s->proxy_timer.data = s;
     s->handles_open += 3;
@@ -2228,7 +1475,8 @@ int sg_lh_server_start(const sg_lh_opts_t *o, sg_lh_server_t **out,
     goto fail;
   }
   if (s->o.etcd) {
-    if (!s->address || pthread_create(&s->etcd_thread, NULL, etcd_main, s)) {
+    if (!s->address ||
+        pthread_create(&s->etcd_thread, NULL, sg__lh_leader_main, s)) {
       rc = sg_err_set(err, SG_ENOMEM, "cannot start the etcd thread");
       uv_async_send(&s->stop_async);
       uv_thread_join(&s->thread);

@@ -1368,13 +1368,13 @@ static int call_submit(sg_rpc_channel_t *ch, const char *path,
   c->path = sg_strdup(path);
   c->body_len = SG_GRPC_PREFIX_LEN + req_len;
   c->body = sg_malloc(c->body_len);
-  pthread_condattr_t ca;
-  if (c->path && c->body && pthread_condattr_init(&ca) == 0) {
+  pthread_condattr_t ca; /* only a caller that waits needs a condition */
+  if (!cb && c->path && c->body && pthread_condattr_init(&ca) == 0) {
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC); /* as deadline_ts */
     c->cv_init = pthread_cond_init(&c->cv, &ca) == 0;
     pthread_condattr_destroy(&ca);
   }
-  if (!c->path || !c->body || !c->cv_init) {
+  if (!c->path || !c->body || (!cb && !c->cv_init)) {
     call_free(c);
     return sg_err_set(err, SG_ENOMEM, "out of memory");
   }

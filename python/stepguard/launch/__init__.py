@@ -20,13 +20,23 @@ On request it injects failures on a schedule:
               Every group then runs in its own network namespace (root and
               the ``ip`` and ``unshare`` commands are needed; see
               :class:`_Netns`), also available without partitions as
-              ``--netns``.
+              ``--netns``;
+``link``      shape a group's link for ``duration``, then restore it:
+              ``rate`` (``100mbit``; tc tbf, each direction), ``delay`` and
+              ``jitter`` (added to each direction), ``loss`` (``1%`` of the
+              packets, each direction) and ``reset`` (``5%`` of the TCP
+              segments reset their connection) through a userspace packet
+              relay (see :mod:`stepguard.launch.links`); network
+              namespaces as for ``partition``.  ``--link`` shapes links
+              for the whole run.
 
 A spec reads ``KIND:key=value,...``, e.g. ``kill:every=20s``,
 ``kill:every=20s,random,seed=3`` (intervals drawn uniformly from
 [0.5, 1.5] x every), ``hang:every=30s,duration=10s,then=kill``,
 ``slow:start=10s,duration=30s,cpu=0.25,group=1``,
-``partition:start=20s,duration=8s,group=2``.  Other keys: ``start``
+``partition:start=20s,duration=8s,group=2``,
+``link:start=10s,duration=20s,group=1,rate=100mbit,delay=20ms,jitter=5ms,loss=1%``,
+``link:every=30s,duration=2s,reset=100%``.  Other keys: ``start``
 (first injection, default ``every``), ``stop`` (no injection after this
 time), ``count``, ``group``, ``rank``.
 
@@ -49,7 +59,9 @@ The package, one module per part:
               and the environment names the two sides share;
 ``spec``      failure schedules: :class:`FailureSpec`,
               :func:`parse_failure_spec`;
-``netns``     the network namespaces of ``partition`` and ``--netns``;
+``netns``     the network namespaces of ``partition``, ``link`` and ``--netns``;
+``links``     the link shaping of ``link`` and ``--link`` (tbf, and the relay
+              process ``linkrelay``);
 ``cgroups``   the CPU limits of ``slow``;
 ``launcher``  :class:`LaunchConfig` and :class:`Launcher`: groups,
               restarts, injection, the timeline;
@@ -62,7 +74,7 @@ from stepguard.launch.cgroups import _CpuLimit
 from stepguard.launch.cli import _console_main, main
 from stepguard.launch.launcher import LaunchConfig, Launcher
 from stepguard.launch.netns import _Netns, netns_unavailable
-from stepguard.launch.spec import FailureSpec, parse_failure_spec
+from stepguard.launch.spec import FailureSpec, parse_failure_spec, parse_link_spec
 from stepguard.launch.worker import (
     EVENTS_FD_ENV,
     INCARNATION_ENV,
@@ -78,6 +90,7 @@ __all__ = [
     "main",
     "netns_unavailable",
     "parse_failure_spec",
+    "parse_link_spec",
     "report",
     "stop_step",
 ]

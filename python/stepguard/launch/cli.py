@@ -7,7 +7,7 @@ import sys
 
 from stepguard.launch.launcher import LaunchConfig, Launcher
 from stepguard.launch.netns import netns_unavailable
-from stepguard.launch.spec import parse_failure_spec
+from stepguard.launch.spec import parse_failure_spec, parse_link_spec
 
 __all__ = ["main"]
 
@@ -59,7 +59,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--master-addr", default="127.0.0.1")
     p.add_argument("--netns", action="store_true",
                    help="run each group in its own network namespace (root; implied by "
-                   "partition injection)")
+                   "partition and link injection and --link)")
+    p.add_argument("--link", action="append", default=[], metavar="SHAPE",
+                   help="shape the groups' links for the whole run, e.g. "
+                   "rate=1gbit,delay=5ms or group=1,loss=1%% (keys rate, delay, jitter, "
+                   "loss, reset, group; repeatable; implies --netns)")
     p.add_argument("--no-python", action="store_true",
                    help="run SCRIPT as an executable, not with this Python")
     p.add_argument("-m", "--module", action="store_true",
@@ -85,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         failures = [parse_failure_spec(s) for s in args.inject]
+        links = [parse_link_spec(s) for s in args.link]
     except ValueError as e:
         print(f"stepguard-launch: {e}", file=sys.stderr)
         return 2
@@ -100,13 +105,13 @@ def main(argv: list[str] | None = None) -> int:
         restart_delay=args.restart_delay, duration=args.duration, failures=failures,
         timeline=args.timeline, log_dir=args.log_dir, stop_file=args.stop_file,
         master_addr=args.master_addr, quiet=args.quiet, term_grace=args.term_grace,
-        netns=args.netns,
+        netns=args.netns, links=links,
     )
-    if cfg.netns or any(f.kind == "partition" for f in failures):
+    if cfg.netns or links or any(f.kind in ("partition", "link") for f in failures):
         why = netns_unavailable()
         if why is not None:
-            print("stepguard-launch: partition injection and --netns run each group in "
-                  f"a network namespace, and {why}", file=sys.stderr)
+            print("stepguard-launch: partition and link injection, --link and --netns "
+                  f"run each group in a network namespace, and {why}", file=sys.stderr)
             return 2
     try:
         return Launcher(cfg).run()

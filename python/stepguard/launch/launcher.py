@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from stepguard.launch.cgroups import _CpuLimit, _group_pids
+from stepguard.launch.links import _LinkShaper, links_unavailable
 from stepguard.launch.netns import _Netns, netns_unavailable
 from stepguard.launch.spec import FailureSpec
 from stepguard.launch.worker import EVENTS_FD_ENV, INCARNATION_ENV, STOP_FILE_ENV
@@ -72,8 +73,12 @@ class LaunchConfig:
     log_dir: str | None = None
     stop_file: str | None = None
     master_addr: str = "127.0.0.1"  # ignored with netns (each group's own address)
-    # Each group in its own network namespace (implied by a partition).
+    # Each group in its own network namespace (implied by a partition, a
+    # link window and a static link shape).
     netns: bool = False
+    # Static link shapes for the whole run (kind "link", from
+    # parse_link_spec; group None = every group).
+    links: list[FailureSpec] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     term_grace: float = 2.0  # SIGTERM -> SIGKILL when ending a group
     quiet: bool = False
@@ -121,6 +126,7 @@ class _Group:
         self.last_quorum: tuple[Any, Any] | None = None
         self.stopped = False  # hang injection in effect
         self.partitioned = False  # partition injection in effect
+        self.link_window = False  # link injection in effect
 
 
 class _Injector:
@@ -199,11 +205,22 @@ class Launcher:
         self._pending_heals: list[dict[str, Any]] = []  # partitions awaiting a commit
         self.bad_events = 0  # worker event lines dropped as malformed
         self.net: _Netns | None = None
-        if config.netns or any(s.kind == "partition" for s in config.failures):
+        self.links: _LinkShaper | None = None
+        kinds = {s.kind for s in config.failures}
+        for s in config.links + [s for s in config.failures if s.kind == "link"]:
+            if s.kind != "link" or not s.shapes_link():
+                raise ValueError(f"{s!r} is not a link shape")
+            if s.group is not None and not 0 <= s.group < config.groups:
+                raise ValueError(f"link shape for group {s.group}, but there are "
+                                 f"{config.groups} groups")
+        if config.netns or config.links or kinds & {"partition", "link"}:
             why = netns_unavailable()
+            for s in config.links + [s for s in config.failures if s.kind == "link"]:
+                why = why or links_unavailable(s)
             if why is not None:
-                what = ("partition injection" if any(s.kind == "partition"
-                                                     for s in config.failures) else "--netns")
+                what = ("partition injection" if "partition" in kinds else
+                        "link injection" if "link" in kinds else
+                        "link shaping" if config.links else "--netns")
                 raise RuntimeError(f"{what} runs each group in a network namespace, "
                                    f"and {why}")
             if config.lighthouse is not None and _is_loopback_url(config.lighthouse):
@@ -615,7 +632,8 @@ class Launcher:
             return
         for h in [h for h in self._pending_heals if h["group"] == gid and t > h["t"]]:
             self._pending_heals.remove(h)
-            self._record("recovery", t=t, kind="partition_heal", failure=h["failure"],
+            self._record("recovery", t=t, kind=h.get("kind", "partition_heal"),
+                         failure=h["failure"],
                          group=gid, incarnation=g.incarnation,
                          relaunched=g.incarnation != h["incarnation"], step=rec.get("step"),
                          healed=rec.get("healed"), participants=rec.get("participants"),
@@ -647,7 +665,8 @@ class Launcher:
         s = inj.spec
         running = [g for g in self.groups if g.state == "running" and not g.stopped
                    and not (s.kind == "slow" and g.gid in self._slow)
-                   and not (s.kind == "partition" and g.partitioned)]
+                   and not (s.kind == "partition" and g.partitioned)
+                   and not (s.kind == "link" and g.link_window)]
         if s.group is not None:
             cands = [g for g in running if g.gid == s.group]
         else:
@@ -704,6 +723,8 @@ class Launcher:
             self._start_slow(g, s, fid)
         elif s.kind == "partition":
             self._start_partition(g, s, fid)
+        elif s.kind == "link":
+            self._start_link(g, s, fid, inj.rng.randrange(1 << 31))
 
     # slow: cgroup v2 cpu.max, else cgroup v1 cfs quota, else duty cycling
 
@@ -778,6 +799,65 @@ class Launcher:
 
         self._timers.append((time.monotonic() + s.duration, heal))
 
+    # link: tbf and/or the packet relay on the group's link, then restored
+
+    def _static_link(self, gid: int) -> FailureSpec | None:
+        """The --link shape of group ``gid`` (a group's own beats every
+        group's)."""
+        mine = [s for s in self.cfg.links if s.group == gid]
+        every = [s for s in self.cfg.links if s.group is None]
+        return (mine or every or [None])[-1]
+
+    def _apply_static_links(self) -> None:
+        assert self.links is not None
+        for g in self.groups:
+            s = self._static_link(g.gid)
+            if s is None:
+                continue
+            self.links.apply(g.gid, s, seed=s.seed * 1000003 + g.gid)
+            self._record("link", group=g.gid, **_link_fields(s),
+                         mechanism=self.links.mechanism(s))
+            self._say(f"group {g.gid}: link {_link_text(s)}")
+
+    def _start_link(self, g: _Group, s: FailureSpec, fid: int, seed: int) -> None:
+        assert self.net is not None and self.links is not None
+        now = time.time()
+        try:
+            self.links.apply(g.gid, s, seed=seed)
+        except RuntimeError as e:
+            self._record("inject_skipped", kind="link", group=g.gid, reason=str(e))
+            self._say(f"link #{fid} on group {g.gid} not made: {e}")
+            return
+        g.link_window = True
+        self._record("inject", t=now, failure=fid, kind="link", group=g.gid,
+                     incarnation=g.incarnation, duration_s=s.duration,
+                     address=self.net.ip_of(g.gid), **_link_fields(s),
+                     mechanism=self.links.mechanism(s))
+        self._say(f"injected link #{fid}: group {g.gid} {_link_text(s)} for {s.duration}s")
+        inc = g.incarnation
+
+        def end() -> None:
+            assert self.links is not None
+            fields: dict[str, Any] = {}
+            try:
+                fields["relay"] = self.links.clear(g.gid)
+                static = self._static_link(g.gid)
+                if static is not None:
+                    self.links.apply(g.gid, static, seed=static.seed * 1000003 + g.gid)
+                    fields["static"] = _link_text(static)
+            except RuntimeError as e:
+                fields["problem"] = str(e)
+                _log.warning("link #%d: %s", fid, e)
+            g.link_window = False
+            t = time.time()
+            self._record("link_end", t=t, failure=fid, group=g.gid,
+                         incarnation=g.incarnation, duration_s=round(t - now, 6), **fields)
+            self._say(f"link #{fid} restored: group {g.gid}")
+            self._pending_heals.append({"t": t, "group": g.gid, "failure": fid,
+                                        "incarnation": inc, "kind": "link_end"})
+
+        self._timers.append((time.monotonic() + s.duration, end))
+
     def _duty_cycle(self) -> None:
         now = time.monotonic()
         period = 0.1
@@ -843,6 +923,8 @@ class Launcher:
                 self._say(f"groups in network namespaces {self.net.tag}g*, "
                           f"{self.net.subnet}.0/24" +
                           (f" (removed stale {', '.join(swept)})" if swept else ""))
+                self.links = _LinkShaper(self.net)
+                self._apply_static_links()
             if self.lighthouse_addr is None:
                 self._start_lighthouse()
             for g in self.groups:
@@ -940,6 +1022,8 @@ class Launcher:
                         self._cpu_limit.close()
                     except OSError as e:
                         cleanup_problems.append(f"cgroup: {e}")
+                if self.links is not None:
+                    cleanup_problems += self.links.cleanup()
                 if self.net is not None:
                     cleanup_problems += self.net.cleanup()
                 for problem in cleanup_problems:
@@ -984,10 +1068,29 @@ _MAX_EVENT = 65536  # longest accepted worker event line, in bytes
 _LAUNCHER_EVENTS = frozenset({
     "start", "lighthouse", "launch", "restart", "exit", "group_end", "group_done",
     "give_up", "inject", "inject_skipped", "hang_end", "slow_end", "partition_end",
-    "netns", "finish",
+    "link", "link_end", "netns", "finish",
     "duration_reached", "interrupted", "end", "commit", "discard", "quorum_change",
     "recovery",
 })
+
+
+def _link_fields(s: FailureSpec) -> dict[str, Any]:
+    """A link shape's fields for the timeline (units in the names)."""
+    return {"rate_bit_s": s.rate, "delay_s": s.delay, "jitter_s": s.jitter,
+            "loss": s.loss, "reset": s.reset}
+
+
+def _link_text(s: FailureSpec) -> str:
+    parts = []
+    if s.rate is not None:
+        parts.append(f"rate {s.rate / 1e6:g} Mbit/s")
+    if s.delay or s.jitter:
+        parts.append(f"delay {s.delay * 1000:g} ms +- {s.jitter * 1000:g} ms")
+    if s.loss:
+        parts.append(f"loss {s.loss:.2%}")
+    if s.reset:
+        parts.append(f"reset {s.reset:.2%}")
+    return ", ".join(parts)
 
 
 def _is_loopback_url(url: str) -> bool:

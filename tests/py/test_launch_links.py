@@ -415,3 +415,176 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+# -- the launcher --
+
+# Times TCP connects to the lighthouse (one round trip each) and reports
+# them, until told to stop; no torch.
+RTT_WORKER = r'''
+import os, socket, sys, time
+from stepguard.launch import report, stop_step
+
+host, port = os.environ["TORCHFT_LIGHTHOUSE"].split("//")[1].rsplit(":", 1)
+group = int(os.environ["REPLICA_GROUP_ID"])
+step = 0
+while True:
+    stop = stop_step()
+    if stop is not None and step >= stop:
+        sys.exit(0)
+    t = time.time()
+    t0 = time.monotonic()
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+        report("rtt", group=group, t=t, rtt=time.monotonic() - t0)
+    except OSError as e:
+        report("rtt_failed", group=group, t=t, error=str(e))
+    time.sleep(0.05)
+    report("step", group=group, step=step, committed=True, participants=2)
+    step += 1
+'''
+
+
+@needs_netns
+def test_cli_static_link_and_a_window(tmp_path: Path) -> None:
+    """``--link group=0,delay=40ms`` slows group 0's round trips for the
+    whole run; ``--inject link:...,group=1,delay=40ms`` slows group 1's for
+    the window only: inside it every connect takes >= 2 x 35 ms, after it
+    (and before it) less than 35 ms.  The timeline has the static ``link``,
+    the ``inject`` and ``link_end`` records; nothing is left behind."""
+    worker = tmp_path / "rtt_worker.py"
+    worker.write_text(RTT_WORKER)
+    tl_path = tmp_path / "tl.jsonl"
+    p = subprocess.Popen(
+        [sys.executable, "-m", "stepguard.launch", "--groups", "2", "--quiet",
+         "--timeline", str(tl_path), "--log-dir", str(tmp_path / "logs"),
+         "--stop-file", str(tmp_path / "stop"), "--duration", "120",
+         "--link", "group=0,delay=40ms,jitter=5ms",
+         "--inject", "link:start=1s,duration=3s,group=1,delay=40ms,jitter=5ms",
+         str(worker)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 150
+        while True:
+            tl = _timeline(tl_path)
+            ends = _of(tl, "link_end")
+            if ends and [r for r in _of(tl, "rtt", group=1) if r["t"] > ends[0]["t"] + 1.5]:
+                break
+            assert p.poll() is None, p.stderr.read().decode(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, [r["event"] for r in tl][-20:]
+            time.sleep(0.2)
+        p.terminate()
+        assert p.wait(timeout=60) == 143
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=30)
+    tl = _timeline(tl_path)
+    static = _of(tl, "link")
+    assert [r["group"] for r in static] == [0] and static[0]["delay_s"] == 0.04
+    inj = _of(tl, "inject", kind="link")
+    assert len(inj) == 1 and inj[0]["group"] == 1 and "relay" in inj[0]["mechanism"]
+    end = _of(tl, "link_end", failure=inj[0]["failure"])
+    assert len(end) == 1 and end[0]["relay"].get("recv_ab", 0) > 0, end
+    t0, t1 = inj[0]["t"], end[0]["t"]
+    g0 = [r["rtt"] for r in _of(tl, "rtt", group=0)]
+    assert g0 and min(g0) >= 0.07, g0
+    g1 = _of(tl, "rtt", group=1)
+    inside = [r["rtt"] for r in g1 if t0 + 0.2 < r["t"] and r["t"] + r["rtt"] < t1 - 0.2]
+    outside = [r["rtt"] for r in g1 if r["t"] > t1 + 0.5 or r["t"] + r["rtt"] < t0]
+    assert inside and min(inside) >= 0.07, inside
+    assert outside and statistics.median(outside) < 0.035, outside
+    assert not _of(tl, "rtt_failed")
+    assert tl[-1]["event"] == "end" and tl[-1]["cleanup_problems"] == []
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                          timeout=30).stdout
+    assert f"sgln{p.pid}" not in left
+    relays = [static[0]["relay_pid"], inj[0]["relay_pid"]]
+    assert all(isinstance(pid, int) for pid in relays), relays
+    assert not any(_alive(pid) for pid in relays)
+
+
+# -- replica groups through a shaped window --
+
+TRAIN = str(ROOT / "examples" / "train_llama.py")
+TINY = ["--dim", "32", "--layers", "1", "--heads", "2", "--hidden", "64",
+        "--seq-len", "32", "--batch-size", "4"]
+
+
+def _timeline(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def _of(tl: list[dict], event: str, **match: Any) -> list[dict]:
+    return [r for r in tl if r["event"] == event
+            and all(r.get(k) == v for k, v in match.items())]
+
+
+@pytest.mark.long
+@needs_netns
+def test_groups_keep_committing_through_a_slow_lossy_window(tmp_path: Path) -> None:
+    """Two groups train a tiny Llama; once both commit together, group 1's
+    link gets 20 ms +- 5 ms each way, 5% loss and 50 Mbit/s for 4 s.  Both
+    keep committing as two through the window (the relay lost packets on
+    the way: TCP carried on), the link is restored and the timeline says
+    so, and the replicas end bit-identical."""
+    spec = parse_failure_spec(
+        "link:start=600s,duration=4s,group=1,rate=50mbit,delay=20ms,jitter=5ms,loss=5%")
+    seen: dict[str, float] = {}
+    launcher: Launcher | None = None
+
+    def on_event(rec: dict) -> None:
+        assert launcher is not None
+        ev = rec["event"]
+        if ev == "commit" and rec.get("participants") == 2 and "inject" not in seen:
+            seen.setdefault(f"full{rec['group']}", rec["t"])
+            if all(f"full{g}" in seen for g in range(2)):
+                seen["inject"] = rec["t"]
+                launcher.injectors[0].next_at = launcher.elapsed()  # now
+        if ev == "link_end":
+            seen["end"] = rec["t"]
+        if (ev == "commit" and "end" in seen and rec["t"] > seen["end"] + 0.5
+                and rec.get("participants") == 2 and not launcher._finishing):
+            launcher.finish(step=rec["step"] + 3)
+
+    cfg = LaunchConfig(
+        cmd=[sys.executable, TRAIN, *TINY, "--pg", "tcp", "--pg-timeout", "10",
+             "--timeout", "10", "--quorum-timeout", "10", "--step-sleep", "0.1",
+             "--save-dir", str(tmp_path / "params")],
+        groups=2, failures=[spec], heartbeat_timeout_ms=5000, min_replicas=2,
+        timeline=str(tmp_path / "tl.jsonl"), log_dir=str(tmp_path / "logs"),
+        stop_file=str(tmp_path / "stop"), quiet=True, duration=150, omp_threads=1)
+    launcher = Launcher(cfg, on_event=on_event)
+    rc = launcher.run()
+    tl = _timeline(tmp_path / "tl.jsonl")
+    assert rc == 0 and not _of(tl, "duration_reached"), \
+        [r for r in tl if r["event"] not in ("commit", "discard")][-20:]
+    inj = _of(tl, "inject", kind="link")
+    assert len(inj) == 1 and inj[0]["group"] == 1, inj
+    assert inj[0]["loss"] == 0.05 and inj[0]["rate_bit_s"] == 50e6
+    assert "relay" in inj[0]["mechanism"] and "tbf" in inj[0]["mechanism"]
+    end = _of(tl, "link_end", failure=inj[0]["failure"])
+    assert len(end) == 1 and 3.5 < end[0]["t"] - inj[0]["t"] < 10, end
+    relay = end[0]["relay"]
+    assert relay.get("recv_ab", 0) > 100 and relay.get("recv_ba", 0) > 100, relay
+    assert relay.get("lost", 0) > 0, relay
+    t0, t1 = inj[0]["t"], end[0]["t"]
+    commits = _of(tl, "commit")
+    for g in (0, 1):
+        inside = [c for c in commits if c["group"] == g and t0 < c["t"] < t1
+                  and c["participants"] == 2]
+        assert len(inside) >= 3, (g, len(inside))
+    assert not _of(tl, "restart"), "no group should have needed a restart"
+    back = _of(tl, "recovery", kind="link_end", failure=inj[0]["failure"])
+    assert len(back) == 1 and back[0]["group"] == 1 and back[0]["t"] > t1
+    import torch
+
+    saved = [torch.load(tmp_path / "params" / f"params_g{g}_r0.pt") for g in range(2)]
+    assert len({s["step"] for s in saved}) == 1
+    for name, t in saved[0]["params"].items():
+        assert torch.equal(t, saved[1]["params"][name]), name
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                          timeout=30).stdout
+    assert f"sgln{os.getpid()}" not in left

@@ -816,7 +816,8 @@ class Launcher:
                 continue
             self.links.apply(g.gid, s, seed=s.seed * 1000003 + g.gid)
             self._record("link", group=g.gid, **_link_fields(s),
-                         mechanism=self.links.mechanism(s))
+                         mechanism=self.links.mechanism(s),
+                         relay_pid=self.links.relay_pid(g.gid))
             self._say(f"group {g.gid}: link {_link_text(s)}")
 
     def _start_link(self, g: _Group, s: FailureSpec, fid: int, seed: int) -> None:
@@ -832,7 +833,8 @@ class Launcher:
         self._record("inject", t=now, failure=fid, kind="link", group=g.gid,
                      incarnation=g.incarnation, duration_s=s.duration,
                      address=self.net.ip_of(g.gid), **_link_fields(s),
-                     mechanism=self.links.mechanism(s))
+                     mechanism=self.links.mechanism(s),
+                     relay_pid=self.links.relay_pid(g.gid))
         self._say(f"injected link #{fid}: group {g.gid} {_link_text(s)} for {s.duration}s")
         inc = g.incarnation
 

@@ -129,6 +129,11 @@ class _LinkShaper:
             parts.append("userspace packet relay (AF_PACKET) in the hub")
         return " + ".join(parts)
 
+    def relay_pid(self, g: int) -> int | None:
+        """The pid of group ``g``'s relay process, while one runs."""
+        st = self.shaped.get(g)
+        return st.relay.pid if st is not None and st.relay is not None else None
+
     def apply(self, g: int, spec: FailureSpec, seed: int = 0) -> None:
         """Shapes group ``g``'s link as ``spec`` says, replacing any shape it
         had.  Raises RuntimeError (after undoing what it did) when something

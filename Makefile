@@ -79,6 +79,7 @@ bench: build
 	$(PY) bench/lighthouse_failover.py
 	$(PY) bench/parameter_server.py
 	$(PY) bench/data.py
+	$(PY) bench/links.py
 
 sanitize: bootstrap $(ASAN)/build.ninja $(TSAN)/build.ninja
 	$(MESON) test -C $(ASAN) --print-errorlogs

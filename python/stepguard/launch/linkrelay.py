@@ -21,9 +21,10 @@ arrives on interface ``a`` out of interface ``b`` and back, through two
 The sockets use ``PACKET_VNET_HDR``: each frame comes with its offload
 header (a TCP segmentation burst of up to 64 KiB, a checksum the kernel
 has yet to fill in) and goes out with it unchanged, so the kernel does the
-checksums and the segmentation, and a Python loop moves ~1 Gbit/s of bulk
-TCP.  When ``loss`` is set the launcher makes the kernel hand over single
-segments instead (``gso_max_segs 1``), so a loss is one packet's.
+checksums and the segmentation, and a Python loop keeps up with Gbit/s of
+bulk TCP (``bench/links.py``).  When ``loss`` is set the launcher makes
+the kernel hand over single segments instead (``gso_max_segs 1``), so a
+loss is one packet's.
 
 It prints one JSON line ``{"ready": true}`` once both sockets are open,
 and on SIGTERM or SIGINT (or when its standard input closes) one JSON line

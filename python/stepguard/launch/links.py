@@ -27,10 +27,11 @@ per launch shapes and restores the groups' links:
   TCP or not, needs no addresses of its own and nothing from netfilter, and
   both ends keep their addresses and MACs (the bridge relearns the port),
   so established connections live through the switch in either direction.
-  Its cost: a Python loop per frame, ~1 Gbit/s of bulk TCP (frames keep
-  their offload headers, so a frame is up to 64 KiB), ~100 Mbit/s when
-  ``loss`` makes the kernel hand over single segments (measured in
-  ``docs/demo.md``).
+  Its cost: a Python loop per frame; frames keep their offload headers,
+  so one is up to 64 KiB, and bulk TCP still moves 1-2 Gbit/s through it,
+  0.3-0.8 Gbit/s when ``loss`` makes the kernel hand over single segments,
+  with tens of microseconds added to a round trip (``bench/links.py``,
+  quoted in ``docs/demo.md``).
 
 The group keeps its loopback throughout (its ranks and store are not
 shaped), as with a partition.  Everything created lives in the launch's hub

@@ -361,6 +361,60 @@ def test_reset_ends_connections_and_refuses_new_ones(shaped: dict) -> None:
 
 
 @needs_netns
+def test_relay_survives_garbage_frames(shaped: dict) -> None:
+    """Frames the relay cannot make sense of (truncated, lying IPv4 and TCP
+    headers, random bytes), sent from inside the group onto its link, pass
+    or go without harm: the relay keeps running and keeps resetting."""
+    import random
+
+    net = shaped["net"]
+    shaped["shaper"].apply(0, parse_link_spec("reset=100%"))
+    pid = shaped["shaper"].relay_pid(0)
+    eth = b"\xff" * 6 + b"\x02\x00\x00\x00\x00\x01" + b"\x08\x00"
+
+    def ip(ihl: int, total: int, proto: int, rest: bytes) -> bytes:
+        return bytes([0x40 | ihl, 0]) + total.to_bytes(2, "big") + bytes(5) + \
+            bytes([proto]) + bytes(10) + rest
+
+    frames = [eth, eth + b"\x45", eth + ip(15, 60, 6, b""), eth + ip(2, 20, 6, bytes(40)),
+              eth + ip(5, 0xFFFF, 6, bytes(12) + b"\x00\x12" + bytes(6)),
+              eth + ip(5, 3, 6, bytes(20)), eth + ip(5, 40, 17, bytes(20)),
+              eth + ip(5, 40, 6, b"\x00\x01\x00\x02" + bytes(8) + b"\xf0\x02" + bytes(6))]
+    rng = random.Random(7)
+    frames += [eth + bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200)))
+               for _ in range(300)]
+
+    def blast() -> int:
+        s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+        s.bind(("eth0", 0))
+        try:
+            for f in frames:
+                s.send(f)
+        finally:
+            s.close()
+        return len(frames)
+
+    assert net.call_in(0, blast) == len(frames)
+    time.sleep(0.5)
+    assert pid is not None and _alive(pid)
+    with pytest.raises(ConnectionRefusedError):
+        shaped["connect"](1, shaped["echo"]).close()
+    stats = shaped["shaper"].clear(0)
+    assert stats.get("recv_ab", 0) >= len(frames), stats
+    assert "relay_exit" not in stats, stats
+
+
+def test_launcher_inject_refuses_bad_link_specs() -> None:
+    """Launcher.inject checks a link spec at once: it must shape something
+    and the groups must be in namespaces."""
+    plain = Launcher(LaunchConfig(cmd=["true"], groups=1))
+    with pytest.raises(ValueError, match="network namespaces"):
+        plain.inject(parse_failure_spec("link:start=1s,delay=5ms"))
+    with pytest.raises(ValueError, match="needs one of"):
+        plain.inject(FailureSpec(kind="link", start=0.0))
+
+
+@needs_netns
 def test_relay_dies_with_a_killed_launcher(tmp_path: Path) -> None:
     """A launcher SIGKILLed while a link window runs leaves no relay: it
     dies with its parent; and the next launch sweeps the namespaces."""

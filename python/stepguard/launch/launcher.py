@@ -241,6 +241,12 @@ class Launcher:
         driver times to a point of the run (a group has trained, a heal has
         begun) rather than to the clock.  Like scheduled ones, it is not
         injected once :meth:`stop_injecting` or :meth:`finish` was called."""
+        if spec.kind == "link" and not spec.shapes_link():
+            raise ValueError(f"{spec!r}: a link spec needs one of rate, delay, jitter, "
+                             "loss, reset")
+        if spec.kind in ("link", "partition") and self.net is None:
+            raise ValueError(f"{spec.kind} injection needs the groups in network "
+                             "namespaces: start the launcher with netns=True")
         one = FailureSpec(**{**spec.__dict__, "every": None, "start": 0.0, "stop": None,
                              "count": 1})
         self.injectors.append(_Injector(one, len(self.injectors)))
@@ -825,7 +831,7 @@ class Launcher:
         now = time.time()
         try:
             self.links.apply(g.gid, s, seed=seed)
-        except RuntimeError as e:
+        except (RuntimeError, OSError, ValueError) as e:
             self._record("inject_skipped", kind="link", group=g.gid, reason=str(e))
             self._say(f"link #{fid} on group {g.gid} not made: {e}")
             return
@@ -847,7 +853,7 @@ class Launcher:
                 if static is not None:
                     self.links.apply(g.gid, static, seed=static.seed * 1000003 + g.gid)
                     fields["static"] = _link_text(static)
-            except RuntimeError as e:
+            except (RuntimeError, OSError, ValueError) as e:
                 fields["problem"] = str(e)
                 _log.warning("link #%d: %s", fid, e)
             g.link_window = False

@@ -159,7 +159,8 @@ class Relay:
         ip = VNET_LEN + ETH_LEN
         ihl = (frame[ip] & 0x0F) * 4
         tcp = ip + ihl
-        if frame[ip + 9] != 6 or len(frame) < tcp + 20:
+        fragment = struct.unpack_from("!H", frame, ip + 6)[0] & 0x1FFF
+        if frame[ip + 9] != 6 or fragment or ihl < 20 or len(frame) < tcp + 20:
             self._enqueue(d, frame, now)
             return
         src, dst = frame[ip + 12:ip + 16], frame[ip + 16:ip + 20]
@@ -239,7 +240,12 @@ class Relay:
                     if addr[2] == socket.PACKET_OUTGOING:
                         continue  # what this relay itself sent out of it
                     self.stats[f"recv_{'ab'[d]}{'ba'[d]}"] += 1
-                    self._frame(d, frame, now)
+                    try:
+                        self._frame(d, frame, now)
+                    except (struct.error, IndexError, ValueError):
+                        # Not a frame it can read: it passes untouched.
+                        self.stats["unparsed"] += 1
+                        self._enqueue(d, frame, now)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -139,6 +139,8 @@ class _LinkShaper:
         """Shapes group ``g``'s link as ``spec`` says, replacing any shape it
         had.  Raises RuntimeError (after undoing what it did) when something
         cannot be made."""
+        if not spec.shapes_link():
+            raise ValueError(f"{spec!r} shapes nothing")
         if g in self.shaped:
             self.clear(g)
         st = _Shaped(spec)
@@ -152,7 +154,8 @@ class _LinkShaper:
             if spec.delay > 0 or spec.jitter > 0 or spec.loss > 0 or spec.reset > 0:
                 self._start_relay(g, st, seed)
         except BaseException:
-            self.clear(g)
+            with contextlib.suppress(RuntimeError):
+                self.clear(g)  # its own failures would hide the cause
             raise
 
     def _start_relay(self, g: int, st: _Shaped, seed: int) -> None:

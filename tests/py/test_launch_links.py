@@ -361,6 +361,31 @@ def test_reset_ends_connections_and_refuses_new_ones(shaped: dict) -> None:
 
 
 @needs_netns
+def test_partition_during_a_window_cuts_and_heals(shaped: dict) -> None:
+    """A partition inside a delay window: nothing crosses while cut (the
+    relay lives on), the same connection carries on, still delayed, once
+    healed, and at normal speed once the window ends."""
+    net, c = shaped["net"], shaped["connect"](None, shaped["echo"])
+    try:
+        shaped["shaper"].apply(0, parse_link_spec("delay=30ms"))
+        assert min(_rtts(c, 2)) >= 0.05
+        net.cut(0)
+        c.settimeout(1.0)
+        c.sendall(b"x")
+        with pytest.raises(TimeoutError):
+            c.recv(1)
+        net.heal(0)
+        c.settimeout(20)
+        assert c.recv(1) == b"x"  # retransmitted once the link is back
+        assert min(_rtts(c, 3)) >= 0.05
+        stats = shaped["shaper"].clear(0)
+        assert "relay_exit" not in stats, stats
+        assert statistics.median(_rtts(c, 3)) < 0.03
+    finally:
+        c.close()
+
+
+@needs_netns
 def test_relay_survives_garbage_frames(shaped: dict) -> None:
     """Frames the relay cannot make sense of (truncated, lying IPv4 and TCP
     headers, random bytes), sent from inside the group onto its link, pass

@@ -202,7 +202,8 @@ class Launcher:
         )
         self._cpu_limit: _CpuLimit | None = None
         self._cpu_limit_probed = False
-        self._pending_heals: list[dict[str, Any]] = []  # partitions awaiting a commit
+        # partitions and link windows awaiting a commit
+        self._pending_heals: list[dict[str, Any]] = []
         self.bad_events = 0  # worker event lines dropped as malformed
         self.net: _Netns | None = None
         self.links: _LinkShaper | None = None

@@ -29,8 +29,9 @@ loss is one packet's.
 It prints one JSON line ``{"ready": true}`` once both sockets are open,
 and on SIGTERM or SIGINT (or when its standard input closes) one JSON line
 of counters, then exits.  Frames that cannot be sent at once (the other
-side's queue is full) are dropped and counted, as a full router queue
-would.
+side's queue is full, ``send_drops``) or that would make the frames held
+for a delay exceed 64 MiB in one direction (``queue_drops``) are dropped
+and counted, as a full router queue would drop them.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ ETH_LEN = 14
 _MAX_FRAME = VNET_LEN + 65536 + ETH_LEN + 64
 _BATCH = 64  # frames read from one socket before looking at the other
 _MAX_FLOWS = 65536  # tracked TCP flows; the table is cleared when full
-_MAX_QUEUED = 20000  # frames held per direction; more are dropped
+_MAX_QUEUED = 64 << 20  # bytes held per direction; frames beyond are dropped
 
 
 def _ifindex(name: str) -> int:
@@ -120,6 +121,7 @@ class Relay:
         self.queues: list[collections.deque[tuple[float, bytes]]] = [
             collections.deque(), collections.deque()]
         self.last_release = [0.0, 0.0]
+        self.queued = [0, 0]  # bytes held, per direction
         # (src ip, src port, dst ip, dst port) -> next sequence number.
         self.next_seq: dict[tuple[bytes, int, bytes, int], int] = {}
         self.stats: dict[str, int] = collections.defaultdict(int)
@@ -144,13 +146,15 @@ class Relay:
         at = self._release_at(d, now)
         if at <= now and not self.queues[d]:
             self._send(d, frame)
-        elif len(self.queues[d]) >= _MAX_QUEUED:
+        elif self.queued[d] + len(frame) > _MAX_QUEUED:
             self.stats["queue_drops"] += 1
         else:
             self.queues[d].append((at, frame))
+            self.queued[d] += len(frame)
 
     def _frame(self, d: int, frame: bytes, now: float) -> None:
-        if len(frame) < VNET_LEN + ETH_LEN + 20 or frame[VNET_LEN + 12:VNET_LEN + 14] != b"\x08\x00":
+        ethertype = frame[VNET_LEN + 12:VNET_LEN + 14]
+        if len(frame) < VNET_LEN + ETH_LEN + 20 or ethertype != b"\x08\x00":
             self._enqueue(d, frame, now)  # not IPv4: passes untouched
             return
         if self.loss > 0 and self.rng.random() < self.loss:
@@ -202,7 +206,9 @@ class Relay:
         nxt: float | None = None
         for d, q in enumerate(self.queues):
             while q and q[0][0] <= now:
-                self._send(d, q.popleft()[1])
+                frame = q.popleft()[1]
+                self.queued[d] -= len(frame)
+                self._send(d, frame)
             if q and (nxt is None or q[0][0] < nxt):
                 nxt = q[0][0]
         return nxt

@@ -271,16 +271,16 @@ def test_delay_applies_to_open_connections_and_goes(shaped: dict) -> None:
     c = shaped["connect"](None, shaped["echo"])
     try:
         before = statistics.median(_rtts(c, 5))
-        shaped["shaper"].apply(0, parse_link_spec("delay=60ms,jitter=10ms"))
+        shaped["shaper"].apply(0, parse_link_spec("delay=100ms,jitter=10ms"))
         during = _rtts(c, 6)
-        assert min(during) >= 2 * 0.050, during  # 2 x (60 - 10) ms at least
+        assert min(during) >= 2 * 0.090, during  # 2 x (100 - 10) ms at least
         net = shaped["net"]
         assert len([p for p in _all_relays() if _in_ns(p, net.hub)]) == 1
         stats = shaped["shaper"].clear(0)
         assert stats.get("recv_ab", 0) >= 6 and stats.get("recv_ba", 0) >= 6, stats
         assert [p for p in _all_relays() if _in_ns(p, net.hub)] == []
         after = statistics.median(_rtts(c, 5))
-        assert after < 0.060 and before < 0.060, (before, after)
+        assert after < 0.09 and before < 0.09, (before, after)
     finally:
         c.close()
 
@@ -367,8 +367,8 @@ def test_partition_during_a_window_cuts_and_heals(shaped: dict) -> None:
     healed, and at normal speed once the window ends."""
     net, c = shaped["net"], shaped["connect"](None, shaped["echo"])
     try:
-        shaped["shaper"].apply(0, parse_link_spec("delay=30ms"))
-        assert min(_rtts(c, 2)) >= 0.05
+        shaped["shaper"].apply(0, parse_link_spec("delay=60ms"))
+        assert min(_rtts(c, 2)) >= 0.1
         net.cut(0)
         c.settimeout(1.0)
         c.sendall(b"x")
@@ -377,10 +377,10 @@ def test_partition_during_a_window_cuts_and_heals(shaped: dict) -> None:
         net.heal(0)
         c.settimeout(20)
         assert c.recv(1) == b"x"  # retransmitted once the link is back
-        assert min(_rtts(c, 3)) >= 0.05
+        assert min(_rtts(c, 3)) >= 0.1
         stats = shaped["shaper"].clear(0)
         assert "relay_exit" not in stats, stats
-        assert statistics.median(_rtts(c, 3)) < 0.03
+        assert statistics.median(_rtts(c, 5)) < 0.09
     finally:
         c.close()
 
@@ -526,10 +526,10 @@ while True:
 
 @needs_netns
 def test_cli_static_link_and_a_window(tmp_path: Path) -> None:
-    """``--link group=0,delay=40ms`` slows group 0's round trips for the
-    whole run; ``--inject link:...,group=1,delay=40ms`` slows group 1's for
-    the window only: inside it every connect takes >= 2 x 35 ms, after it
-    (and before it) less than 35 ms.  The timeline has the static ``link``,
+    """``--link group=0,delay=60ms`` slows group 0's round trips for the
+    whole run; ``--inject link:...,group=1,delay=60ms`` slows group 1's for
+    the window only: inside it every connect takes >= 2 x 55 ms, after it
+    (and before it) half that (median).  The timeline has the static ``link``,
     the ``inject`` and ``link_end`` records; nothing is left behind."""
     worker = tmp_path / "rtt_worker.py"
     worker.write_text(RTT_WORKER)
@@ -538,8 +538,8 @@ def test_cli_static_link_and_a_window(tmp_path: Path) -> None:
         [sys.executable, "-m", "stepguard.launch", "--groups", "2", "--quiet",
          "--timeline", str(tl_path), "--log-dir", str(tmp_path / "logs"),
          "--stop-file", str(tmp_path / "stop"), "--duration", "120",
-         "--link", "group=0,delay=40ms,jitter=5ms",
-         "--inject", "link:start=1s,duration=3s,group=1,delay=40ms,jitter=5ms",
+         "--link", "group=0,delay=60ms,jitter=5ms",
+         "--inject", "link:start=1s,duration=3s,group=1,delay=60ms,jitter=5ms",
          str(worker)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -560,19 +560,19 @@ def test_cli_static_link_and_a_window(tmp_path: Path) -> None:
             p.wait(timeout=30)
     tl = _timeline(tl_path)
     static = _of(tl, "link")
-    assert [r["group"] for r in static] == [0] and static[0]["delay_s"] == 0.04
+    assert [r["group"] for r in static] == [0] and static[0]["delay_s"] == 0.06
     inj = _of(tl, "inject", kind="link")
     assert len(inj) == 1 and inj[0]["group"] == 1 and "relay" in inj[0]["mechanism"]
     end = _of(tl, "link_end", failure=inj[0]["failure"])
     assert len(end) == 1 and end[0]["relay"].get("recv_ab", 0) > 0, end
     t0, t1 = inj[0]["t"], end[0]["t"]
     g0 = [r["rtt"] for r in _of(tl, "rtt", group=0)]
-    assert g0 and min(g0) >= 0.07, g0
+    assert g0 and min(g0) >= 0.11, g0
     g1 = _of(tl, "rtt", group=1)
     inside = [r["rtt"] for r in g1 if t0 + 0.2 < r["t"] and r["t"] + r["rtt"] < t1 - 0.2]
     outside = [r["rtt"] for r in g1 if r["t"] > t1 + 0.5 or r["t"] + r["rtt"] < t0]
-    assert inside and min(inside) >= 0.07, inside
-    assert outside and statistics.median(outside) < 0.035, outside
+    assert inside and min(inside) >= 0.11, inside
+    assert outside and statistics.median(outside) < 0.055, outside
     assert not _of(tl, "rtt_failed")
     assert tl[-1]["event"] == "end" and tl[-1]["cleanup_problems"] == []
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,

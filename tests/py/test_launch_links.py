@@ -470,9 +470,10 @@ def test_relay_dies_with_a_killed_launcher(tmp_path: Path) -> None:
         if p.poll() is None:
             p.kill()
             p.wait(timeout=30)
-        from stepguard.launch.netns import _Netns
+        from stepguard.launch.netns import _NS_LOCK, _host_lock, _Netns
 
-        _Netns.sweep()
+        with _host_lock(_NS_LOCK):  # as a launch's setup sweeps
+            _Netns.sweep()
 
 
 def _all_relays() -> list[int]:

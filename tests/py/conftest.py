@@ -1,4 +1,15 @@
-"""Shared fixtures: process cleanup by pid for multi-process tests.
+"""Shared fixtures: process cleanup by pid for multi-process tests, and a
+hard time limit on every test.
+
+Every test (its setup, call and teardown) has ``hard_timeout`` seconds
+(an ini option, 900 by default; ``@pytest.mark.hard_timeout(S)`` for one
+test): then
+every thread's stack is printed and the test fails with ``TestHardTimeout``
+raised in the main thread, so that its fixtures still kill what it started.
+If it has not ended ``hard_timeout_grace`` (60) seconds later (a call
+that does not return to Python),
+the children of pytest are SIGKILLed by pid and pytest exits with status 3:
+a hang fails the run rather than stalling it.
 
 The helper modules and worker scripts the tests share live in
 ``tests/py/helpers/``; that directory goes on ``sys.path`` here, so test
@@ -8,10 +19,12 @@ as the worker scripts, which run from there, import each other.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -70,3 +83,93 @@ def procs() -> Iterator[Procs]:
         yield p
     finally:
         p.cleanup()
+
+
+class TestHardTimeout(BaseException):
+    """Raised in the main thread when a test overruns its hard time limit
+    (a BaseException, so that no ``except Exception`` in a test swallows it)."""
+
+    __test__ = False  # not a test class
+
+
+def pytest_addoption(parser) -> None:
+    parser.addini("hard_timeout", "seconds a test may take in all before it is failed",
+                  default="900")
+    parser.addini("hard_timeout_grace", "seconds a timed-out test has to end before "
+                  "pytest kills its children and exits", default="60")
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers", "hard_timeout(seconds): this test's own hard time limit")
+
+
+def _uncaptured_stderr(config) -> int:
+    """The file descriptor of pytest's stderr before its output capture."""
+    capman = config.pluginmanager.getplugin("capturemanager")
+    try:
+        fd = capman._global_capturing.err.targetfd_save
+    except AttributeError:  # no fd capture (-s), or another pytest layout
+        return 2
+    return fd if isinstance(fd, int) else 2
+
+
+def _children() -> list[int]:
+    me = os.getpid()
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == me:
+                out.append(int(d))
+    return out
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    mark = item.get_closest_marker("hard_timeout")
+    limit = float(mark.args[0]) if mark else float(item.config.getini("hard_timeout"))
+    grace = float(item.config.getini("hard_timeout_grace"))
+    done = threading.Event()
+    fired = [False]
+
+    def on_signal(signum, frame):
+        if fired[0] and not done.is_set():
+            fired[0] = False  # once
+            raise TestHardTimeout(f"{item.nodeid} exceeded its {limit:.0f}s hard timeout")
+
+    def watchdog() -> None:
+        if done.wait(limit):
+            return
+        sys.stderr.write(f"\n{item.nodeid}: hard timeout ({limit:.0f}s); stacks:\n")
+        faulthandler.dump_traceback(all_threads=True)
+        fired[0] = True
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR2)
+        if done.wait(grace):
+            return
+        # straight to pytest's own stderr: what the test's capture holds is
+        # lost with the process
+        fd = _uncaptured_stderr(item.config)
+        os.write(fd, f"\n{item.nodeid}: still running {grace:.0f} s after its hard "
+                 "timeout; killing its children and exiting\n".encode())
+        faulthandler.dump_traceback(fd, all_threads=True)
+        for pid in _children():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os._exit(3)
+
+    old = signal.signal(signal.SIGUSR2, on_signal)
+    t = threading.Thread(target=watchdog, name="hard-timeout", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        done.set()
+        t.join()
+        signal.signal(signal.SIGUSR2, old)

@@ -57,8 +57,12 @@ def test_hung_group_costs_survivors_a_heartbeat_timeout(job_factory, ranks):
         job.start_group(rid, ranks, "--steps", "100000", "--step-sleep", "0.05",
                         "--timeout", "60", "--pg", "tcp", "--progress-timeout", "0",
                         *mid)
-    wait_for(lambda: len(job.events(VICTIM, ev="mid")) == ranks, 120,
-             "the victim mid-step", job)
+    mids = wait_for(lambda: len(job.events(VICTIM, ev="mid")) == ranks
+                    and job.events(VICTIM, ev="mid"), 120, "the victim mid-step", job)
+    # the step it stops in: hang_at, or the first after it that it took
+    # part in (had it come too late for hang_at's quorum and healed past it)
+    hang_at = mids[0]["step"]
+    assert all(m["step"] == hang_at for m in mids), mids
     pids = job.worker_pids(VICTIM)
     assert len(pids) == ranks
     for pid in pids:

@@ -41,7 +41,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--discard-at", type=int, default=-1,
                     help="report an error at this step once: the step is not committed")
     ap.add_argument("--mid-at", type=int, default=-1,
-                    help="at this step, after the forward pass, log 'mid' and sleep "
+                    help="at this step (or the first one after it that this replica "
+                    "takes part in), after the forward pass, log 'mid' and sleep "
                     "--mid-sleep")
     ap.add_argument("--mid-sleep", type=float, default=0.0)
     a = ap.parse_args(argv)
@@ -122,8 +123,11 @@ def main(argv: list[str] | None = None) -> int:
             keys=[list(k) for k in sl.keys],
             draw=[round(float(v), 6) for v in x.sum(dim=1)])
         loss = torch.nn.functional.mse_loss(ddp(x), y)
-        if step == a.mid_at:
-            log("mid", step=step)
+        if 0 <= a.mid_at <= step:
+            # the first step at or after --mid-at (a replica left out of
+            # step mid_at's quorum heals past it); "mid" says which one
+            log("mid", step=step, qid=getattr(manager, "_quorum_id", None))
+            a.mid_at = -1
             time.sleep(a.mid_sleep)
         loss.backward()
         if step == a.discard_at:

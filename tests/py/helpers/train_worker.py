@@ -168,8 +168,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the model has a parameter that never gets a gradient")
     # fault injection
     ap.add_argument("--mid-at", type=int, default=-1,
-                    help="at this step, after the quorum and the forward pass, "
-                    "log 'mid' and sleep --mid-sleep before the backward pass")
+                    help="at this step (or the first one after it that this "
+                    "replica takes part in), after the quorum and the forward "
+                    "pass, log 'mid' and sleep --mid-sleep before the backward pass")
     ap.add_argument("--mid-sleep", type=float, default=0.0)
     ap.add_argument("--fail-allreduce-at", type=int, default=-1,
                     help="make the allreduce future of this step fail "
@@ -314,9 +315,14 @@ def main(argv: list[str] | None = None) -> int:
             y = torch.randn(16, 4, generator=gen)
         opt.zero_grad()  # starts the quorum
         loss = torch.nn.functional.mse_loss(ddp(x), y)
-        if manager.current_step() == a.mid_at:
+        if 0 <= a.mid_at <= manager.current_step():
+            # the first step at or after --mid-at: a replica the quorum left
+            # out of step mid_at (it came late and healed past it) stops in
+            # the step it did join, and "mid" says which one that is
             manager.wait_quorum()
-            log("mid", step=manager.current_step())
+            log("mid", step=manager.current_step(),
+                qid=getattr(manager, "_quorum_id", None))
+            a.mid_at = -1
             time.sleep(a.mid_sleep)
         if manager.current_step() == a.fail_allreduce_at:
             if a.fail_mode == "future":

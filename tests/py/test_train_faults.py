@@ -36,19 +36,31 @@ def heal_events(job: Job, rid: str, inc: int) -> list[dict]:
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_sigkill_mid_step_others_discard_and_victim_heals(job_factory, mode):
     kill_at = 6
-    job = job_factory(min_replicas=2)
+    # a quorum waits up to 5 s (not 200 ms) for a live replica that has not
+    # asked yet: on a busy host a replica can be that late, and a quorum
+    # without it would leave it out of the steps asserted below (the dead
+    # victim's closed connection still drops it at once)
+    job = job_factory(min_replicas=2, join_timeout_ms=5000)
     extra = ("--sync-quorum",) if mode == "sync" else ()
     for i in range(3):
         mid = ("--mid-at", str(kill_at), "--mid-sleep", "30") if i == 2 else ()
         job.start_group(f"train_{i}", 1, "--steps", "400", *PACE, *extra, *mid)
-    # the victim has joined step kill_at's quorum and run its forward pass;
-    # its gradients never reach the others
-    wait_for(lambda: job.events("train_2", ev="mid"), 60, "the victim mid-step", job)
+    # the victim has joined step kill_at's quorum (or, had it come too late
+    # for that one, the next it took part in: "mid" says which) and run its
+    # forward pass; its gradients never reach the others
+    mid = wait_for(lambda: job.events("train_2", ev="mid"), 60, "the victim mid-step", job)[0]
+    kill_at = mid["step"]
     job.kill_group("train_2")
+    with_victim = 0
     for rid in ("train_0", "train_1"):
         e = wait_for(lambda: first_step(job, rid, kill_at), 30,
                      f"{rid} to finish step {kill_at}", job)
-        assert not e["ok"], f"{rid} committed a step whose allreduce lost a member: {e}"
+        # a survivor the quorum left out of the victim's step (it came
+        # late) meets the victim's partner at that step afterwards
+        if mid["qid"] is None or e["qid"] == mid["qid"]:
+            assert not e["ok"], f"{rid} committed a step whose allreduce lost a member: {e}"
+            with_victim += 1
+    assert with_victim >= 1, "min_replicas=2: the victim's quorum held a survivor"
     wait_for(lambda: job.all_committed(kill_at + 3, ["train_0", "train_1"]), 30,
              "the survivors to commit 3 steps without the victim", job)
     assert any(e["ok"] and e["n"] == 2 for e in job.steps("train_0"))

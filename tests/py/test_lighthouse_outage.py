@@ -40,8 +40,11 @@ def run_outage(job: Job, down_s: float, *worker_args: str) -> None:
 @pytest.mark.parametrize("id_file", [False, True])
 def test_lighthouse_restart_costs_no_trainer(job_factory, tmp_path, id_file):
     args = ("--quorum_id_file", str(tmp_path / "qid")) if id_file else ()
+    # quorums wait up to 5 s for a live replica that has not asked yet: the
+    # last quorum (the id file's members) then holds all three even when a
+    # busy host slows one of them down
     job = job_factory(hard_timeout=240, lighthouse_args=args,
-                      heartbeat_timeout_ms=2000)
+                      heartbeat_timeout_ms=2000, join_timeout_ms=5000)
     run_outage(job, 5.0)
     if id_file:
         # the id file holds the last quorum: its id, then its members

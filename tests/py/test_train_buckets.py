@@ -20,7 +20,10 @@ BUCKETS = ("--buckets",)
 
 
 def test_late_replica_cuts_the_same_buckets(job_factory):
-    job = job_factory(min_replicas=2)
+    # quorums wait up to 5 s for a live replica that has not asked yet (200
+    # ms left a replica slowed by a busy host out of some, and the steps
+    # of all three counted below with it)
+    job = job_factory(min_replicas=2, join_timeout_ms=5000)
     for rid in ("train_0", "train_1"):
         job.start_group(rid, 1, "--steps", "400", *BUCKETS, "--step-sleep", "0.02")
     wait_for(lambda: job.all_committed(8, ["train_0", "train_1"]), 60,

@@ -42,13 +42,22 @@ def test_whole_job_restart_from_disk_checkpoint(job_factory):
     wait_for(lambda: job.all_committed(8), 60, "8 committed steps", job)
     for rid in rids:  # the whole job dies
         job.kill_group(rid)
-    saved = {rid: job.events(rid, ev="saved")[-1] for rid in rids}
-    assert all(s["step"] >= 6 for s in saved.values()), saved
+    # the checkpoint on disk: the last one "saved", or a later one renamed
+    # into place just before the kill, before its "saved" was written
+    on_disk = {rid: {e["step"]: e for e in job.events(rid, ev="saved")[-1:]
+                     + job.events(rid, ev="saving")[-1:]} for rid in rids}
+    assert all(min(s) >= 6 for s in on_disk.values()), on_disk
     for rid in rids:
         job.restart_group(rid, "--resume")
-    wait_for(lambda: all(job.committed(rid) >= max(s["step"] for s in saved.values()) + 3
-                         for rid in rids), 60, "3 steps after the restart", job)
+    saved = {}
+    for rid in rids:
+        resumed = wait_for(lambda: job.events(rid, inc=1, ev="resumed"), 60,
+                           f"{rid} to resume", job)
+        assert resumed[0]["step"] in on_disk[rid], (resumed, on_disk[rid])
+        saved[rid] = on_disk[rid][resumed[0]["step"]]
     top = max(s["step"] for s in saved.values())
+    wait_for(lambda: all(job.committed(rid) >= top + 3 for rid in rids), 60,
+             "3 steps after the restart", job)
     for rid in rids:
         resumed = job.events(rid, inc=1, ev="resumed")
         assert len(resumed) == 1, resumed

@@ -350,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
             tmp = ckpt_path + ".tmp"
             torch.save({"model": model.state_dict(), "optim": inner_opt.state_dict(),
                         "manager": manager.state_dict()}, tmp)
+            # a kill between the rename and "saved" leaves this checkpoint on
+            # disk with "saved" naming the one before: "saving" says so
+            log("saving", step=after, hash=param_hash(model))
             os.rename(tmp, ckpt_path)
             log("saved", step=after, hash=param_hash(model))
         if a.step_sleep:

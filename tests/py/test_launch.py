@@ -58,15 +58,19 @@ report("hello", env=env, pid=os.getpid(), child=child.pid if child else None)
 report("ready")
 die = os.environ.get("FAKE_DIE", "")  # "rank:incarnation:seconds"
 die_at = None
+steps = int(os.environ.get("FAKE_STEPS", "0"))
 if die:
     r, i, s = die.split(":")
+    if int(r) != rank and int(i) == inc:
+        # the other ranks of the dying incarnation run until the launcher
+        # ends them: a rank that started late must not find them finished
+        steps = 0
     if int(r) == rank and int(i) == inc:
         flag = os.environ.get("FAKE_IGNORE_TERM")
         deadline = time.monotonic() + 30
         while flag and not os.path.exists(flag) and time.monotonic() < deadline:
             time.sleep(0.01)  # rank 0 must ignore SIGTERM before this rank dies
         die_at = time.monotonic() + float(s)
-steps = int(os.environ.get("FAKE_STEPS", "0"))
 step = 0
 while True:
     if die_at is not None and time.monotonic() >= die_at:

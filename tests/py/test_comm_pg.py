@@ -178,6 +178,7 @@ elif scenario == "abort":
         except Exception as e:
             res["raised"] = type(e).__name__ + ": " + str(e)
         res["elapsed"] = time.monotonic() - t0
+        open(out + ".aborted", "w").close()  # rank 1 may leave now
         res["errored"] = pg.errored() is not None
         try:
             pg.allreduce([torch.zeros(1)], ReduceOp.SUM)
@@ -197,7 +198,12 @@ elif scenario == "abort":
         t = torch.ones(3); pg.allreduce([t], ReduceOp.SUM).wait()
         res["reconfigured"] = t.tolist()
     else:
-        time.sleep(3)
+        # stays until rank 0's wait has ended: had it left after a fixed
+        # time, a slow rank 0 would see a vanished peer instead of its abort
+        rank0_out = out[:-len(f"{rank}.json")] + "0.json.aborted"
+        deadline = time.monotonic() + 60
+        while not os.path.exists(rank0_out) and time.monotonic() < deadline:
+            time.sleep(0.05)
     pg.shutdown()
 elif scenario == "reconfigure":
     pg = tcp("q/1", 1)

@@ -181,8 +181,8 @@ m = ManagerServer("w", lh.address(), "127.0.0.1", "127.0.0.1:0", "s:1", 1,
                   timedelta(seconds=0.1), timedelta(seconds=5))
 c = ManagerClient(m.address(), timedelta(seconds=5))
 c._client._quorum_start(0, 0, "", False, True, 0, 600.0)
-print("waiting", flush=True)
-try:
+try:  # a SIGINT right after the line below still lands in here
+    print("waiting", flush=True)
     c._client._quorum_wait()
 except KeyboardInterrupt:
     print("interrupted", flush=True)

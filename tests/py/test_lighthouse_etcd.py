@@ -28,7 +28,7 @@ from datetime import timedelta
 import pytest
 
 from etcd_util import EtcdCluster, Relay, etcd_version
-from lighthouse_util import NATIVE_LIGHTHOUSE, LogProc, free_port
+from lighthouse_util import LISTEN_RE, NATIVE_LIGHTHOUSE, LogProc, free_port
 from train_harness import Job, job_factory, require_api, zygote, wait_for  # noqa: F401
 
 RIDS = ("train_0", "train_1", "train_2")
@@ -171,14 +171,23 @@ def test_etcd_lost_mid_run_then_back(job_factory, etcd):
 
 
 def _start_lh(etcd_endpoint: str, prefix: str) -> tuple[LogProc, str]:
-    port = free_port()
+    # port 0: a port picked here and bound by the child later may be taken
+    # in between by anything else running on the machine
     p = subprocess.Popen(
         [str(NATIVE_LIGHTHOUSE), "--min_replicas", "2", "--bind",
-         f"127.0.0.1:{port}", "--hostname", "127.0.0.1", "--join_timeout_ms",
+         "127.0.0.1:0", "--hostname", "127.0.0.1", "--join_timeout_ms",
          "100", "--heartbeat_timeout_ms", "1000", "--etcd", etcd_endpoint,
          "--etcd_prefix", prefix],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    return LogProc(p), f"http://127.0.0.1:{port}"
+    lp = LogProc(p)
+    try:
+        m = lp.wait_line(LISTEN_RE, 60)
+    except BaseException:
+        p.kill()
+        p.wait(timeout=30)
+        raise
+    port = int(m.group(1).rsplit(":", 1)[1].rstrip("/"))
+    return lp, f"http://127.0.0.1:{port}"
 
 
 def _log_ts(lines: list[str], pattern: str) -> float | None:

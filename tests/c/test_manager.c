@@ -415,6 +415,19 @@ static int heartbeating(int port, const char *id) {
   return ok;
 }
 
+/* wait_heartbeating: waits (30 s at most) until the lighthouse on `port`
+ * holds `id` healthy, so that the next quorum waits for it: a fixed sleep
+ * was not always long enough for a manager's first heartbeat under a
+ * sanitizer on a busy host. */
+static void wait_heartbeating(int port, const char *id) {
+  sg_deadline_t d = sg_deadline_in_ms(30000);
+  while (!heartbeating(port, id)) {
+    if (sg_deadline_passed(d))
+      fail_msg("%s never heartbeated", id);
+    usleep(10 * 1000);
+  }
+}
+
 /* ---- tests --------------------------------------------------------------- */
 
 static void test_invalid_options(void **state) {
@@ -1010,7 +1023,9 @@ static void test_group_leaves_when_rank_disconnects(void **state) {
   group_t gs[2];
   group_start(&gs[0], "a", sg_lh_server_address(lh), "storeA:1");
   group_start(&gs[1], "b", sg_lh_server_address(lh), "storeB:1");
-  usleep(200 * 1000); /* both heartbeat: the first quorum waits for both */
+  /* both heartbeat: the first quorum waits for both */
+  wait_heartbeating(sg_lh_server_port(lh), "a");
+  wait_heartbeating(sg_lh_server_port(lh), "b");
   struct qreq q[4];
   const int64_t steps[2][2] = {{1, 1}, {1, 1}};
   run_round(gs, 2, steps, 0, q);
@@ -1148,11 +1163,14 @@ static void test_lighthouse_stops_during_round(void **state) {
  * wait times out. */
 static void test_lost_member_reported_in_heartbeats(void **state) {
   (void)state;
-  sg_lh_server_t *lh = lh_start(0, 1, 100, 60000);
+  /* a join timeout longer than any lag between the two groups' calls */
+  sg_lh_server_t *lh = lh_start(0, 1, 10000, 60000);
   group_t gs[2];
   group_start(&gs[0], "a", sg_lh_server_address(lh), "storeA:1");
   group_start(&gs[1], "b", sg_lh_server_address(lh), "storeB:1");
-  usleep(200 * 1000); /* both heartbeat: the first quorum waits for both */
+  /* both heartbeat: the first quorum waits for both */
+  wait_heartbeating(sg_lh_server_port(lh), "a");
+  wait_heartbeating(sg_lh_server_port(lh), "b");
   struct qreq q[4];
   const int64_t steps[2][2] = {{1, 1}, {1, 1}};
   run_round(gs, 2, steps, 0, q);
@@ -1208,11 +1226,13 @@ static void *wait_lost_thread(void *arg) {
  * and is failed (not left hanging) when the manager stops. */
 static void test_wait_lost_long_poll(void **state) {
   (void)state;
-  sg_lh_server_t *lh = lh_start(0, 1, 100, 60000);
+  /* a join timeout longer than any lag between the two groups' calls */
+  sg_lh_server_t *lh = lh_start(0, 1, 10000, 60000);
   group_t gs[2];
   group_start(&gs[0], "a", sg_lh_server_address(lh), "storeA:1");
   group_start(&gs[1], "b", sg_lh_server_address(lh), "storeB:1");
-  usleep(200 * 1000);
+  wait_heartbeating(sg_lh_server_port(lh), "a");
+  wait_heartbeating(sg_lh_server_port(lh), "b");
   struct qreq q[4];
   const int64_t steps[2][2] = {{1, 1}, {1, 1}};
   run_round(gs, 2, steps, 0, q);
@@ -1266,12 +1286,17 @@ static void test_wait_lost_long_poll(void **state) {
  * a's reports nothing (its quorum lost no one). */
 static void test_left_out_member_learns_its_quorum_is_over(void **state) {
   (void)state;
-  sg_lh_server_t *lh = lh_start(0, 1, 100, 60000);
+  /* the join timeout: long enough that the first quorum holds all three
+   * however late one of them asks, short enough for the second round,
+   * which goes on without b once it has passed */
+  sg_lh_server_t *lh = lh_start(0, 1, 2000, 60000);
   group_t gs[3]; /* a, c, b: run_round takes the first ones */
   group_start(&gs[0], "a", sg_lh_server_address(lh), "storeA:1");
   group_start(&gs[1], "c", sg_lh_server_address(lh), "storeC:1");
   group_start(&gs[2], "b", sg_lh_server_address(lh), "storeB:1");
-  usleep(200 * 1000);
+  wait_heartbeating(sg_lh_server_port(lh), "a");
+  wait_heartbeating(sg_lh_server_port(lh), "c");
+  wait_heartbeating(sg_lh_server_port(lh), "b");
   struct qreq q[6];
   const int64_t steps[3][2] = {{1, 1}, {1, 1}, {1, 1}};
   run_round(gs, 3, steps, 0, q);

@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             a.mid_at = -1
             time.sleep(a.mid_sleep)
         loss.backward()
-        if step == a.discard_at:
+        if 0 <= a.discard_at == step:  # a failed heal leaves step -1, the "off" value
             manager.report_error(RuntimeError("injected discard"))
             a.discard_at = -1
         before = manager.current_step()

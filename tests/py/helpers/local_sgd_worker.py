@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                     err=None if manager.errored() is None
                     else str(manager.errored()).splitlines()[0][:200])
                 last = after
-                if votes[-1] and after == a.hold_at:
+                if votes[-1] and 0 <= a.hold_at == after:  # -1 is "off"
                     log("hold", step=after)
                     time.sleep(a.hold_sleep)
             if a.step_sleep:

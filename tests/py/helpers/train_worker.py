@@ -324,14 +324,15 @@ def main(argv: list[str] | None = None) -> int:
                 qid=getattr(manager, "_quorum_id", None))
             a.mid_at = -1
             time.sleep(a.mid_sleep)
-        if manager.current_step() == a.fail_allreduce_at:
+        # (>= 0: a failed heal leaves the step at -1, the "off" value)
+        if 0 <= a.fail_allreduce_at == manager.current_step():
             if a.fail_mode == "future":
                 pg.report_future_error(RuntimeError("injected allreduce failure"))
             else:
                 fail_next_allreduce(pg)
             a.fail_allreduce_at = -1
         loss.backward()  # allreduce (waits for the quorum, and a heal)
-        if manager.current_step() == a.report_error_at:
+        if 0 <= a.report_error_at == manager.current_step():
             manager.report_error(RuntimeError("injected report_error"))
             a.report_error_at = -1
         before = manager.current_step()

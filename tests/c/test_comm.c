@@ -1812,7 +1812,9 @@ static void test_progress_deadline(void **state) {
       assert_non_null(strstr(d.msg, "rank 1"));
       assert_non_null(strstr(d.msg, want_addr));
       assert_non_null(strstr(d.msg, "progress deadline"));
-      assert_true(took >= 0.45 && took < 2.0);
+      /* the 500 ms progress deadline, not the 60 s one (loose for
+       * sanitizers on a busy host) */
+      assert_true(took >= 0.45 && took < 30.0);
     }
     assert_true(op_ka >= 2);
     assert_int_equal(sg_comm_error(c0, NULL), rc); /* poisoned */

@@ -937,7 +937,8 @@ static void test_metadata_and_deadline_visible(void **state) {
   fx_start(fx);
   fx_run(fx, client_meta, NULL, 10000);
   assert_true(fx->missing_meta_null);
-  assert_true(fx->deadline_left_ms > 9000 && fx->deadline_left_ms <= 10000);
+  /* the header's 10 s, less the trip (loose for sanitizers) */
+  assert_true(fx->deadline_left_ms > 5000 && fx->deadline_left_ms <= 10000);
   fx_free(fx);
 }
 

@@ -679,7 +679,7 @@ static void test_connect_refused_fails_within_timeout(void **state) {
   assert_int_equal(rc, SG_ECONNREFUSED);
   assert_null(ch);
   assert_non_null(strstr(err.msg, target));
-  assert_true(el >= 400 && el < 3000); /* retried until the timeout */
+  assert_true(el >= 400 && el < 10000); /* retried until the timeout */
 }
 
 static void test_peer_that_closes_fails_connect(void **state) {
@@ -725,7 +725,7 @@ static void test_peer_that_never_answers_fails_connect(void **state) {
   int rc = sg_rpc_channel_new(&o, &ch, &err);
   int64_t el = ms_since(t0);
   assert_int_equal(rc, SG_ETIMEDOUT);
-  assert_true(el >= 350 && el < 3000);
+  assert_true(el >= 350 && el < 10000);
   peer_stop(p);
 }
 
@@ -764,7 +764,8 @@ static void test_request_headers_and_echo(void **state) {
   assert_non_null(peer_hdr(p, "grpc-timeout", v, sizeof(v)));
   int64_t ns = 0;
   assert_int_equal(sg__grpc_timeout_parse(v, strlen(v), &ns), 0);
-  assert_true(ns > 4000000000LL && ns <= 5000000000LL);
+  /* the call's 5 s, less what sending took (loose for sanitizers) */
+  assert_true(ns > 2500000000LL && ns <= 5000000000LL);
 
   /* An empty request and an empty response. */
   rc = call_ms(ch, "/pkg.Svc/Echo", NULL, 0, 5000, &resp, &rl, &gs, &err);
@@ -898,7 +899,7 @@ static void test_silent_server_call_deadline_resets_stream(void **state) {
   int64_t el = ms_since(t0);
   assert_int_equal(rc, SG_ETIMEDOUT);
   assert_int_equal(gs, -1);
-  assert_true(el >= 290 && el < 2000);
+  assert_true(el >= 290 && el < 10000); /* loose: sanitizers */
   for (int i = 0; i < 100 && atomic_load(&p->rsts) == 0; i++)
     usleep(10000);
   assert_int_equal(atomic_load(&p->rsts), 1); /* CANCEL reached the server */
@@ -1009,7 +1010,8 @@ static void test_abort_wakes_waiter_and_fails_later_calls(void **state) {
   int64_t el = ms_since(t0);
   pthread_join(th, NULL);
   assert_int_equal(rc, SG_EABORTED);
-  assert_true(el >= 150 && el < 1000);
+  /* the abort (200 ms), not the 30 s deadline; loose for sanitizers */
+  assert_true(el >= 150 && el < 15000);
   t0 = sg_now_ns();
   assert_int_equal(call_ms(ch, "/a/b", "x", 1, 30000, NULL, NULL, &gs, &err),
                    SG_EABORTED);
@@ -1249,7 +1251,7 @@ static void test_async_call_deadline_resets_stream(void **state) {
   assert_int_equal(d.rc, SG_ETIMEDOUT);
   assert_int_equal(d.gs, -1);
   assert_non_null(strstr(d.msg, "deadline exceeded"));
-  assert_true(el >= 290 && el < 2000);
+  assert_true(el >= 290 && el < 10000); /* loose: sanitizers */
   for (int i = 0; i < 100 && atomic_load(&p->rsts) == 0; i++)
     usleep(10000);
   assert_int_equal(atomic_load(&p->rsts), 1); /* CANCEL reached the server */
@@ -1273,7 +1275,7 @@ static void test_async_call_deadline_before_connecting(void **state) {
   assert_int_equal(start_ms(ch, "x", 300, &d, &err), 0);
   assert_int_equal(done_wait(&d), 1);
   int64_t el = (d.at_ns - t0) / 1000000;
-  assert_true(el >= 290 && el < 2000);
+  assert_true(el >= 290 && el < 10000); /* loose: sanitizers */
   assert_int_not_equal(d.rc, 0);
   assert_int_equal(d.gs, -1);
   assert_non_null(strstr(d.msg, "before connecting"));
@@ -1398,11 +1400,11 @@ static void test_keepalive_drops_unresponsive_peer(void **state) {
   peer_t *p = peer_start(P_H2, R_ECHO);
   sg_rpc_channel_t *ch = open_ka(p->port, NULL, 0, 100, 200);
   int64_t t0 = sg_now_ns();
-  while (sg_rpc_channel_connected(ch) && ms_since(t0) < 3000)
+  while (sg_rpc_channel_connected(ch) && ms_since(t0) < 8000)
     usleep(10000);
   int64_t el = ms_since(t0);
   assert_false(sg_rpc_channel_connected(ch));
-  assert_true(el >= 250 && el < 3000);
+  assert_true(el >= 250 && el < 8000);
   for (int i = 0; i < 100 && atomic_load(&p->closes) == 0; i++)
     usleep(10000);
   assert_int_equal(atomic_load(&p->closes), 1);
@@ -1556,7 +1558,7 @@ static void test_lh_quorum_deadline_then_channel_still_works(void **state) {
   int rc = call_ms(ch, QUORUM, req, n, 500, NULL, NULL, &gs, &err);
   int64_t el = ms_since(t0);
   assert_int_equal(rc, SG_ETIMEDOUT);
-  assert_true(el >= 400 && el < 3000);
+  assert_true(el >= 400 && el < 10000);
   n = heartbeat_req(req, "solo");
   assert_int_equal(call_ms(ch, HEARTBEAT, req, n, 5000, NULL, NULL, NULL, &err),
                    0);

@@ -107,21 +107,40 @@ class EtcdCluster:
 
     def __init__(self, n: int = 1, log_dir: Path | None = None) -> None:
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="sg-etcd-log-"))
-        ports = [(free_port(), free_port()) for _ in range(n)]
+        self.n = n
+        self.members = self._new_members()
+
+    def _new_members(self) -> list[Member]:
+        ports = [(free_port(), free_port()) for _ in range(self.n)]
         ic = ",".join(f"e{i}=http://127.0.0.1:{p}"
                       for i, (_, p) in enumerate(ports))
-        self.members = [Member(f"e{i}", c, p, ic, self.log_dir / f"etcd{i}.log")
-                        for i, (c, p) in enumerate(ports)]
+        return [Member(f"e{i}", c, p, ic, self.log_dir / f"etcd{i}.log")
+                for i, (c, p) in enumerate(ports)]
 
     @property
     def endpoints(self) -> str:
         return ",".join(m.endpoint for m in self.members)
 
     def start(self, timeout: float = 30) -> "EtcdCluster":
-        for m in self.members:
-            m.start()
-        self.wait_healthy(timeout)
-        return self
+        # etcd takes the ports it advertises on its command line, so they
+        # are picked free here first; one taken by another process in
+        # between makes a member exit at once: the cluster starts again on
+        # fresh ports (a few times at most)
+        for attempt in range(3):
+            for m in self.members:
+                m.start()
+            try:
+                self.wait_healthy(timeout)
+                return self
+            except AssertionError:
+                taken = any("address already in use" in _text(m.log) for m in self.members)
+                if attempt == 2 or not taken:
+                    raise
+                self.stop()
+                for m in self.members:
+                    m.log.rename(m.log.with_suffix(f".try{attempt}.log"))
+                self.members = self._new_members()
+        raise AssertionError("unreachable")
 
     def wait_healthy(self, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
@@ -229,3 +248,10 @@ class Relay:
         self.closed = True
         self.sever()
         self.ls.close()
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""

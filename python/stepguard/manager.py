@@ -1025,8 +1025,13 @@ class Manager:
         )
 
     def _peer_checkpoint_metadata(self, manager_address: str) -> str:
-        """This group rank's transport metadata at a peer's manager."""
-        client = ManagerClient(manager_address, connect_timeout=self._connect_timeout)
+        """This group rank's transport metadata at a peer's manager.  The
+        peer was in the quorum just now: one that does not answer within
+        the operation timeout has died since, and a refused connection is
+        not retried for the whole connect timeout."""
+        client = ManagerClient(
+            manager_address, connect_timeout=min(self._connect_timeout, self._timeout)
+        )
         try:
             return client._checkpoint_metadata(self._group_rank, timeout=self._timeout)
         finally:
@@ -1050,7 +1055,7 @@ class Manager:
             try:
                 meta = self._peer_checkpoint_metadata(address)
             except Exception as e:  # noqa: BLE001 - striping is an optimisation
-                self._logger.warning(f"no checkpoint metadata from {address}: {e}")
+                self._logger.warn(f"no checkpoint metadata from {address}: {e}")
                 continue
             if meta.split("://", 1)[0] != scheme:
                 return [src_metadata]

@@ -296,3 +296,35 @@ def test_in_place_fetch_cut_half_way_reports_step_minus_one_and_heals_later() ->
     for x, y in zip(out[0]["params"], healer["params"]):
         assert not x.isnan().any()
         assert torch.equal(x, y)
+
+
+def test_a_stripe_peer_that_died_is_left_out_within_the_op_timeout(caplog) -> None:
+    """A healer asks every up-to-date peer of its quorum for its transport
+    metadata to stripe the fetch.  A peer that died since the quorum
+    formed (its port refuses) is left out with a warning, within the
+    operation timeout: the assigned source alone heals, and the heal is
+    not held up for the connect timeout (which retries a refused
+    connection, for a peer that is still starting)."""
+    import socket
+    import time
+    from types import SimpleNamespace
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    s.close()  # nothing listens there now
+    m = manager_mod.Manager.__new__(manager_mod.Manager)
+    m._step = 3
+    m._group_rank = 0
+    m._timeout = timedelta(seconds=2)
+    m._connect_timeout = timedelta(seconds=60)
+    m._checkpoint_transport = SimpleNamespace(recv_checkpoint_striped=None)
+    m._logger = manager_mod._ManagerLogger(m, "healer", 0)
+    quorum = SimpleNamespace(up_to_date_manager_addresses=["http://src:1", dead])
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING"):
+        got = m._stripe_sources(quorum, "http://src:1", "http://src-meta")
+    took = time.monotonic() - t0
+    assert got == ["http://src-meta"]
+    assert f"no checkpoint metadata from {dead}" in caplog.text
+    assert took < 30, f"{took:.1f} s: the dead peer held the heal up"

@@ -67,8 +67,10 @@ def etcd(tmp_path, request):
 def etcd_job(job_factory, etcd: EtcdCluster, n: int = 3,
              hard_timeout: int = 240) -> Job:
     prefix = f"/test/{uuid.uuid4().hex}"
+    # min_replicas 3: no trainer trains alone while the others start (its
+    # steps would then be held by one replica, and finish() compares them)
     job = job_factory(hard_timeout=hard_timeout, lighthouses=n,
-                      heartbeat_timeout_ms=2000,
+                      heartbeat_timeout_ms=2000, min_replicas=len(RIDS),
                       lighthouse_args=("--etcd", etcd.endpoints,
                                        "--etcd_prefix", prefix,
                                        "--hostname", "127.0.0.1"))

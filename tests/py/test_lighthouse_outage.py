@@ -19,6 +19,10 @@ RIDS = ("train_0", "train_1", "train_2")
 
 
 def run_outage(job: Job, down_s: float, *worker_args: str) -> None:
+    """The job's lighthouse has min_replicas 3: every quorum holds all three
+    trainers, so none trains alone while the others start (or reconnect
+    after the restart), and every committed step is held by all three (the
+    id file's last quorum too)."""
     for rid in RIDS:
         job.start_group(rid, 1, "--steps", "100000", "--step-sleep", "0.05",
                         *worker_args)
@@ -40,11 +44,8 @@ def run_outage(job: Job, down_s: float, *worker_args: str) -> None:
 @pytest.mark.parametrize("id_file", [False, True])
 def test_lighthouse_restart_costs_no_trainer(job_factory, tmp_path, id_file):
     args = ("--quorum_id_file", str(tmp_path / "qid")) if id_file else ()
-    # quorums wait up to 5 s for a live replica that has not asked yet: the
-    # last quorum (the id file's members) then holds all three even when a
-    # busy host slows one of them down
     job = job_factory(hard_timeout=240, lighthouse_args=args,
-                      heartbeat_timeout_ms=2000, join_timeout_ms=5000)
+                      heartbeat_timeout_ms=2000, min_replicas=3)
     run_outage(job, 5.0)
     if id_file:
         # the id file holds the last quorum: its id, then its members
@@ -55,5 +56,5 @@ def test_lighthouse_restart_costs_no_trainer(job_factory, tmp_path, id_file):
 
 def test_lighthouse_down_longer_than_a_quorum_timeout(job_factory):
     # each quorum round gives up at its 3 s deadline; the Manager asks again
-    job = job_factory(hard_timeout=240, heartbeat_timeout_ms=2000)
+    job = job_factory(hard_timeout=240, heartbeat_timeout_ms=2000, min_replicas=3)
     run_outage(job, 8.0, "--quorum-timeout", "3")

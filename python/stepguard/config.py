@@ -166,6 +166,15 @@ VARIABLES: Tuple[Var, ...] = (
         "how many times this worker was restarted", _PY, note="set by the launcher"),
     Var("REPLICA_GROUP_ID", None, "int", 0,
         "the worker's replica group", _PY, note="set by the launcher"),
+    # --- warm spares (docs/spares.md) ---
+    Var("STEPGUARD_SPARE_FD", None, "str", None,
+        "a warm spare's file descriptor on which its takeover message arrives; "
+        "unset in a process that is not a spare", _PY, note="set by the launcher"),
+    Var("STEPGUARD_SPARE_ID", None, "int", None,
+        "which warm spare of the job this process is (in its events)", _PY,
+        note="set by the launcher"),
+    Var("STEPGUARD_SPARE_TIMEOUT_SEC", None, "float", 86400.0,
+        "how long a warm spare waits for its takeover message before it fails", _PY),
     # --- torchft mode ---
     Var("STEPGUARD_TORCHFT", None, "bool", False,
         "the name `torchft` imports stepguard in every process", _PY,

@@ -43,10 +43,14 @@ def report(event: str, **fields: Any) -> None:
     rec: dict[str, Any] = {
         "event": event,
         "t": time.time(),
-        "group": config.get("REPLICA_GROUP_ID"),
+        # a warm spare has no group until it takes one over
+        "group": config.get("REPLICA_GROUP_ID", None),
         "rank": config.get("RANK", 0),
         "incarnation": config.get("STEPGUARD_INCARNATION"),
     }
+    spare = config.get("STEPGUARD_SPARE_ID")
+    if spare is not None:
+        rec["spare"] = spare
     rec.update(fields)
     try:
         line = (json.dumps(rec, default=str) + "\n").encode()

@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="give up on a group after this many incarnations in a row "
                    "fail on their own before their first commit (default 3)")
     p.add_argument("--restart-delay", type=float, default=0.0, metavar="SECONDS")
+    p.add_argument("--spares", type=int, default=0, metavar="N",
+                   help="keep N warm spares (each a group's worth of ranks, set up and "
+                   "waiting); a lost group's restart takes one over (docs/spares.md)")
     p.add_argument("--term-grace", type=float, default=2.0, metavar="SECONDS",
                    help="SIGTERM to SIGKILL when ending a group (default 2)")
     p.add_argument("--duration", type=float, default=None, metavar="SECONDS",
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         restart_delay=args.restart_delay, duration=args.duration, failures=failures,
         timeline=args.timeline, log_dir=args.log_dir, stop_file=args.stop_file,
         master_addr=args.master_addr, quiet=args.quiet, term_grace=args.term_grace,
-        netns=args.netns, links=links,
+        netns=args.netns, links=links, spares=args.spares,
     )
     if cfg.netns or links or any(f.kind in ("partition", "link") for f in failures):
         why = netns_unavailable()

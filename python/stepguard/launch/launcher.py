@@ -29,6 +29,7 @@ from typing import Any, Callable, TextIO
 from stepguard.launch.cgroups import _CpuLimit, _group_pids
 from stepguard.launch.links import _LinkShaper, links_unavailable
 from stepguard.launch.netns import _Netns, netns_unavailable
+from stepguard.launch.spare_pool import _SparePool
 from stepguard.launch.spec import FailureSpec
 from stepguard.launch.worker import EVENTS_FD_ENV, INCARNATION_ENV, STOP_FILE_ENV
 
@@ -82,6 +83,9 @@ class LaunchConfig:
     env: dict[str, str] = field(default_factory=dict)
     term_grace: float = 2.0  # SIGTERM -> SIGKILL when ending a group
     quiet: bool = False
+    # Warm spares: this many idle groups' worth of trainers, set up and
+    # waiting; a lost group's restart takes one over (spare_pool.py).
+    spares: int = 0
 
 
 _PR_SET_PDEATHSIG = 1
@@ -175,6 +179,12 @@ class Launcher:
                              "stepguard's, started by the launcher")
         if not config.cmd:
             raise ValueError("no worker command")
+        if config.spares < 0:
+            raise ValueError("spares must be at least 0")
+        if config.spares and (config.netns or any(s.kind == "partition"
+                                                  for s in config.failures)):
+            raise ValueError("warm spares cannot run in network namespaces (a spare "
+                             "cannot move into the namespace of the group it replaces)")
         self.cfg = config
         self.on_event = on_event
         self.on_tick = on_tick
@@ -194,6 +204,9 @@ class Launcher:
         self._finishing = False
         self._stopping = False
         self._pending_kills: list[dict[str, Any]] = []  # awaiting survivors' commit
+        # kills awaiting the victim's replacement's first commit
+        self._pending_full: list[dict[str, Any]] = []
+        self._spares: _SparePool | None = _SparePool(self) if config.spares else None
         self._timers: list[tuple[float, Callable[[], None]]] = []
         self._slow: dict[int, dict[str, Any]] = {}  # group -> duty cycle state
         self._failure_seq = 0
@@ -546,7 +559,8 @@ class Launcher:
         if g.state == "restart_wait" and self._finishing:
             g.state = "done"
         if g.state == "restart_wait" and now >= g.restart_at:
-            self._launch(g)
+            if self._spares is None or not self._spares.take(g):
+                self._launch(g)
 
     def _log_tail(self, g: _Group, limit: int = 3000) -> dict[str, str]:
         """The end of the output of the rank that ended the group, if logged."""
@@ -624,6 +638,8 @@ class Launcher:
         if ev != "step":
             if ev == "ready" and current and g is not None and rec.get("rank", 0) == 0:
                 g.ready_at = t
+            if ev == "spare_waiting" and self._spares is not None:
+                self._spares.on_waiting(rec, t)
             self._record(ev, t=t, source="worker", **rec)
             return
         committed = rec.get("committed") is True
@@ -647,8 +663,18 @@ class Launcher:
                          duration_s=round(t - h["t"], 6))
         if not g.first_commit_seen:
             g.first_commit_seen = True
+            spare = self._spares.spare_of(g) if self._spares is not None else None
+            for k in [k for k in self._pending_full
+                      if k["group"] == gid and k["incarnation"] < g.incarnation]:
+                # kill -> the job is back at full strength
+                self._pending_full.remove(k)
+                self._record("recovery", t=t, kind="full_strength", failure=k["failure"],
+                             group=gid, incarnation=g.incarnation, step=rec.get("step"),
+                             spare=spare, duration_s=round(t - k["t"], 6))
+            if spare is not None:
+                self._spares.on_first_commit(g)
             if g.incarnation > 0:
-                extra = {}
+                extra: dict[str, Any] = {} if spare is None else {"spare": spare}
                 if g.ready_at is not None:
                     # The part after the worker said it was ready: joining,
                     # healing and one step, without imports and model setup.
@@ -705,6 +731,8 @@ class Launcher:
                          pid=w.pid, incarnation=g.incarnation)
             self._say(f"injected kill #{fid}: group {g.gid} rank {w.rank} (pid {w.pid})")
             self._pending_kills.append({"t": now, "group": g.gid, "failure": fid})
+            self._pending_full.append({"t": now, "group": g.gid, "failure": fid,
+                                       "incarnation": g.incarnation})
         elif s.kind == "hang":
             self._signal_group(g, signal.SIGSTOP)
             g.stopped = True
@@ -938,6 +966,8 @@ class Launcher:
                 self._start_lighthouse()
             for g in self.groups:
                 self._launch(g)
+            if self._spares is not None:
+                self._spares.start()
             deadline = None if c.duration is None else time.monotonic() + c.duration
             while not self._stopping:
                 self._step_loop()
@@ -972,6 +1002,8 @@ class Launcher:
             self._handle_worker_event(rec)
         for g in self.groups:
             self._poll_group(g)
+        if self._spares is not None:
+            self._spares.poll()
         now = time.monotonic()
         due = [cb for at, cb in self._timers if at <= now]
         self._timers = [(at, cb) for at, cb in self._timers if at > now]
@@ -999,6 +1031,8 @@ class Launcher:
         cleanup_problems: list[str] = []
         try:
             try:
+                if self._spares is not None:
+                    self._spares.shutdown()
                 live = [g for g in self.groups if any(w.returncode is None for w in g.workers)]
                 for g in live:
                     self._signal_group(g, signal.SIGCONT)
@@ -1079,7 +1113,7 @@ _LAUNCHER_EVENTS = frozenset({
     "give_up", "inject", "inject_skipped", "hang_end", "slow_end", "partition_end",
     "link", "link_end", "netns", "finish",
     "duration_reached", "interrupted", "end", "commit", "discard", "quorum_change",
-    "recovery",
+    "recovery", "spare_start", "spare_ready", "spare_exit", "takeover",
 })
 
 

@@ -10,6 +10,11 @@ Run it under the launcher, one replica group per process group of ranks::
     python -m stepguard.launch --groups 3 --inject kill:every=20s \\
         examples/train_llama.py --steps 500
 
+Under ``--spares N`` the launcher also starts warm spares: trainers that
+do all the setup below up to the Manager, then wait in
+``stepguard.spares.wait_for_takeover`` until they are told which replica
+group to become (see ``docs/spares.md``).
+
 Each rank reports every step (committed or discarded, loss, quorum,
 participants, time) to the launcher's timeline, stops at ``--steps`` or at
 the step the launcher asks for, and with ``--save-dir`` writes its final
@@ -34,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama_model import Llama, LlamaConfig, batch_at, num_parameters, stdlib_corpus  # noqa: E402
 
 from stepguard.launch import report, stop_step  # noqa: E402
+from stepguard.spares import is_spare, wait_for_takeover  # noqa: E402
 
 log = logging.getLogger("train_llama")
 
@@ -54,6 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--world-size-mode", choices=("dynamic", "fixed_with_spares"),
+                   default="dynamic",
+                   help="fixed_with_spares: at most --min-replicas replicas take part, the "
+                   "others are hot spares that train along with zero weight")
     p.add_argument("--timeout", type=float, default=30.0,
                    help="manager timeout in seconds (commit, recovery, collectives)")
     p.add_argument("--quorum-timeout", type=float, default=60.0)
@@ -131,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     model = Llama(cfg).to(device)
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     if rank == 0:
-        log.info("group %d: %.2f M parameters, %d corpus bytes, device %s",
-                 group, num_parameters(model) / 1e6, corpus.numel(), device)
+        log.info("%s: %.2f M parameters, %d corpus bytes, device %s",
+                 "warm spare" if is_spare() else f"group {group}",
+                 num_parameters(model) / 1e6, corpus.numel(), device)
 
     report("ready")  # imports, corpus and model are done
     manager = None
@@ -156,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         def save_state() -> dict:
             return {"model": model.state_dict(), "optim": inner.state_dict()}
 
+        # the cross-replica process group object (configured per quorum)
         if args.pg == "tcp":
             if args.impl != "stepguard":
                 raise SystemExit("--pg tcp needs --impl stepguard")
@@ -166,9 +178,17 @@ def main(argv: list[str] | None = None) -> int:
             pg = ft.ProcessGroupNCCL(timeout=timedelta(seconds=args.pg_timeout))
         else:
             pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=args.pg_timeout))
+        # A warm spare waits here, set up but unknown to the lighthouse,
+        # until it takes over a lost group's identity; others go on at once.
+        ident = wait_for_takeover()
+        group, rank, world = ident.replica_group, ident.rank, ident.world_size
+        modes = importlib.import_module(f"{args.impl}.manager").WorldSizeMode
+        mode = modes.FIXED_WITH_SPARES if args.world_size_mode == "fixed_with_spares" \
+            else modes.DYNAMIC
         manager = ft.Manager(
             pg=pg,
             min_replica_size=args.min_replicas,
+            world_size_mode=mode,
             load_state_dict=load_state,
             state_dict=save_state,
             replica_id=f"train_llama_{group}",

@@ -1,0 +1,363 @@
+"""Warm spares: the takeover handoff, the launcher's pool, and real trainers.
+
+- the takeover message: a spare learns its identity from it; garbage, a
+  truncated or oversized message, a closed channel and no message at all
+  each fail the spare with the reason (one process waits on many pipes);
+- the launcher with a light fake trainer: spares start, report ready, take a
+  killed group's identity (group, incarnation, store), a new spare starts,
+  and every process is gone at the end;
+- the small Llama (``examples/train_llama.py``) with ``spares=1``: the
+  lighthouse never counts the waiting spare (every quorum before the
+  takeover has the running groups only), a kill is followed by a takeover,
+  a heal and a committed step, the parameters of every group are identical
+  at the same step, and a new spare comes up; a two-rank group (long).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stepguard.launch import FailureSpec, LaunchConfig, Launcher
+from stepguard.spares import MAX_MESSAGE, takeover_message
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_LLAMA = [str(ROOT / "examples" / "train_llama.py"), "--dim", "32", "--layers", "1",
+              "--heads", "2", "--hidden", "64", "--seq-len", "32", "--batch-size", "4",
+              "--pg", "tcp", "--step-sleep", "0.05"]
+
+GOOD_ENV = {"REPLICA_GROUP_ID": "3", "RANK": "1", "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "4567", "TORCHFT_LIGHTHOUSE": "x"}
+
+# Waits on each descriptor in argv in turn, as a spare would, and prints
+# one JSON line per wait: the identity, or the error's type and text.
+WAITER = r'''
+import json, os, sys
+from stepguard.spares import wait_for_takeover
+for fd in sys.argv[1:]:
+    os.environ["STEPGUARD_SPARE_FD"] = fd
+    try:
+        t = wait_for_takeover(timeout=float(os.environ["WAIT"]))
+        out = {"ok": True, "group": t.replica_group, "rank": t.rank, "world": t.world_size,
+               "port": t.store_port, "spare": t.spare,
+               "env_group": os.environ.get("REPLICA_GROUP_ID"),
+               "fd_var": os.environ.get("STEPGUARD_SPARE_FD")}
+    except Exception as e:
+        out = {"ok": False, "type": type(e).__name__, "msg": str(e)}
+    print(json.dumps(out), flush=True)
+'''
+
+
+def _cases() -> list[tuple[str, bytes | None, str]]:
+    """(name, bytes written then the pipe closed (None: left open), expected)."""
+    good = takeover_message(GOOD_ENV)
+    return [
+        ("good", good, "ok"),
+        ("not json", b"hello spare\n", "is not JSON"),
+        ("binary", b"\xff\xfe\x00\n", "is not JSON"),
+        ("other json", b'{"env": {}}\n', "is not a stepguard takeover"),
+        ("env not a map", b'{"stepguard_takeover": 1, "env": [1]}\n', "env is not a map"),
+        ("env values", b'{"stepguard_takeover": 1, "env": {"RANK": 1}}\n',
+         "env is not a map"),
+        ("missing", json.dumps({"stepguard_takeover": 1, "env": {"RANK": "0"}}).encode()
+         + b"\n", "lacks REPLICA_GROUP_ID"),
+        ("bad int", takeover_message({**GOOD_ENV, "MASTER_PORT": "http"}),
+         "MASTER_PORT='http' is not a non-negative integer"),
+        ("rank", takeover_message({**GOOD_ENV, "RANK": "2"}), "RANK=2 is not below"),
+        ("truncated", good[:20], "closed before a whole message arrived (20 bytes)"),
+        ("empty", b"", "closed before a whole message arrived (0 bytes)"),
+        ("oversized", b"x" * (MAX_MESSAGE + 10), f"longer than {MAX_MESSAGE} bytes"),
+        ("silent", None, "no takeover message within"),
+    ]
+
+
+def test_takeover_message_and_every_bad_one() -> None:
+    cases = _cases()
+    pipes = [os.pipe() for _ in cases]
+    env = dict(os.environ, WAIT="1.0")
+    env.pop("STEPGUARD_EVENTS_FD", None)
+    p = subprocess.Popen([sys.executable, "-c", WAITER, *[str(r) for r, _ in pipes]],
+                         pass_fds=[r for r, _ in pipes], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        writers = []
+        for (r, w), (_, data, _) in zip(pipes, cases):
+            os.close(r)
+            if data is None:
+                writers.append(w)  # never written: the deadline must end it
+                continue
+            import threading
+
+            def feed(w: int = w, data: bytes = data) -> None:
+                try:
+                    os.write(w, data)  # the oversized one blocks until read
+                except OSError:
+                    pass
+                finally:
+                    os.close(w)
+
+            t = threading.Thread(target=feed, daemon=True)
+            t.start()
+            writers.append(t)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        for w in writers:
+            if isinstance(w, int):
+                os.close(w)
+    lines = [json.loads(x) for x in out.splitlines()]
+    assert len(lines) == len(cases), (out, err)
+    for (name, _, want), got in zip(cases, lines):
+        if want == "ok":
+            assert got == {"ok": True, "group": 3, "rank": 1, "world": 2, "port": 4567,
+                           "spare": True, "env_group": "3", "fd_var": None}, name
+        else:
+            assert got["ok"] is False and got["type"] == "TakeoverError", (name, got)
+            assert want in got["msg"], (name, got["msg"])
+
+
+def test_not_a_spare_returns_the_environment_at_once() -> None:
+    code = ("import json; from stepguard.spares import wait_for_takeover, is_spare; "
+            "t = wait_for_takeover(); print(json.dumps([is_spare(), t.spare, "
+            "t.replica_group, t.rank, t.store_port]))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPGUARD_SPARE")}
+    env.update(REPLICA_GROUP_ID="5", RANK="0", WORLD_SIZE="1", MASTER_ADDR="h",
+               MASTER_PORT="9")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    assert json.loads(out) == [False, False, 5, 0, 9]
+
+
+def test_a_trainer_spare_given_garbage_exits_with_the_reason() -> None:
+    r, w = os.pipe()
+    env = dict(os.environ, STEPGUARD_SPARE_FD=str(r), WORLD_SIZE="1", RANK="0",
+               OMP_NUM_THREADS="1")
+    env.pop("REPLICA_GROUP_ID", None)
+    p = subprocess.Popen([sys.executable, *TINY_LLAMA, "--steps", "1"], pass_fds=[r],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    os.close(r)
+    try:
+        os.write(w, b'{"stepguard_takeover": 1, "env": {"RANK": "zero"}}\n')
+        os.close(w)
+        out, _ = p.communicate(timeout=90)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode != 0
+    assert "TakeoverError: the takeover message lacks REPLICA_GROUP_ID" in out, out[-2000:]
+
+
+# -- the launcher's pool, with a light fake trainer --
+
+FAKE_SPARE = r'''
+import os, sys, time
+from stepguard.launch import report, stop_step
+from stepguard.spares import wait_for_takeover
+if os.environ.get("FAKE_SPARE_CRASH") and os.environ.get("STEPGUARD_SPARE_FD"):
+    sys.exit(7)
+t = wait_for_takeover()
+report("hello", spare=t.spare, env={k: os.environ.get(k) for k in (
+    "REPLICA_GROUP_ID", "RANK", "WORLD_SIZE", "MASTER_PORT", "STEPGUARD_INCARNATION",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHFT_LIGHTHOUSE")})
+step = 0
+while True:
+    stop = stop_step()
+    if stop is not None and step >= stop:
+        sys.exit(0)
+    time.sleep(0.05)
+    report("step", step=step, committed=True, quorum_id=1, participants=1)
+    step += 1
+'''
+
+
+def _timeline(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def _of(tl: list[dict], event: str, **match) -> list[dict]:
+    return [r for r in tl if r["event"] == event
+            and all(r.get(k) == v for k, v in match.items())]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def _pids(tl: list[dict]) -> list[int]:
+    return [p for r in tl if r["event"] in ("launch", "restart", "spare_start")
+            for p in r["pids"]]
+
+
+def test_launcher_hands_a_killed_groups_identity_to_a_spare(tmp_path: Path) -> None:
+    script = tmp_path / "fake_spare.py"
+    script.write_text(FAKE_SPARE)
+    state: dict = {"killed": False}
+
+    def on_tick(la: Launcher) -> None:
+        tl = state["tl"]
+        if not state["killed"] and _of(tl, "spare_ready") and len(_of(tl, "commit")) > 6:
+            state["killed"] = True
+            la.inject(FailureSpec(kind="kill", group=1))
+        if _of(tl, "spare_ready", spare=1) and _of(tl, "commit", group=1, incarnation=1):
+            la.finish(step=0)
+
+    state["tl"] = []
+    cfg = LaunchConfig(cmd=[sys.executable, str(script)], groups=2, nproc_per_group=2,
+                       spares=1, lighthouse="http://127.0.0.1:9", duration=60.0,
+                       timeline=str(tmp_path / "tl.jsonl"), log_dir=str(tmp_path / "logs"),
+                       stop_file=str(tmp_path / "stop"), quiet=True)
+    la = Launcher(cfg, on_event=state["tl"].append, on_tick=on_tick)
+    t0 = time.monotonic()
+    rc = la.run()
+    tl = _timeline(tmp_path / "tl.jsonl")
+    assert rc == 0 and time.monotonic() - t0 < 60, tl[-5:]
+    assert not _of(tl, "duration_reached")
+    take = _of(tl, "takeover")
+    assert len(take) == 1 and take[0]["group"] == 1 and take[0]["incarnation"] == 1
+    assert take[0]["spare"] == 0 and take[0]["ready"] is True
+    start0 = _of(tl, "spare_start", spare=0)[0]
+    assert take[0]["pids"] == start0["pids"]  # the spare's processes became the group
+    # no fresh launch for group 1: the spare was its restart
+    assert not _of(tl, "restart")
+    hello = [r for r in _of(tl, "hello") if r.get("group") == 1 and r["incarnation"] == 1]
+    assert sorted(r["rank"] for r in hello) == [0, 1]
+    for r in hello:
+        assert r["spare"] is True
+        assert r["env"]["REPLICA_GROUP_ID"] == "1" and r["env"]["STEPGUARD_INCARNATION"] == "1"
+        assert r["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"
+        assert r["env"]["MASTER_PORT"] == str(start0["master_port"])
+        assert r["env"]["WORLD_SIZE"] == "2" and r["env"]["RANK"] == str(r["rank"])
+    # a spare's events before its takeover carry no group
+    waiting = _of(tl, "spare_waiting")
+    assert waiting and all("group" not in r and r["spare"] in (0, 1) for r in waiting)
+    # the replacement spare starts after the takeover and gets ready
+    assert _of(tl, "spare_start", spare=1)[0]["t"] >= take[0]["t"]
+    assert _of(tl, "spare_ready", spare=1)
+    full = _of(tl, "recovery", kind="full_strength")
+    assert len(full) == 1 and full[0]["group"] == 1 and full[0]["spare"] == 0
+    assert (tmp_path / "logs" / "group1.rank0.inc1.log").resolve() == \
+        (tmp_path / "logs" / "spare0.rank0.log").resolve()
+    left = [p for p in _pids(tl) if not _gone(p)]
+    assert not left, f"processes left running: {left}"
+
+
+def test_a_spare_that_dies_waiting_is_replaced_then_given_up(tmp_path: Path) -> None:
+    script = tmp_path / "fake_spare.py"
+    script.write_text(FAKE_SPARE)
+    tl: list[dict] = []
+
+    def on_tick(la: Launcher) -> None:
+        if _of(tl, "spare_exit", gave_up=True) and _of(tl, "commit"):
+            la.finish(step=0)
+
+    cfg = LaunchConfig(cmd=[sys.executable, str(script)], groups=1, spares=1,
+                       max_failed_starts=3, lighthouse="http://127.0.0.1:9", duration=60.0,
+                       env={"FAKE_SPARE_CRASH": "1"}, stop_file=str(tmp_path / "stop"),
+                       timeline=str(tmp_path / "tl.jsonl"), log_dir=str(tmp_path / "logs"),
+                       quiet=True)
+    assert Launcher(cfg, on_event=tl.append, on_tick=on_tick).run() == 0
+    exits = _of(tl, "spare_exit")
+    assert [r["returncode"] for r in exits] == [7, 7, 7]
+    assert [r["gave_up"] for r in exits] == [False, False, True]
+    assert exits[0]["log"].endswith("spare0.rank0.log")
+    assert len(_of(tl, "spare_start")) == 3
+    assert not [p for p in _pids(tl) if not _gone(p)]
+
+
+def test_spares_refused_in_network_namespaces(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="network namespaces"):
+        Launcher(LaunchConfig(cmd=["true"], spares=1, netns=True))
+    with pytest.raises(ValueError, match="at least 0"):
+        Launcher(LaunchConfig(cmd=["true"], spares=-1))
+
+
+# -- real trainers --
+
+def _run_llama(tmp_path: Path, groups: int, nproc: int, kill_rank: int | None,
+               limit: float) -> list[dict]:
+    tl: list[dict] = []
+    state = {"killed": False, "stop": None}
+
+    def on_tick(la: Launcher) -> None:
+        if not state["killed"]:
+            ready = _of(tl, "spare_ready")
+            after = [r for r in _of(tl, "commit", group=1, rank=0)
+                     if ready and r["t"] > ready[0]["t"]]
+            if len(after) >= 5:
+                state["killed"] = True
+                la.inject(FailureSpec(kind="kill", group=1, rank=kill_rank))
+            return
+        if state["stop"] is None and _of(tl, "spare_ready", spare=1) and \
+                _of(tl, "recovery", kind="full_strength"):
+            last = max(r["step"] for r in _of(tl, "commit"))
+            state["stop"] = last + 3
+            la.finish(step=state["stop"])
+
+    cfg = LaunchConfig(
+        cmd=[sys.executable, *TINY_LLAMA, "--save-dir", str(tmp_path / "params")],
+        groups=groups, nproc_per_group=nproc, spares=1, min_replicas=1,
+        omp_threads=1, duration=limit, timeline=str(tmp_path / "tl.jsonl"),
+        log_dir=str(tmp_path / "logs"), stop_file=str(tmp_path / "stop"), quiet=True)
+    rc = Launcher(cfg, on_event=tl.append, on_tick=on_tick).run()
+    tl = _timeline(tmp_path / "tl.jsonl")
+    assert rc == 0 and not _of(tl, "duration_reached"), \
+        f"see {tmp_path}/logs: " + json.dumps(tl[-8:])
+    return tl
+
+
+def _check_llama(tmp_path: Path, tl: list[dict], groups: int, nproc: int) -> None:
+    import torch
+
+    ready = _of(tl, "spare_ready", spare=0)[0]["t"]
+    take = _of(tl, "takeover")
+    assert len(take) == 1 and take[0]["group"] == 1 and take[0]["ready"]
+    # The lighthouse never counted the waiting spare: every quorum before
+    # the takeover had the running groups only, also after it was ready.
+    before = [r for r in _of(tl, "commit") if r["t"] < take[0]["t"]]
+    assert before and all(r["participants"] <= groups for r in before)
+    assert [r for r in before if r["t"] > ready and r["participants"] == groups]
+    # the replacement healed from a peer and committed, back at full strength
+    mine = _of(tl, "commit", group=1, incarnation=1, rank=0)
+    assert mine and mine[0]["healed"] is True and mine[0]["step"] > 0, mine[:2]
+    # (a healing replica does not count in its first step with an async quorum)
+    assert [r for r in mine if r["participants"] == groups]
+    healed = [r for r in _of(tl, "recovery", kind="rejoin", group=1)]
+    assert healed and healed[0]["spare"] == 0
+    assert _of(tl, "recovery", kind="full_strength", group=1)
+    assert _of(tl, "spare_start", spare=1) and _of(tl, "spare_ready", spare=1)
+    # identical parameters at the same step in every group, rank by rank
+    # (group rank i averages with group rank i of the other groups only)
+    for r in range(nproc):
+        files = sorted((tmp_path / "params").glob(f"params_g*_r{r}.pt"))
+        assert len(files) == groups, files
+        saved = [torch.load(f) for f in files]
+        assert len({s["step"] for s in saved}) == 1
+        for s in saved[1:]:
+            for k, v in saved[0]["params"].items():
+                assert torch.equal(v, s["params"][k]), (r, k)
+    left = [p for p in _pids(tl) if not _gone(p)]
+    assert not left, f"processes left running: {left}"
+
+
+def test_llama_spare_takes_over_heals_and_matches(tmp_path: Path) -> None:
+    tl = _run_llama(tmp_path, groups=2, nproc=1, kill_rank=None, limit=120.0)
+    _check_llama(tmp_path, tl, groups=2, nproc=1)
+
+
+@pytest.mark.long
+def test_llama_two_rank_spare_group(tmp_path: Path) -> None:
+    tl = _run_llama(tmp_path, groups=2, nproc=2, kill_rank=1, limit=240.0)
+    _check_llama(tmp_path, tl, groups=2, nproc=2)

@@ -145,6 +145,15 @@ def main(argv: list[str] | None = None) -> int:
                  "warm spare" if is_spare() else f"group {group}",
                  num_parameters(model) / 1e6, corpus.numel(), device)
 
+    if is_spare():
+        # A warm spare also runs one forward and backward pass (gradients
+        # dropped, weights untouched: the heal replaces them anyway), so
+        # that the first step after its takeover runs at full speed.
+        inputs, targets = batch_at(corpus, 0, 0, args.batch_size, args.seq_len, args.seed)
+        logits = model(inputs.to(device))
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.to(device).reshape(-1)
+                        ).backward()
+        model.zero_grad(set_to_none=True)
     report("ready")  # imports, corpus and model are done
     manager = None
     if args.plain:

@@ -65,6 +65,8 @@ The package, one module per part:
 ``cgroups``   the CPU limits of ``slow``;
 ``launcher``  :class:`LaunchConfig` and :class:`Launcher`: groups,
               restarts, injection, the timeline;
+``spare_pool`` the warm spares of ``--spares N`` (see
+              :mod:`stepguard.spares` and ``docs/spares.md``);
 ``cli``       ``stepguard-launch`` and ``python -m stepguard.launch``.
 ``slurm``     ``stepguard-slurm``: the groups as Slurm jobs, kept running
               from the head node (not imported here: see its docstring).

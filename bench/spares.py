@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [c for c in configs if c not in CONFIGS]
     if bad:
         p.error(f"unknown configs {bad} (from {', '.join(CONFIGS)})")
+    load0 = os.getloadavg()
     res = {}
     for c in configs:
         res[c] = measure(c, run_config(c, args, out), args.groups)
@@ -187,12 +188,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{platform.python_version()}.  The small Llama, {args.groups} participating "
         f"replica groups x 1 rank, OMP_NUM_THREADS={args.omp_threads}, "
         f"{args.duration:.0f} s per configuration, `kill:every={args.kill_every:g}s,"
-        f"start={args.first_kill:g}s,seed={args.seed}`, lighthouse `--quorum_tick_ms 100 --join_timeout_ms 10000`; "
+        f"start={args.first_kill:g}s,seed={args.seed}`, lighthouse `--quorum_tick_ms 100 "
+        f"--join_timeout_ms 10000`; "
         f"stepguard's process group: {args.pg}, torchft's: Gloo.  Warm: one warm spare "
         f"(`--spares 1`); hot: one group more, `FIXED_WITH_SPARES` with "
         f"`--min-replicas {args.groups}`.  Full strength: the replacement's first "
         f"committed step (hot: the first commit of a new quorum of {args.groups} "
-        f"participants).\n\n")
+        f"participants).  Load average at the start and end of the run (other jobs "
+        f"share the machine): {load0[0]:.1f}, {os.getloadavg()[0]:.1f}.\n\n")
     print()
     print(tbl)
     Path(args.results).parent.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -287,7 +288,9 @@ def test_spares_refused_in_network_namespaces(tmp_path: Path) -> None:
 # -- real trainers --
 
 def _run_llama(tmp_path: Path, groups: int, nproc: int, kill_rank: int | None,
-               limit: float) -> list[dict]:
+               limit: float, refill: str) -> list[dict]:
+    """Kills group 1 once the spare waits; finishes once the replacement
+    committed and the next spare reached ``refill`` (an event name)."""
     tl: list[dict] = []
     state = {"killed": False, "stop": None}
 
@@ -297,10 +300,14 @@ def _run_llama(tmp_path: Path, groups: int, nproc: int, kill_rank: int | None,
             after = [r for r in _of(tl, "commit", group=1, rank=0)
                      if ready and r["t"] > ready[0]["t"]]
             if len(after) >= 5:
+                # what the lighthouse knows while the spare waits
+                addr = _of(tl, "lighthouse")[0]["address"]
+                with urllib.request.urlopen(addr + "/status", timeout=10) as resp:
+                    state["status"] = json.load(resp)
                 state["killed"] = True
                 la.inject(FailureSpec(kind="kill", group=1, rank=kill_rank))
             return
-        if state["stop"] is None and _of(tl, "spare_ready", spare=1) and \
+        if state["stop"] is None and _of(tl, refill, spare=1) and \
                 _of(tl, "recovery", kind="full_strength"):
             last = max(r["step"] for r in _of(tl, "commit"))
             state["stop"] = last + 3
@@ -315,10 +322,15 @@ def _run_llama(tmp_path: Path, groups: int, nproc: int, kill_rank: int | None,
     tl = _timeline(tmp_path / "tl.jsonl")
     assert rc == 0 and not _of(tl, "duration_reached"), \
         f"see {tmp_path}/logs: " + json.dumps(tl[-8:])
+    # The lighthouse heard from the running groups' managers only, never
+    # from the waiting spare (which has no manager).
+    beats = [h["replica_id"].split(":")[0] for h in state["status"]["heartbeats"]]
+    assert sorted(beats) == [f"train_llama_{g}" for g in range(groups)], beats
     return tl
 
 
-def _check_llama(tmp_path: Path, tl: list[dict], groups: int, nproc: int) -> None:
+def _check_llama(tmp_path: Path, tl: list[dict], groups: int, nproc: int,
+                 refill: str) -> None:
     import torch
 
     ready = _of(tl, "spare_ready", spare=0)[0]["t"]
@@ -337,7 +349,7 @@ def _check_llama(tmp_path: Path, tl: list[dict], groups: int, nproc: int) -> Non
     healed = [r for r in _of(tl, "recovery", kind="rejoin", group=1)]
     assert healed and healed[0]["spare"] == 0
     assert _of(tl, "recovery", kind="full_strength", group=1)
-    assert _of(tl, "spare_start", spare=1) and _of(tl, "spare_ready", spare=1)
+    assert _of(tl, "spare_start", spare=1) and _of(tl, refill, spare=1)
     # identical parameters at the same step in every group, rank by rank
     # (group rank i averages with group rank i of the other groups only)
     for r in range(nproc):
@@ -353,11 +365,13 @@ def _check_llama(tmp_path: Path, tl: list[dict], groups: int, nproc: int) -> Non
 
 
 def test_llama_spare_takes_over_heals_and_matches(tmp_path: Path) -> None:
-    tl = _run_llama(tmp_path, groups=2, nproc=1, kill_rank=None, limit=120.0)
-    _check_llama(tmp_path, tl, groups=2, nproc=1)
+    tl = _run_llama(tmp_path, groups=2, nproc=1, kill_rank=None, limit=120.0,
+                    refill="spare_start")
+    _check_llama(tmp_path, tl, groups=2, nproc=1, refill="spare_start")
 
 
 @pytest.mark.long
 def test_llama_two_rank_spare_group(tmp_path: Path) -> None:
-    tl = _run_llama(tmp_path, groups=2, nproc=2, kill_rank=1, limit=240.0)
-    _check_llama(tmp_path, tl, groups=2, nproc=2)
+    tl = _run_llama(tmp_path, groups=2, nproc=2, kill_rank=1, limit=240.0,
+                    refill="spare_ready")
+    _check_llama(tmp_path, tl, groups=2, nproc=2, refill="spare_ready")

@@ -113,10 +113,14 @@ def measure(name: str, tl: list[dict[str, Any]], groups: int) -> dict[str, Any]:
     else:
         full = sorted(r["duration_s"] for r in rec if r["kind"] == "full_strength")
     takeovers = [r for r in tl if r["event"] == "takeover"]
+    waiting = {r["spare"] for r in takeovers if r.get("ready")}
+    warm_full = sorted(r["duration_s"] for r in rec if r["kind"] == "full_strength"
+                       and r.get("spare") in waiting)
     rejoin = [r for r in rec if r["kind"] == "rejoin"]
     return {
         "kills": sum(1 for r in tl if r["event"] == "inject"),
         "full": full,
+        "full_waiting": warm_full,
         "survivors": sorted(surv.values()),
         "join": sorted(r["join_s"] for r in rejoin if "join_s" in r),
         "takeovers": len(takeovers),
@@ -138,6 +142,8 @@ def table(res: dict[str, dict[str, Any]]) -> str:
     row("kill -> full strength, median", "full", med)
     row("kill -> full strength, min", "full", min)
     row("kill -> full strength, max", "full", max)
+    row("the same, kills that found a spare waiting: median", "full_waiting", med)
+    row("the same, kills that found a spare waiting: max", "full_waiting", max)
     row("kill -> survivors' next commit, median", "survivors", med)
     row("(re)start or takeover -> first commit, median", "join", med)
     row("warm spare setup (start -> waiting), median", "setup", med)

@@ -80,6 +80,7 @@ bench: build
 	$(PY) bench/parameter_server.py
 	$(PY) bench/data.py
 	$(PY) bench/links.py
+	$(PY) bench/spares.py
 
 sanitize: bootstrap $(ASAN)/build.ninja $(TSAN)/build.ninja
 	$(MESON) test -C $(ASAN) --print-errorlogs

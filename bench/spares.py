@@ -24,8 +24,11 @@ takeover -> first commit part and the spare's setup time.  Warm and hot
 spares run one process more than the others (the spare), the same for
 both.  Results go to ``bench/results/spares.md``.
 
-Run with ``.venv/bin/python bench/spares.py`` (about six minutes on two
-CPUs), or ``--duration 60 --configs torchft,stepguard-warm``.
+Run with ``.venv/bin/python bench/spares.py`` (about 13 minutes), or
+``--duration 60 --configs torchft,stepguard-warm``; after ``--``, arguments
+for ``train_llama.py`` (a smaller model: ``-- --dim 64 --layers 2``).  A
+refilled warm spare must finish its setup before the next kill to be of
+use: the table counts the takeovers that found it still setting up.
 """
 
 from __future__ import annotations
@@ -160,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--groups", type=int, default=3,
                    help="participating replica groups (hot spares add one)")
-    p.add_argument("--duration", type=float, default=100.0, help="seconds per config")
-    p.add_argument("--kill-every", type=float, default=12.0)
+    p.add_argument("--duration", type=float, default=150.0, help="seconds per config")
+    p.add_argument("--kill-every", type=float, default=20.0)
     p.add_argument("--first-kill", type=float, default=30.0,
                    help="seconds before the first kill (every group and spare set up)")
     p.add_argument("--seed", type=int, default=1)

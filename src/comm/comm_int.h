@@ -371,6 +371,16 @@ struct sg__comm_xfer_s {
   int nreduce; /* receive segments [0, nreduce) are reduced */
   int link;    /* send seg j waits for receive seg j - link; -1 never */
   size_t esize;
+  /* Optional computation interleaved with the transfer (the quantized
+   * collectives: quantize the next segment while the last one is on the
+   * wire, reduce what has landed).  When `work` is set, send segments
+   * [sready, ns) wait until it raises sready.  The engine calls it once per
+   * pass, after moving what the sockets allow; it returns 1 when it did
+   * something (another pass follows at once), 0 when it has nothing to do
+   * until more bytes land, or a negative SG_E* code with detail in msg. */
+  int (*work)(sg__comm_xfer_t *x);
+  void *work_arg;
+  int sready;
   int spull; /* send_peer reads the payload: send DESC frames, await ACK */
   int rpull; /* read recv_peer's payload as its DESC frames say, then ACK */
   /* progress */
@@ -443,6 +453,10 @@ void *sg__comm_progress_main(void *arg);
  * Returns 0 or a negative SG_E* code with detail in x->msg (256 bytes).
  */
 int sg__comm_xfer_run(sg__comm_xfer_t *x);
+
+/* sg__comm_xfer_rsegs: how many receive segments of `x` have landed
+ * whole (for its work function). */
+int sg__comm_xfer_rsegs(const sg__comm_xfer_t *x);
 
 /* sg__comm_exchange: send one buffer to `sp` while receiving one from `rp`
  * (either may be -1; they may be the same rank); as sg__comm_xfer_run,

@@ -261,6 +261,8 @@ static int eof_fail(sg__comm_xfer_t *x, int p, int code) {
 
 /* send_allowed: bytes of send segment j that may go now. */
 static size_t send_allowed(const sg__comm_xfer_t *x, int j) {
+  if (x->work && j >= x->sready)
+    return 0;
   if (x->link < 0 || j - x->link < 0)
     return x->ss[j].len;
   int g = j - x->link;
@@ -646,6 +648,14 @@ static int do_recv(sg__comm_xfer_t *x, int *moved) {
   return 0;
 }
 
+int sg__comm_xfer_rsegs(const sg__comm_xfer_t *x) {
+  if (x->recv_peer < 0 || x->nr == 0)
+    return 0;
+  if (x->rhdr_off < SG__COMM_FRAME_LEN) /* the frame of segment rk */
+    return x->rk;
+  return x->rk + (x->rdone == x->rs[x->rk].len);
+}
+
 static int send_done(const sg__comm_xfer_t *x) {
   if (x->send_peer < 0)
     return 1;
@@ -833,6 +843,15 @@ int sg__comm_xfer_run(sg__comm_xfer_t *x) {
     rc = do_acks(x, sdone, rdone, &moved, &ack_blocked, &ack_wait);
     if (rc)
       goto out;
+    if (x->work) {
+      int w = x->work(x);
+      if (w < 0) {
+        rc = w;
+        goto out;
+      }
+      if (w > 0)
+        moved = 1;
+    }
     if (sdone && rdone && x->ack_out_off == SG__COMM_FRAME_LEN &&
         x->ack_in_off == SG__COMM_FRAME_LEN)
       break;

@@ -206,8 +206,13 @@ uint16_t sg__comm_f32_to_bf16(float f);
 /* Elements per scale.  The wire format is described in quant.c. */
 #define SG__QUANT_BLOCK 512
 
-/* Wire block flags: the sender's input held a NaN or an infinity; the
- * owner's reduction overflowed to infinity. */
+/* Elements per piece of the quantized collectives' pipeline (qalgo.c): a
+ * multiple of SG__QUANT_BLOCK; the communicator's quant_chunk, which tests
+ * lower to run many pieces on small inputs. */
+#define SG__QUANT_CHUNK (256u * SG__QUANT_BLOCK)
+
+/* Wire block flags: the block's values held a NaN or an infinity (those
+ * scale blocks went as zeros); the owner's reduction overflowed. */
 #define SG__QUANT_NONFINITE 1u
 #define SG__QUANT_OVERFLOW 2u
 #define SG__QUANT_FLAGS_ALL 3u
@@ -244,8 +249,9 @@ void sg__quant_decode(sg_comm_quant_t fmt, const uint8_t *wire, size_t count,
 void sg__quant_decode_add(sg_comm_quant_t fmt, const uint8_t *wire,
                           size_t count, float *acc);
 
-/* sg__quant_add_f32: acc[i] += x[i]; sg__quant_div: acc[i] /= d. */
-void sg__quant_add_f32(float *acc, const float *x, size_t n);
+/* sg__quant_add_f32: acc[i] += x[i]; returns 1 when x holds a NaN or an
+ * infinity, else 0.  sg__quant_div: acc[i] /= d. */
+int sg__quant_add_f32(float *acc, const float *x, size_t n);
 void sg__quant_div(float *acc, size_t n, int d);
 
 /* ---- the communicator (comm.c, setup.c, engine.c, algo.c) -------------- */
@@ -351,6 +357,7 @@ struct sg_comm_s {
 
   uint8_t *stage; /* progress thread only */
   size_t stage_cap;
+  size_t quant_chunk; /* SG__QUANT_CHUNK, a multiple of SG__QUANT_BLOCK */
 };
 
 /* One segment of a transfer's send or receive stream. */

@@ -303,11 +303,17 @@ void sg__quant_decode_add(sg_comm_quant_t fmt, const uint8_t *wire,
   decode(fmt, wire, count, acc, 1);
 }
 
-/* sg__quant_add_f32 / sg__quant_scale: the owner's own exact operand and
- * AVG's division, vectorised the same way. */
-static ALWAYS_INLINE void add_body(float *acc, const float *x, size_t n) {
-  for (size_t i = 0; i < n; i++)
+/* sg__quant_add_f32 / sg__quant_div: the owner's own exact operand (its
+ * NaN or infinity found on the way, as absmax_bits does) and AVG's
+ * division, vectorised the same way. */
+static ALWAYS_INLINE int add_body(float *acc, const float *x, size_t n) {
+  int32_t m = 0;
+  for (size_t i = 0; i < n; i++) {
+    int32_t a = (int32_t)(f2u(x[i]) & 0x7fffffffu);
+    m = a > m ? a : m;
     acc[i] += x[i];
+  }
+  return m >= 0x7f800000;
 }
 
 static ALWAYS_INLINE void div_body(float *acc, size_t n, float d) {
@@ -316,9 +322,9 @@ static ALWAYS_INLINE void div_body(float *acc, size_t n, float d) {
 }
 
 #ifdef SG_QUANT_AVX2
-__attribute__((target("avx2"))) static void add_avx2(float *acc, const float *x,
-                                                     size_t n) {
-  add_body(acc, x, n);
+__attribute__((target("avx2"))) static int add_avx2(float *acc, const float *x,
+                                                    size_t n) {
+  return add_body(acc, x, n);
 }
 __attribute__((target("avx2"))) static void div_avx2(float *acc, size_t n,
                                                      float d) {
@@ -326,14 +332,12 @@ __attribute__((target("avx2"))) static void div_avx2(float *acc, size_t n,
 }
 #endif
 
-void sg__quant_add_f32(float *acc, const float *x, size_t n) {
+int sg__quant_add_f32(float *acc, const float *x, size_t n) {
 #ifdef SG_QUANT_AVX2
-  if (have_avx2()) {
-    add_avx2(acc, x, n);
-    return;
-  }
+  if (have_avx2())
+    return add_avx2(acc, x, n);
 #endif
-  add_body(acc, x, n);
+  return add_body(acc, x, n);
 }
 
 void sg__quant_div(float *acc, size_t n, int d) {

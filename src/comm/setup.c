@@ -96,6 +96,7 @@ int sg_comm_new(const sg_comm_opts_t *o, sg_comm_t **out, sg_err_t *err) {
   c->peers = sg_calloc((size_t)c->world, sizeof(*c->peers));
   c->stage_cap = STAGE_BYTES > c->small_max ? STAGE_BYTES : c->small_max;
   c->stage_cap = (c->stage_cap + 7) & ~(size_t)7;
+  c->quant_chunk = SG__QUANT_CHUNK;
   c->stage = sg_malloc(c->stage_cap);
   if (!c->job || !c->token || !c->peers || !c->stage) {
     rc = sg_err_set(err, SG_ENOMEM, "out of memory");

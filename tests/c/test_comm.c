@@ -1305,6 +1305,8 @@ static void test_quantized(void **state) {
 static void test_quantized_nonfinite(void **state) {
   struct group g;
   group_start(&g, 3);
+  for (int r = 0; r < 3; r++) /* many pieces: the NaN in a late one */
+    g.c[r]->quant_chunk = SG__QUANT_BLOCK;
   float special[2] = {NAN, -INFINITY};
   for (int k = 0; k < 2; k++) {
     for (int rs = 0; rs <= 1; rs++) {
@@ -1318,8 +1320,9 @@ static void test_quantized_nonfinite(void **state) {
           buf[r][i] = (float)i;
         for (size_t i = 0; i < count; i++)
           out[r][i] = -1.0f;
+        size_t at = rs ? 2 * count + 5 : k ? count - 3 : 17;
         if (r == 2)
-          buf[r][rs ? 2 * count + 5 : 17] = special[k];
+          buf[r][at] = special[k];
         done_init(&d[r]);
         int rc =
             rs ? sg_comm_reduce_scatter_quantized(
@@ -1338,7 +1341,7 @@ static void test_quantized_nonfinite(void **state) {
         done_destroy(&d[r]);
         for (size_t i = 0; i < count; i++) {
           assert_true(out[r][i] == -1.0f);
-          if (!(r == 2 && i == 17))
+          if (!(r == 2 && i == (rs ? 2 * count + 5 : k ? count - 3 : 17)))
             assert_true(buf[r][i] == (float)i);
         }
         assert_int_equal(sg_comm_error(g.c[r], NULL), 0);
@@ -1361,6 +1364,138 @@ static void test_quantized_nonfinite(void **state) {
   }
   wait_all(&g, d);
   assert_int_equal(v[1][3], 12);
+  group_stop(&g);
+}
+
+/* run_q: one quantized allreduce (rs = 0) or reduce-scatter of every
+ * rank's in[r] (count elements, or n * count) into out[r], pieces of
+ * `chunk` elements; returns every rank's status in rcs. */
+static void run_q(struct group *g, int rs, float **in, float **out,
+                  size_t count, int fmt, sg_comm_redop_t op, size_t chunk,
+                  int *rcs, char msgs[][256]) {
+  struct done d[MAXW];
+  for (int r = 0; r < g->n; r++) {
+    g->c[r]->quant_chunk = chunk; /* before the submission: no race */
+    done_init(&d[r]);
+    if (!rs)
+      memcpy(out[r], in[r], count * sizeof(float));
+    int rc = rs ? sg_comm_reduce_scatter_quantized(
+                      g->c[r], in[r], out[r], count, (sg_comm_quant_t)fmt, op,
+                      sg_deadline_in_ms(30000), done_cb, &d[r], NULL)
+                : sg_comm_allreduce_quantized(
+                      g->c[r], out[r], count, (sg_comm_quant_t)fmt, op,
+                      sg_deadline_in_ms(30000), done_cb, &d[r], NULL);
+    assert_int_equal(rc, 0);
+  }
+  for (int r = 0; r < g->n; r++) {
+    rcs[r] = done_wait(&d[r], 40000);
+    if (msgs)
+      snprintf(msgs[r], 256, "%s", d[r].msg);
+    done_destroy(&d[r]);
+  }
+}
+
+/* The pipeline's pieces change nothing: cut into pieces of 1, 2 or 3
+ * scale blocks (the last one short), the results have the bits of one
+ * piece per part, on every rank, both formats, SUM and AVG, allreduce and
+ * reduce-scatter. */
+static void test_quantized_pieces(void **state) {
+  for (int n = 2; n <= 4; n++) {
+    struct group g;
+    group_start(&g, n);
+    size_t count = 7 * SG__QUANT_BLOCK * (size_t)n + 333;
+    float *in[MAXW], *one[MAXW], *many[MAXW];
+    for (int r = 0; r < n; r++) {
+      in[r] = malloc(count * (size_t)n * sizeof(float));
+      one[r] = malloc(count * sizeof(float));
+      many[r] = malloc(count * sizeof(float));
+      for (size_t i = 0; i < count * (size_t)n; i++) {
+        double u = (double)(rnd() >> 11) / 9007199254740992.0 * 2 - 1;
+        in[r][i] = (float)(i % 333 == 5 ? u * 1e4 : u);
+      }
+    }
+    for (int fmt = 1; fmt <= 2; fmt++) {
+      for (int avg = 0; avg <= 1; avg++) {
+        for (int rs = 0; rs <= 1; rs++) {
+          sg_comm_redop_t op = avg ? SG_COMM_AVG : SG_COMM_SUM;
+          int rcs[MAXW];
+          run_q(&g, rs, in, one, count, fmt, op, SG__QUANT_CHUNK, rcs, NULL);
+          for (int r = 0; r < n; r++)
+            assert_int_equal(rcs[r], 0);
+          for (size_t k = 1; k <= 3; k++) {
+            run_q(&g, rs, in, many, count, fmt, op, k * SG__QUANT_BLOCK, rcs,
+                  NULL);
+            for (int r = 0; r < n; r++) {
+              assert_int_equal(rcs[r], 0);
+              assert_memory_equal(many[r], one[r], count * sizeof(float));
+              if (!rs)
+                assert_memory_equal(many[r], many[0], count * sizeof(float));
+            }
+          }
+        }
+      }
+    }
+    for (int r = 0; r < n; r++) {
+      free(in[r]);
+      free(one[r]);
+      free(many[r]);
+    }
+    group_stop(&g);
+  }
+}
+
+/* A reduction that overflows float32 at one owner fails every rank alike,
+ * naming the owner, with nothing written; the communicator goes on. */
+static void test_quantized_overflow(void **state) {
+  struct group g;
+  group_start(&g, 3);
+  size_t count = 3 * 4 * SG__QUANT_BLOCK;
+  float *in[MAXW], *out[MAXW];
+  char msgs[MAXW][256];
+  for (int r = 0; r < 3; r++) {
+    in[r] = malloc(count * 3 * sizeof(float));
+    out[r] = malloc(count * 3 * sizeof(float));
+    for (size_t i = 0; i < count * 3; i++)
+      in[r][i] = (float)(i % 7);
+  }
+  for (int rs = 0; rs <= 1; rs++) {
+    int rcs[MAXW];
+    /* in rank 1's part (allreduce: the middle third of count), in its
+     * last piece; or in rank 1's slice (reduce-scatter) */
+    size_t at = rs ? 2 * count - 9 : count / 3 * 2 - 9;
+    for (int r = 0; r < 3; r++) {
+      in[r][count / 3 * 2 - 9] = (float)((count / 3 * 2 - 9) % 7);
+      in[r][at] = 3e38f;
+      for (size_t i = 0; i < count; i++)
+        out[r][i] = -1.0f;
+    }
+    if (rs)
+      run_q(&g, 1, in, out, count, SG_COMM_QUANT_INT8, SG_COMM_SUM,
+            SG__QUANT_BLOCK, rcs, msgs);
+    else /* run_q copies in to out first: check the copy is left */
+      run_q(&g, 0, in, out, count, SG_COMM_QUANT_INT8, SG_COMM_SUM,
+            SG__QUANT_BLOCK, rcs, msgs);
+    for (int r = 0; r < 3; r++) {
+      assert_int_equal(rcs[r], SG_EINVAL);
+      assert_non_null(strstr(msgs[r], "overflowed"));
+      assert_non_null(strstr(msgs[r], "at rank 1"));
+      for (size_t i = 0; i < count; i++)
+        assert_true(out[r][i] == (rs ? -1.0f : in[r][i]));
+      assert_int_equal(sg_comm_error(g.c[r], NULL), 0);
+    }
+  }
+  int rcs[MAXW];
+  for (int r = 0; r < 3; r++)
+    for (size_t i = 0; i < count; i++)
+      in[r][i] = 1.0f;
+  run_q(&g, 0, in, out, count, SG_COMM_QUANT_FP8, SG_COMM_SUM, SG__QUANT_BLOCK,
+        rcs, NULL);
+  for (int r = 0; r < 3; r++) {
+    assert_int_equal(rcs[r], 0);
+    assert_true(fabsf(out[r][count - 1] - 3.0f) < 0.05f);
+    free(in[r]);
+    free(out[r]);
+  }
   group_stop(&g);
 }
 
@@ -2401,6 +2536,8 @@ int main(void) {
       cmocka_unit_test(test_mismatch),
       cmocka_unit_test(test_quantized),
       cmocka_unit_test(test_quantized_nonfinite),
+      cmocka_unit_test(test_quantized_pieces),
+      cmocka_unit_test(test_quantized_overflow),
       cmocka_unit_test(test_quantized_mismatch),
       cmocka_unit_test(test_free_cancels),
       cmocka_unit_test(test_bye),
@@ -2433,6 +2570,7 @@ int main(void) {
       cmocka_unit_test(test_deadline),
       cmocka_unit_test(test_mismatch),
       cmocka_unit_test(test_quantized),
+      cmocka_unit_test(test_quantized_pieces),
       cmocka_unit_test(test_free_cancels),
       cmocka_unit_test(test_bye),
       cmocka_unit_test(test_progress_late_peer),

@@ -268,10 +268,26 @@ static void test_check_rejects(void **state) {
 static void test_add_div(void **state) {
   (void)state;
   float a[5] = {1, 2, 3, 4, 5}, b[5] = {0.5f, 0.5f, 0.5f, 0.5f, 0.5f};
-  sg__quant_add_f32(a, b, 5);
+  assert_int_equal(sg__quant_add_f32(a, b, 5), 0);
   sg__quant_div(a, 5, 3);
   for (int i = 0; i < 5; i++)
     assert_true(a[i] == (float)(i + 1.5f) / 3.0f);
+  /* the operand's NaN or infinity is reported, wherever it is (the
+   * vectorised body and the tail) */
+  float acc[1000] = {0}, x[1000];
+  float special[3] = {NAN, INFINITY, -INFINITY};
+  for (int k = 0; k < 3; k++) {
+    for (size_t at = 0; at < 1000; at += 97) {
+      for (size_t i = 0; i < 1000; i++)
+        x[i] = (float)i * (i % 2 ? -1e30f : 1e-30f);
+      assert_int_equal(sg__quant_add_f32(acc, x, 1000), 0);
+      x[at] = special[k];
+      assert_int_equal(sg__quant_add_f32(acc, x, 1000), 1);
+      assert_int_equal(sg__quant_add_f32(acc, x, at), 0);
+    }
+  }
+  float big[2] = {3.4028235e38f, -3.4028235e38f}; /* finite */
+  assert_int_equal(sg__quant_add_f32(acc, big, 2), 0);
 }
 
 int main(void) {

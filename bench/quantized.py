@@ -16,7 +16,14 @@ Kernels: one core, 64 MiB of float32 in: quantize (int8, fp8), dequantize,
 and a plain memcpy of the same 64 MiB (torch's copy_ on one thread); GB/s
 are float32 bytes in (quantize) or out (dequantize) per second.
 
-    python bench/quantized.py [--iters 5] [--mib 64] [--skip-shaped]
+    python bench/quantized.py [--iters 5] [--mib 64] [--skip-shaped] [--skip-loopback]
+
+A mode's time is the slowest rank's, per iteration: the median over the
+iterations, and the best one (the least disturbed by other work on the
+machine).  Per mode also the CPU time of a rank's process during the operation (every
+thread), and two lower bounds on its time: the link's (bytes sent / rate)
+and the CPU's (every rank's CPU time spread over the machine's cores); the
+load average at the start and the end says how much other work shared them.
 
 Results: bench/results/quantized.json and bench/results/quantized.md.
 Prints medians and ratios; asserts nothing.
@@ -76,26 +83,36 @@ def tx():
 def barrier():
     o = AllreduceOptions(); o.reduceOp = ReduceOp.SUM
     pgs["fp8"].allreduce([torch.zeros(1)], o).wait()
-res = {m: {"t": [], "tx": []} for m in sys.argv[10].split(",")}
+res = {m: {"t": [], "tx": [], "cpu": []} for m in sys.argv[10].split(",")}
 for it in range(iters + 1):
     for mode in res:
         buf.copy_(x)
         barrier()
-        b0, t0 = tx(), time.perf_counter()
+        b0, c0, t0 = tx(), time.process_time(), time.perf_counter()
         if mode in ("int8", "fp8"):
             collectives.allreduce_quantized([buf], ReduceOp.SUM, pgs[mode]).wait()
         else:
             o = AllreduceOptions(); o.reduceOp = ReduceOp.SUM
             pgs[mode].allreduce([buf], o).wait()
-        t1, b1 = time.perf_counter(), tx()
+        t1, c1, b1 = time.perf_counter(), time.process_time(), tx()
         if it:  # the first round warms up
             res[mode]["t"].append(t1 - t0)
             res[mode]["tx"].append(b1 - b0)
+            res[mode]["cpu"].append(c1 - c0)
 for fmt in ("int8", "fp8"):
     pgs[fmt].shutdown()
 with open(out, "w") as f:
     json.dump(res, f)
 """
+
+
+def rate_bits(rate: str) -> float:
+    """tc's rate ("1gbit", "500mbit") in bits per second."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
+    for u, f in units.items():
+        if rate.endswith(u):
+            return float(rate[: -len(u)]) * f
+    return float(rate)
 
 
 def _run(*cmd: str) -> None:
@@ -173,8 +190,11 @@ def run_group(store_host: str, hosts: list[str], ifaces: list[str], prefix: list
         # the operation's time: the slowest rank's, per iteration
         times = [max(pr[m]["t"][i] for pr in per_rank) for i in range(iters)]
         txs = [sum(pr[m]["tx"][i] for pr in per_rank) / WORLD for i in range(iters)]
+        # CPU time of a rank's process (every thread) during the operation
+        cpus = [sum(pr[m]["cpu"][i] for pr in per_rank) / WORLD for i in range(iters)]
         # (no counters: -1 per rank)
-        out[m] = {"median_s": statistics.median(times),
+        out[m] = {"median_s": statistics.median(times), "best_s": min(times),
+                  "cpu_s_per_rank": statistics.median(cpus),
                   "tx_bytes_per_rank": statistics.median(txs) if txs[0] >= 0 else None}
     return out
 
@@ -213,10 +233,13 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--skip-shaped", action="store_true")
+    ap.add_argument("--skip-loopback", action="store_true")
     a = ap.parse_args()
     import tempfile
 
-    results: dict = {"mib": a.mib, "world": WORLD, "iters": a.iters, "rate": a.rate}
+    cores = len(os.sched_getaffinity(0))
+    results: dict = {"mib": a.mib, "world": WORLD, "iters": a.iters, "rate": a.rate,
+                     "cores": cores, "loadavg_start": os.getloadavg()[0]}
     results["kernels"] = kernels(a.mib, a.iters)
     k = results["kernels"]
     print(f"kernels, one core, GB/s of float32 (memcpy {k['memcpy']:.2f}):")
@@ -225,9 +248,10 @@ def main() -> None:
             print(f"  {key:16s} {v:6.2f}  ({v / k['memcpy']:.2f}x memcpy)")
     with tempfile.TemporaryDirectory() as tmp:
         # no byte counts on loopback: lo's counters carry every process's traffic
-        lo = run_group("127.0.0.1", ["127.0.0.1"] * WORLD, ["-"] * WORLD, [[]] * WORLD,
-                       a.mib, a.iters, MODES, Path(tmp))
-        results["loopback"] = lo
+        if not a.skip_loopback:
+            results["loopback"] = run_group(
+                "127.0.0.1", ["127.0.0.1"] * WORLD, ["-"] * WORLD, [[]] * WORLD,
+                a.mib, a.iters, MODES, Path(tmp))
         reason = None
         if a.skip_shaped:
             reason = "--skip-shaped"
@@ -251,8 +275,13 @@ def main() -> None:
         if reason:
             print(f"SKIP shaped link: {reason}")
             results["shaped_skipped"] = reason
+    results["loadavg_end"] = os.getloadavg()[0]
     lines = [f"# Quantized allreduce: {a.mib} MiB float32, {WORLD} ranks, SUM, "
-             f"medians of {a.iters}", ""]
+             f"medians of {a.iters}", "",
+             f"{cores} cores; load average {results['loadavg_start']:.1f} at the start, "
+             f"{results['loadavg_end']:.1f} at the end (other work on the machine slows "
+             "the CPU-bound modes first).", ""]
+    print(f"\n{lines[2]}")
     for netname in ("shaped", "loopback"):
         if netname not in results:
             continue
@@ -261,8 +290,9 @@ def main() -> None:
         title = f"{netname} ({a.rate} tbf per rank)" if netname == "shaped" else \
             "loopback TCP (STEPGUARD_SAME_HOST=0)"
         print(f"\n{title}:")
-        lines += [f"## {title}", "", "| mode | time (s) | vs full | vs gloo | "
-                  "bytes sent per rank | data vs full |", "|---|---|---|---|---|---|"]
+        lines += [f"## {title}", "", "| mode | time (s) | vs full | vs gloo | best (s) | "
+                  "bytes sent per rank | data vs full | CPU per rank (s) |",
+                  "|---|---|---|---|---|---|---|---|"]
         for m in MODES:
             v = r[m]
             tx = v["tx_bytes_per_rank"]
@@ -270,10 +300,24 @@ def main() -> None:
             data = f"{ftx / tx:.2f}x less" if tx and ftx else "-"
             txs = f"{tx / 2**20:.1f} MiB" if tx else "-"
             row = (f"| {m} | {v['median_s']:.3f} | {full['median_s'] / v['median_s']:.2f}x | "
-                   f"{r['gloo']['median_s'] / v['median_s']:.2f}x | {txs} | {data} |")
+                   f"{r['gloo']['median_s'] / v['median_s']:.2f}x | {v['best_s']:.3f} | "
+                   f"{txs} | {data} | "
+                   f"{v['cpu_s_per_rank']:.3f} |")
             print(row)
             lines.append(row)
-        lines.append("")
+        # what bounds each mode: the link (bytes / rate) and the CPU (every
+        # rank's CPU time spread over the cores, at best)
+        limits = []
+        for m in MODES:
+            v = r[m]
+            cpu = WORLD * v["cpu_s_per_rank"] / cores
+            wire = (v["tx_bytes_per_rank"] * 8 / rate_bits(a.rate)
+                    if netname == "shaped" and v["tx_bytes_per_rank"] else None)
+            limits.append(f"{m}: link {wire:.3f} s, CPU {cpu:.3f} s" if wire is not None
+                          else f"{m}: CPU {cpu:.3f} s")
+        lim = "Lower bounds: " + "; ".join(limits) + "."
+        print(lim)
+        lines += ["", lim, ""]
     lines += ["## kernels (one core, GB/s of float32)", "", "| kernel | GB/s | vs memcpy |",
               "|---|---|---|"]
     for key, v in k.items():

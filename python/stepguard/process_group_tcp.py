@@ -337,13 +337,20 @@ def _exception(rc: int, msg: str) -> Exception:
 # Quantized formats: names, as STEPGUARD_QUANTIZE lists them, and the C
 # constants.
 QUANT_FORMATS = {"fp8": _C.QUANT_FP8, "int8": _C.QUANT_INT8}
+# The quantized collectives' wire layout, advertised with each format
+# ("fp8@2"): members whose layouts differ share no format and fall back to
+# full precision together instead of failing on each other's frames.
+# Version 1 (advertised without a suffix) sent each part whole; version 2
+# sends it in pieces, each with its own header.
+QUANT_WIRE = 2
 
 
 def _advertised_formats() -> List[str]:
-    """The formats this member advertises, preferred first."""
+    """The formats this member advertises, preferred first, each tagged
+    with the wire layout (``name@QUANT_WIRE``)."""
     raw = config.get("STEPGUARD_QUANTIZE") or ""
     names = [n.strip().lower() for n in raw.split(",") if n.strip()]
-    return [n for n in dict.fromkeys(names) if n in QUANT_FORMATS]
+    return [f"{n}@{QUANT_WIRE}" for n in dict.fromkeys(names) if n in QUANT_FORMATS]
 
 
 def _agree(advertised: List[Optional[str]]) -> Tuple[Optional[str], str]:
@@ -358,9 +365,13 @@ def _agree(advertised: List[Optional[str]]) -> Tuple[Optional[str], str]:
             "collectives (another version, or STEPGUARD_QUANTIZE empty)"
         )
     for f in lists[0] or []:
-        if all(f in l for l in lists):
-            return f, ""
-    return None, f"the members advertise no common quantized format: {advertised}"
+        name, _, wire = f.partition("@")
+        if name in QUANT_FORMATS and wire == str(QUANT_WIRE) and all(f in l for l in lists):
+            return name, ""
+    return None, (
+        f"the members advertise no common quantized format at wire version "
+        f"{QUANT_WIRE} (another stepguard version?): {advertised}"
+    )
 
 
 class ProcessGroupTCP(ProcessGroup):

@@ -347,3 +347,22 @@ def test_other_groups_fall_back_with_one_warning_naming_them(caplog):
     assert torch.equal(t, torch.full((4,), 3.0))  # one member: the sum is itself
     msgs = [r.getMessage() for r in caplog.records if "full precision" in r.getMessage()]
     assert len(msgs) == 1 and "ProcessGroupDummy" in msgs[0], msgs
+
+
+def test_agreement_needs_the_same_wire_version() -> None:
+    """Formats are agreed with their wire layout: members of another
+    stepguard version (formats without a version, or another one) share no
+    format with this one, so all fall back together instead of failing on
+    each other's frames."""
+    from stepguard.process_group_tcp import QUANT_WIRE, _agree
+
+    now = f"fp8@{QUANT_WIRE},int8@{QUANT_WIRE}"
+    assert _agree([now, now, now]) == ("fp8", "")
+    assert _agree([f"int8@{QUANT_WIRE}", now]) == ("int8", "")
+    for other in ("fp8,int8", f"fp8@{QUANT_WIRE + 1},int8@{QUANT_WIRE + 1}"):
+        fmt, why = _agree([now, other])
+        assert fmt is None and f"wire version {QUANT_WIRE}" in why, why
+        fmt, why = _agree([other, now])
+        assert fmt is None, why
+    fmt, why = _agree([now, None])
+    assert fmt is None and "do not advertise" in why

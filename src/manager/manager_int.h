@@ -275,6 +275,7 @@ int sg__mgr_deliver_here(sg_mgr_server_t *s, int rc, const char *msg,
                          Torchft__LighthouseQuorumResponse *resp);
 
 /* sg__mgr_round_mu: the lock the round of calls of `kind` is under. */
+int sg__mgr_quorum_idle(sg_mgr_server_t *s);
 pthread_mutex_t *sg__mgr_round_mu(sg_mgr_server_t *s, sg__mgr_kind_t kind);
 
 /* sg__mgr_waiter_drop: the caller of w's call gave up (its round's lock

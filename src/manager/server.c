@@ -668,6 +668,15 @@ static sg__mgr_waiter_t *add_waiter(sg_mgr_server_t *s, sg__mgr_reply_t to,
   return w;
 }
 
+/* sg__mgr_quorum_idle: no Quorum call counts as arrived and no round is
+ * under way (tests wait for this where a cancel must have been seen). */
+int sg__mgr_quorum_idle(sg_mgr_server_t *s) {
+  pthread_mutex_lock(&s->quorum_mu);
+  int idle = s->n_arrived == 0 && !s->round_in_flight;
+  pthread_mutex_unlock(&s->quorum_mu);
+  return idle;
+}
+
 /* sg__mgr_round_mu: the lock the round of calls of `kind` is under. */
 pthread_mutex_t *sg__mgr_round_mu(sg_mgr_server_t *s, sg__mgr_kind_t kind) {
   return kind == SG__MGR_QUORUM ? &s->quorum_mu : &s->commit_mu;

@@ -28,6 +28,7 @@
 #include <cmocka.h>
 #include <nghttp2/nghttp2.h>
 
+#include "manager/manager_int.h"
 #include "stepguard/base.h"
 #include "stepguard/lighthouse.h"
 #include "stepguard/manager.h"
@@ -1101,6 +1102,18 @@ static void test_reconnect_within_grace_keeps_group(void **state) {
   lh_group_stop(&g, lh);
 }
 
+/* wait_quorum_idle: until the server counts no Quorum call as arrived and
+ * has no round under way: a client's cancel travels to the server on its
+ * own, so a test that needs it seen waits for it (10 s at most). */
+static void wait_quorum_idle(sg_mgr_server_t *s) {
+  sg_deadline_t until = sg_deadline_in_ms(10000);
+  while (!sg__mgr_quorum_idle(s)) {
+    if (sg_deadline_passed(until))
+      fail_msg("the server still counts a cancelled Quorum call after 10 s");
+    usleep(5 * 1000);
+  }
+}
+
 static void test_cancelled_call_no_longer_counts(void **state) {
   (void)state;
   group_t g;
@@ -1112,13 +1125,16 @@ static void test_cancelled_call_no_longer_counts(void **state) {
   q_start(&q[0]);
   q_join(&q[0]);
   assert_int_equal(q[0].rc, SG_ETIMEDOUT);
-  usleep(100 * 1000); /* the cancel reaches the server */
+  wait_quorum_idle(g.srv); /* the cancel reached the server */
   q_init(&q[1], &g, 1, 1);
   q[1].timeout_ms = 600;
   q_start(&q[1]);
   q_join(&q[1]);
   assert_int_equal(q[1].rc, SG_ETIMEDOUT);
-  /* both together still work */
+  /* both together still work, once rank 1's cancel is in too (before it,
+   * a new rank 0 call would start a round with the stale rank 1 call and
+   * take its answer, leaving the new rank 1 call alone) */
+  wait_quorum_idle(g.srv);
   const int64_t steps[1][2] = {{1, 1}};
   run_round(&g, 1, steps, 0, q);
   assert_int_equal(q[0].r.replica_world_size, 1);

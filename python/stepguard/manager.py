@@ -401,6 +401,7 @@ class Manager:
         self._participating_replica_world_size: int = 0
         # the quorum being joined, while _reconfigure_pg runs
         self._reconfiguring: Optional[QuorumResult] = None
+        self._last_quorum: Optional[QuorumResult] = None
         self._is_state_dict_read_allowed = True
         self._warned_quantize = ""  # the last reason warned about
         # When state is read (see the class doc): None until the first
@@ -864,6 +865,7 @@ class Manager:
     ) -> None:
         if curr_device >= 0 and _accelerator():
             torch.accelerator.set_device_index(curr_device)
+        self._last_quorum = quorum
 
         quorum_id = quorum.quorum_id
         replica_rank = quorum.replica_rank
@@ -1261,6 +1263,14 @@ class Manager:
     def current_step(self) -> int:
         """The number of committed steps (the step being computed)."""
         return self._step
+
+    def last_quorum(self) -> Optional[QuorumResult]:
+        """The quorum this step runs in (members, ``max_step``, id), as
+        this group rank was answered; None before the first.  Waits for the
+        quorum.  For logs and checkers (stepguard only)."""
+        if self._quorum_future is not None:
+            self._wait_configured()
+        return self._last_quorum
 
     def batches_committed(self) -> int:
         """The number of batches committed, summed over participants."""

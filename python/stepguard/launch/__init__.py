@@ -8,7 +8,8 @@ group dies it ends the whole group and starts it again, as torchrun does.
 
 On request it injects failures on a schedule:
 
-``kill``      SIGKILL one rank of a group (the group then restarts);
+``kill``      SIGKILL one rank of a group (``rank=all``: every rank; the
+              group then restarts);
 ``hang``      SIGSTOP every rank of a group, then SIGCONT (``then=cont``,
               the default) or SIGKILL (``then=kill``) after ``duration``;
 ``slow``      limit a group to a fraction of one CPU for ``duration``:
@@ -28,7 +29,15 @@ On request it injects failures on a schedule:
               segments reset their connection) through a userspace packet
               relay (see :mod:`stepguard.launch.links`); network
               namespaces as for ``partition``.  ``--link`` shapes links
-              for the whole run.
+              for the whole run;
+``lighthouse`` SIGKILL the lighthouse the launcher started and start it
+              again on the same port after ``duration`` (with its
+              ``--quorum_id_file`` unless ``id_file=no``);
+``kill_source`` arm the ``serve`` fault point (:func:`hook_point`) and
+              SIGKILL the recovery source that reaches it, while a peer
+              heals from it (a group is killed first to make a heal);
+``kill_after_heal`` the same with the ``after_heal`` point: SIGKILL a
+              replica during its first step after a heal.
 
 A spec reads ``KIND:key=value,...``, e.g. ``kill:every=20s``,
 ``kill:every=20s,random,seed=3`` (intervals drawn uniformly from

@@ -31,7 +31,7 @@ from stepguard.launch.links import _LinkShaper, links_unavailable
 from stepguard.launch.netns import _Netns, netns_unavailable
 from stepguard.launch.spare_pool import _SparePool
 from stepguard.launch.spec import FailureSpec
-from stepguard.launch.worker import EVENTS_FD_ENV, INCARNATION_ENV, STOP_FILE_ENV
+from stepguard.launch.worker import EVENTS_FD_ENV, HOOK_DIR_ENV, INCARNATION_ENV, STOP_FILE_ENV
 
 __all__ = ["LaunchConfig", "Launcher"]
 
@@ -86,6 +86,10 @@ class LaunchConfig:
     # Warm spares: this many idle groups' worth of trainers, set up and
     # waiting; a lost group's restart takes one over (spare_pool.py).
     spares: int = 0
+    # The lighthouse it starts keeps its quorum ids here (stepguard's).
+    quorum_id_file: str | None = None
+    # Where kill_source / kill_after_heal arm fault points (hook_point).
+    hook_dir: str | None = None
 
 
 _PR_SET_PDEATHSIG = 1
@@ -131,6 +135,7 @@ class _Group:
         self.stopped = False  # hang injection in effect
         self.partitioned = False  # partition injection in effect
         self.link_window = False  # link injection in effect
+        self.hit_at = -1e9  # monotonic time of the last injection picking it
 
 
 class _Injector:
@@ -218,6 +223,12 @@ class Launcher:
         # partitions and link windows awaiting a commit
         self._pending_heals: list[dict[str, Any]] = []
         self.bad_events = 0  # worker event lines dropped as malformed
+        self._lh_flags: list[str] = []
+        self._lh_host = ""
+        self._lh_port = 0
+        self._lh_down = False  # a lighthouse injection is in effect
+        self._armed: dict[str, dict[str, Any]] = {}  # fault point -> arming
+        self._tag: str | None = None  # the tag of the spec being injected
         self.net: _Netns | None = None
         self.links: _LinkShaper | None = None
         kinds = {s.kind for s in config.failures}
@@ -291,6 +302,8 @@ class Launcher:
     def _record(self, event: str, t: float | None = None, **fields: Any) -> dict[str, Any]:
         t = time.time() if t is None else t
         rec = {"event": event, "t": round(t, 6), "elapsed": round(t - self.t0, 6)}
+        if self._tag is not None and event in ("inject", "inject_skipped", "arm"):
+            rec["tag"] = self._tag
         for k, v in fields.items():
             rec.setdefault(k, v)  # a worker's fields never override these
         if self._timeline is not None:
@@ -335,11 +348,20 @@ class Launcher:
             flags += ["--etcd", endpoints, "--etcd_prefix",
                       f"/stepguard/launch/{os.getpid()}-{int(self.t0)}",
                       "--hostname", host]
+        if c.quorum_id_file and c.lighthouse_impl == "stepguard" and c.lighthouses == 1:
+            flags += ["--quorum_id_file", c.quorum_id_file]
+        self._lh_flags, self._lh_host = flags, host
         addrs = [self._start_one_lighthouse(i, host, flags)
                  for i in range(c.lighthouses)]
         self.lighthouse_addr = ",".join(addrs)
+        self._lh_port = int(addrs[0].rsplit(":", 1)[1])
 
-    def _start_one_lighthouse(self, i: int, host: str, flags: list[str]) -> str:
+    def lighthouse_pids(self) -> list[int]:
+        """The pids of the lighthouses this launcher runs now."""
+        return [p.pid for p in self._lh_popens if p.poll() is None]
+
+    def _start_one_lighthouse(self, i: int, host: str, flags: list[str],
+                              name: str | None = None) -> str:
         c = self.cfg
         if c.lighthouse_impl == "stepguard":
             argv = [sys.executable, "-c", _OURS_LIGHTHOUSE, *flags]
@@ -355,7 +377,7 @@ class Launcher:
         self._lh_popens.append(popen)
         assert popen.stdout is not None
         found: queue.Queue[str | None] = queue.Queue()
-        name = "lighthouse.log" if i == 0 else f"lighthouse{i}.log"
+        name = name or ("lighthouse.log" if i == 0 else f"lighthouse{i}.log")
         log_path = Path(c.log_dir) / name if c.log_dir else None
         lh_log = open(log_path, "w") if log_path else None  # noqa: SIM115
         if lh_log is not None:
@@ -447,6 +469,8 @@ class Launcher:
         })
         if c.stop_file:
             base[STOP_FILE_ENV] = c.stop_file
+        if c.hook_dir:
+            base[HOOK_DIR_ENV] = c.hook_dir
         cmd = c.cmd
         if self.net is not None:
             base["STEPGUARD_ADVERTISE_HOST"] = self.net.ip_of(g.gid)
@@ -641,6 +665,8 @@ class Launcher:
             if ev == "spare_waiting" and self._spares is not None:
                 self._spares.on_waiting(rec, t)
             self._record(ev, t=t, source="worker", **rec)
+            if ev == "hook" and g is not None:
+                self._strike(g, current, str(rec.get("point")), rec)
             return
         committed = rec.get("committed") is True
         self._record("commit" if committed else "discard", t=t, **rec)
@@ -706,11 +732,29 @@ class Launcher:
             # Prefer groups that have committed since their last start, so a
             # failure hits a working replica rather than one still starting.
             cands = [g for g in running if g.first_commit_seen] or running
+            # two faults at once hit two groups, when there are two
+            now = time.monotonic()
+            cands = [g for g in cands if now - g.hit_at > 1.0] or cands
         return inj.rng.choice(cands) if cands else None
 
     def _inject(self, inj: _Injector) -> None:
+        outer, self._tag = self._tag, inj.spec.tag
+        try:
+            self._inject_one(inj)
+        finally:
+            self._tag = outer
+
+    def _inject_one(self, inj: _Injector) -> None:
         s = inj.spec
+        if s.kind == "lighthouse":
+            self._kill_lighthouse(s)
+            return
+        if s.kind in ("kill_source", "kill_after_heal"):
+            self._arm(inj)
+            return
         g = self._pick_group(inj)
+        if g is not None:
+            g.hit_at = time.monotonic()
         if g is None:
             self._record("inject_skipped", kind=s.kind, reason="no running group to hit")
             return
@@ -720,9 +764,19 @@ class Launcher:
         g.injected = True
         if s.kind == "kill":
             alive = [w for w in g.workers if w.returncode is None]
-            if s.rank is not None:
+            if s.rank is not None and s.rank >= 0:
                 alive = [w for w in alive if w.rank == s.rank]
             if not alive:
+                self._record("inject_skipped", kind=s.kind, group=g.gid,
+                             reason=f"no live rank {s.rank} in the group")
+                return
+            if s.rank == -1:  # the whole group at once
+                self._signal_group(g, signal.SIGKILL)
+                self._record("inject", t=now, failure=fid, kind="kill", group=g.gid,
+                             rank="all", pids=[w.pid for w in alive],
+                             incarnation=g.incarnation)
+                self._say(f"injected kill #{fid}: group {g.gid}, every rank")
+                self._pending_kills.append({"t": now, "group": g.gid, "failure": fid})
                 return
             w = inj.rng.choice(alive)
             with contextlib.suppress(ProcessLookupError):
@@ -760,6 +814,112 @@ class Launcher:
             self._start_partition(g, s, fid)
         elif s.kind == "link":
             self._start_link(g, s, fid, inj.rng.randrange(1 << 31))
+
+    # lighthouse: SIGKILL, then a new one on the same port
+
+    def _kill_lighthouse(self, s: FailureSpec) -> None:
+        c = self.cfg
+        if (not self._lh_popens or c.lighthouses != 1 or self._lh_down
+                or self._lh_popens[-1].poll() is not None):
+            self._record("inject_skipped", kind="lighthouse",
+                         reason="no single lighthouse of ours running")
+            return
+        self._failure_seq += 1
+        fid = self._failure_seq
+        popen = self._lh_popens[-1]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(popen.pid, signal.SIGKILL)
+        popen.wait()
+        self._lh_down = True
+        now = time.time()
+        id_file = bool(s.id_file and c.quorum_id_file and c.lighthouse_impl == "stepguard")
+        self._record("inject", t=now, failure=fid, kind="lighthouse", pid=popen.pid,
+                     duration_s=s.duration, id_file=id_file)
+        self._say(f"injected lighthouse #{fid}: killed, back in {s.duration}s"
+                  + (" with its quorum id file" if id_file else ""))
+
+        def restart() -> None:
+            flags = [f for f in self._lh_flags]
+            i = flags.index("--bind")
+            flags[i + 1] = f"{self._lh_host}:{self._lh_port}"
+            if "--quorum_id_file" in flags and not id_file:
+                j = flags.index("--quorum_id_file")
+                del flags[j:j + 2]
+            n = len(self._lh_popens)
+            try:
+                addr = self._start_one_lighthouse(0, self._lh_host, flags,
+                                                  name=f"lighthouse.r{n}.log")
+            except RuntimeError as e:  # e.g. the port is not free yet: again soon
+                self._record("lighthouse_restart_failed", failure=fid, error=str(e))
+                self._timers.append((time.monotonic() + 1.0, restart))
+                return
+            self._lh_down = False
+            t = time.time()
+            self._record("lighthouse_restart", t=t, failure=fid, address=addr,
+                         id_file=id_file, down_s=round(t - now, 6))
+            # the survivors' next commit: every group counts
+            self._pending_kills.append({"t": t, "group": -1, "failure": fid})
+
+        self._timers.append((time.monotonic() + s.duration, restart))
+
+    # kill_source / kill_after_heal: arm a fault point, strike who reaches it
+
+    def _arm(self, inj: _Injector) -> None:
+        s = inj.spec
+        point = "serve" if s.kind == "kill_source" else "after_heal"
+        if not self.cfg.hook_dir or point in self._armed:
+            self._record("inject_skipped", kind=s.kind,
+                         reason="no hook_dir" if not self.cfg.hook_dir else "already armed")
+            return
+        self._record("arm", kind=s.kind, point=point)
+        # A heal needs a replica behind the others: unless one is starting
+        # now, kill one (a kill of its own, counted as such), before the
+        # point is armed, so its victim cannot be the one to reach it.
+        if not any(g.state in ("restart_wait", "ending") or
+                   (g.state == "running" and not g.first_commit_seen) for g in self.groups):
+            trigger = FailureSpec(kind="kill", rank=-1, seed=inj.rng.randrange(1 << 30),
+                                  tag=f"{s.tag or s.kind}:heal_trigger")
+            self._inject(_Injector(trigger, 0))
+        Path(self.cfg.hook_dir).mkdir(parents=True, exist_ok=True)
+        (Path(self.cfg.hook_dir) / point).write_text(s.kind)
+        self._armed[point] = {"kind": s.kind, "t": time.time(), "tag": s.tag}
+
+        def disarm() -> None:
+            if self._armed.get(point) is not None and self._armed[point]["t"] == arming_t:
+                del self._armed[point]
+                with contextlib.suppress(FileNotFoundError):
+                    (Path(self.cfg.hook_dir or ".") / point).unlink()
+                outer, self._tag = self._tag, s.tag
+                self._record("inject_skipped", kind=s.kind,
+                             reason=f"nobody reached the {point} point in {s.duration}s")
+                self._tag = outer
+
+        arming_t = self._armed[point]["t"]
+        self._timers.append((time.monotonic() + s.duration, disarm))
+
+    def _strike(self, g: _Group, current: bool, point: str, rec: dict[str, Any]) -> None:
+        arming = self._armed.get(point)
+        if arming is None:
+            return
+        if not current or g.state != "running":
+            # claimed by a rank already on its way out: armed again
+            assert self.cfg.hook_dir is not None
+            (Path(self.cfg.hook_dir) / point).write_text(arming["kind"])
+            return
+        del self._armed[point]
+        self._failure_seq += 1
+        fid = self._failure_seq
+        now = time.time()
+        g.injected = True
+        g.hit_at = time.monotonic()
+        self._signal_group(g, signal.SIGKILL)
+        outer, self._tag = self._tag, arming["tag"]
+        self._record("inject", t=now, failure=fid, kind=arming["kind"], group=g.gid,
+                     rank="all", point=point, incarnation=g.incarnation,
+                     step=rec.get("step"), armed_s=round(now - arming["t"], 6))
+        self._tag = outer
+        self._say(f"injected {arming['kind']} #{fid}: group {g.gid} at its {point} point")
+        self._pending_kills.append({"t": now, "group": g.gid, "failure": fid})
 
     # slow: cgroup v2 cpu.max, else cgroup v1 cfs quota, else duty cycling
 
@@ -1111,7 +1271,8 @@ _MAX_EVENT = 65536  # longest accepted worker event line, in bytes
 _LAUNCHER_EVENTS = frozenset({
     "start", "lighthouse", "launch", "restart", "exit", "group_end", "group_done",
     "give_up", "inject", "inject_skipped", "hang_end", "slow_end", "partition_end",
-    "link", "link_end", "netns", "finish",
+    "link", "link_end", "netns", "finish", "arm", "lighthouse_restart",
+    "lighthouse_restart_failed",
     "duration_reached", "interrupted", "end", "commit", "discard", "quorum_change",
     "recovery", "spare_start", "spare_ready", "spare_exit", "takeover",
 })

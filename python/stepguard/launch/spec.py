@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 __all__ = ["FailureSpec", "parse_failure_spec", "parse_link_spec"]
 
-_KINDS = ("kill", "hang", "slow", "partition", "link")
+_KINDS = ("kill", "hang", "slow", "partition", "link", "lighthouse",
+          "kill_source", "kill_after_heal")
 _DURATION_RE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)(ms|s|m)?$")
 _RATE_RE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)(bit|kbit|mbit|gbit)$", re.IGNORECASE)
 _RATE_SCALE = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
@@ -66,10 +67,12 @@ class FailureSpec:
     random: bool = False  # intervals uniform in [0.5, 1.5] x every
     seed: int = 0
     group: int | None = None  # victim group (default: random)
-    rank: int | None = None  # victim rank for kill (default: random)
+    rank: int | None = None  # victim rank for kill (default: random; -1: every rank)
     duration: float = 10.0  # hang, slow and partition
     then: str = "cont"  # hang: "cont" or "kill" after duration
     cpu: float = 0.25  # slow: fraction of one CPU
+    id_file: bool = True  # lighthouse: restart it with --quorum_id_file
+    tag: str | None = None  # a driver's name for it, copied into its records
     # link: the shape of the group's link while the window lasts
     rate: float | None = None  # bits per second (tc tbf), both directions
     delay: float = 0.0  # seconds added to every packet, each direction
@@ -98,8 +101,7 @@ def parse_failure_spec(text: str) -> FailureSpec:
     _parse_keys(spec, text, rest)
     if spec.every is not None and spec.every <= 0:
         raise ValueError(f"{text!r}: every must be positive")
-    if kind in ("kill", "hang", "partition", "link") and spec.every is None \
-            and spec.start is None:
+    if kind != "slow" and spec.every is None and spec.start is None:
         raise ValueError(f"{text!r}: give every= or start=")
     if kind == "slow" and spec.every is None and spec.count is None:
         spec.count = 1
@@ -147,6 +149,10 @@ def _parse_keys(spec: FailureSpec, text: str, rest: str) -> None:
             raise ValueError(f"{text!r}: {item!r} is not key=value")
         if key in ("every", "start", "stop", "duration"):
             setattr(spec, key, _parse_duration(value, key))
+        elif key == "rank" and value == "all":
+            spec.rank = -1
+        elif key == "id_file":
+            spec.id_file = value.lower() in ("1", "true", "yes")
         elif key in ("count", "seed", "group", "rank"):
             try:
                 setattr(spec, key, int(value))

@@ -17,9 +17,10 @@ from pathlib import Path
 from stepguard import config
 from typing import Any
 
-__all__ = ["report", "stop_step"]
+__all__ = ["hook_point", "report", "stop_step"]
 
 EVENTS_FD_ENV = "STEPGUARD_EVENTS_FD"
+HOOK_DIR_ENV = "STEPGUARD_HOOK_DIR"
 STOP_FILE_ENV = "STEPGUARD_STOP_FILE"
 INCARNATION_ENV = "STEPGUARD_INCARNATION"
 
@@ -75,3 +76,36 @@ def stop_step() -> int | None:
         return int(Path(path).read_text().strip())
     except (OSError, ValueError):
         return None
+
+
+def hook_point(point: str, wait_s: float = 30.0, **fields: Any) -> bool:
+    """A fault point the launcher can strike at (no-op unless armed).
+
+    The launcher arms ``point`` by writing a file of that name in the
+    folder named by ``HOOK_DIR_ENV``.  The first rank to reach an armed
+    point claims it (an atomic rename, so only one does), reports a
+    ``hook`` event and waits here up to ``wait_s`` for the launcher to
+    end its group; if nothing happens, it goes on.  So a fault lands
+    exactly at that point of the run, not by luck.
+
+    Returns:
+        True when this call claimed the point (and the launcher did not
+        act within ``wait_s``).
+    """
+    folder = config.get("STEPGUARD_HOOK_DIR")
+    if not folder:
+        return False
+    armed = Path(folder) / point
+    if not armed.exists():
+        return False
+    claimed = Path(folder) / f"{point}.claimed.{os.getpid()}"
+    try:
+        os.rename(armed, claimed)  # atomic: one claimer
+    except OSError:
+        return False
+    report("hook", point=point, pid=os.getpid(), **fields)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    report("hook_timeout", point=point, pid=os.getpid())
+    return True

@@ -8,7 +8,7 @@ FUZZ    := build/fuzz
 FUZZ_SECONDS ?= 30
 CFILES   = $(shell git ls-files '*.c' '*.h' '*.cpp')
 
-.PHONY: all bootstrap build test test-c test-py test-long test-hsdp-matrix test-torchft demo demo-hsdp demo-lighthouse bench sanitize fuzz format format-check clean
+.PHONY: all bootstrap build test test-c test-py test-long test-hsdp-matrix test-torchft demo demo-hsdp demo-lighthouse soak soak-short bench sanitize fuzz format format-check clean
 
 all: build
 
@@ -64,6 +64,17 @@ demo-hsdp: build
 demo-lighthouse: build
 	$(PY) examples/lighthouse_demo.py
 	$(PY) examples/fork_safety_demo.py
+
+# the chaos soak: replica groups of two ranks under a seeded mix of faults
+# for SOAK_MINUTES (default 50: over 200 faults), then the history checker;
+# writes soak-out/ (docs/soak.md).  soak-short is the CI size (under 8 min).
+SOAK_MINUTES ?= 50
+SOAK_SEED ?= 1
+soak: build
+	$(PY) -m stepguard.soak --minutes $(SOAK_MINUTES) --seed $(SOAK_SEED)
+
+soak-short: build
+	$(PY) -m stepguard.soak --short --seed $(SOAK_SEED)
 
 # every benchmark, each against its competitor in the same run (torchft,
 # torch Gloo, the loopback limit); each writes bench/results/

@@ -1,0 +1,5 @@
+import sys
+
+from stepguard.soak.runner import main
+
+sys.exit(main())

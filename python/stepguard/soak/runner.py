@@ -1,0 +1,332 @@
+"""``make soak`` / ``make soak-short``: a long mixed-fault run, then the checker.
+
+Runs ``examples/soak_train.py`` (a small Llama) in replica groups of two
+ranks under the launcher, and, after a fault-free window that measures the
+step rate, injects the seeded schedule of :mod:`.schedule`; then a quiet
+tail, a stop step every group ends at, the checks of :mod:`.checker`, and
+the summary.  Everything goes to ``--out`` (``docs/soak.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from stepguard.launch import LaunchConfig, Launcher
+from stepguard.launch.netns import netns_unavailable
+from stepguard.soak import checker, goodput
+from stepguard.soak.schedule import KINDS, SoakParams, make_schedule
+
+_ROOT = Path(__file__).resolve().parents[3]
+_TRAINER = _ROOT / "examples" / "soak_train.py"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=50.0,
+                   help="length of the fault phase (default 50: about 230 faults)")
+    p.add_argument("--short", action="store_true",
+                   help="the CI size: 4.5 minutes of faults every ~12 s, under 8 minutes "
+                   "in all")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--gap", type=float, default=None,
+                   help="mean seconds between faults (default 13, short 12)")
+    p.add_argument("--groups", type=int, default=3)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--baseline", type=float, default=None,
+                   help="seconds of the fault-free window (default 30, short 20)")
+    p.add_argument("--tail", type=float, default=25.0, help="quiet seconds before the stop")
+    p.add_argument("--kinds", default=None, help="comma-separated subset of the fault kinds")
+    p.add_argument("--out", default="soak-out")
+    p.add_argument("--quiet", action="store_true")
+    a = p.parse_args(argv)
+    if a.short:
+        a.minutes = min(a.minutes, 4.5)
+    if a.gap is None:
+        a.gap = 12.0 if a.short else 13.0
+    if a.baseline is None:
+        a.baseline = 20.0 if a.short else 30.0
+    return a
+
+
+class _Driver:
+    """The launcher's on_tick: waits for every group, measures the
+    fault-free window, injects the schedule, then stops at a step."""
+
+    def __init__(self, a: argparse.Namespace, schedule: list[Any], out: Path) -> None:
+        self.a = a
+        self.schedule = list(schedule)
+        self.out = out
+        self.phase = "start"
+        self.t: dict[str, float] = {}
+        self.top = -1
+        self.committed: set[int] = set()
+        self.lh = open(out / "lighthouse.jsonl", "w")  # noqa: SIM115
+        self.next_sample = 0.0
+        self.pids: set[int] = set()
+        self.entries: list[dict[str, Any]] = []
+
+    def on_event(self, r: dict[str, Any]) -> None:
+        if r["event"] == "commit":
+            self.top = max(self.top, r.get("step", -1))
+            if r.get("group") is not None:
+                self.committed.add(r["group"])
+        if r["event"] in ("launch", "restart"):
+            self.pids.update(r.get("pids", []))
+        if r["event"] == "lighthouse" and r.get("pid"):
+            self.pids.add(r["pid"])
+
+    def sample(self, launcher: Launcher) -> None:
+        now = time.time()
+        if now < self.next_sample:
+            return
+        self.next_sample = now + 5.0
+        for pid in launcher.lighthouse_pids():
+            try:
+                rss = next(int(line.split()[1]) for line in
+                           Path(f"/proc/{pid}/status").read_text().splitlines()
+                           if line.startswith("VmRSS:"))
+                fds = len(os.listdir(f"/proc/{pid}/fd"))
+            except (OSError, StopIteration, ValueError):
+                continue
+            self.lh.write(json.dumps({"t": now, "pid": pid, "rss_kib": rss, "fds": fds}) + "\n")
+            self.lh.flush()
+
+    def on_tick(self, launcher: Launcher) -> None:
+        self.sample(launcher)
+        now = time.time()
+        a = self.a
+        if self.phase == "start" and len(self.committed) == a.groups:
+            self.phase, self.t["settle"] = "settle", now
+        elif self.phase == "settle" and now - self.t["settle"] >= 5.0:
+            self.phase, self.t["baseline0"] = "baseline", now
+        elif self.phase == "baseline" and now - self.t["baseline0"] >= a.baseline:
+            self.phase, self.t["faults0"] = "faults", now
+            self.say(f"fault-free window done; {len(self.schedule)} scheduled faults "
+                     f"over {a.minutes:g} min")
+        elif self.phase == "faults":
+            at = now - self.t["faults0"]
+            while self.schedule and self.schedule[0].at <= at:
+                e = self.schedule.pop(0)
+                for i, spec in enumerate(e.specs):
+                    spec.tag = f"{e.kind}#{len(self.entries)}" + (f".{i}" if i else "")
+                    launcher.inject(spec)
+                self.entries.append({"kind": e.kind, "t": now, "at": e.at})
+            if at >= a.minutes * 60.0:
+                launcher.stop_injecting()
+                self.phase, self.t["tail0"] = "tail", now
+                self.say("fault phase done; quiet tail")
+        elif self.phase == "tail" and now - self.t["tail0"] >= a.tail and (
+                all(g.state == "running" and g.first_commit_seen for g in launcher.groups)
+                or now - self.t["tail0"] >= a.tail + 120.0):
+            # every group back (a group still healing when the others stop
+            # could never reach the stop step), or waited long enough
+            self.phase, self.t["finish"] = "finishing", now
+            launcher.finish(step=self.top + 10)
+            self.say(f"stop at step {self.top + 10}")
+        elif self.phase == "finishing" and now - self.t["finish"] >= 180.0:
+            self.phase = "stopped"
+            self.say("the groups did not stop within 180 s: stopping them")
+            launcher.stop()
+
+    def say(self, msg: str) -> None:
+        print(f"[soak] {msg}", flush=True)
+
+
+def _leftovers(pids: set[int], launcher_pid: int) -> dict[str, list[Any]]:
+    """Processes, namespaces and cgroups of this launch still there."""
+    left: dict[str, list[Any]] = {"processes": [], "namespaces": [], "cgroups": []}
+    for pid in sorted(pids):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            left["processes"].append(pid)
+    tag = f"sgln{launcher_pid}"
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                            timeout=10).stdout
+        left["namespaces"] = [line.split()[0] for line in ns.splitlines()
+                              if line.startswith(tag)]
+    for root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cpu")):
+        d = root / f"stepguard-launch-{launcher_pid}"
+        if d.exists():
+            left["cgroups"].append(str(d))
+    return left
+
+
+def _fmt(v: list[float]) -> str:
+    if not v:
+        return "n/a"
+    return f"{statistics.median(v):6.1f} s / {max(v):6.1f} s"
+
+
+def _kind_of(rec: dict[str, Any]) -> str | None:
+    tag = rec.get("tag")
+    if not tag:
+        return None
+    base = tag.split("#", 1)[0]
+    return f"{base} (its heal trigger)" if tag.endswith(":heal_trigger") else base
+
+
+def report(out: Path, a: argparse.Namespace, drv: _Driver, h: checker.History,
+           vs: list[checker.Violation], rc: int) -> dict[str, Any]:
+    tl = h.timeline
+    injects = [r for r in tl if r.get("event") == "inject"]
+    per_kind = Counter(_kind_of(r) or r["kind"] for r in injects)
+    skipped = Counter(_kind_of(r) or r["kind"] for r in tl if r.get("event") == "inject_skipped")
+    by_failure = {r["failure"]: (_kind_of(r) or r["kind"]) for r in injects}
+    surv: dict[str, list[float]] = defaultdict(list)
+    seen: set[int] = set()
+    for r in tl:
+        if r.get("event") == "recovery" and r.get("kind") == "survivors" \
+                and r.get("failure") in by_failure and r["failure"] not in seen:
+            seen.add(r["failure"])
+            surv[by_failure[r["failure"]]].append(r["duration_s"])
+    victim: dict[tuple[int, int], str] = {}
+    for r in injects:
+        if r.get("group") is not None:
+            victim.setdefault((r["group"], r.get("incarnation", -1) + 1), by_failure[r["failure"]])
+    rejoin: dict[str, list[float]] = defaultdict(list)
+    for r in tl:
+        if r.get("event") == "recovery" and r.get("kind") == "rejoin":
+            rejoin[victim.get((r["group"], r["incarnation"]), "other")].append(r["duration_s"])
+    t = drv.t
+    rate = None
+    if "faults0" in t:
+        rate = goodput.fault_free_rate(tl, t["baseline0"], t["faults0"], a.groups)
+    end = t.get("tail0", t.get("finish"))
+    g = None
+    n = 0
+    if rate and "faults0" in t and end:
+        n = goodput.committed_replica_steps(tl, t["faults0"], end)
+        g = goodput.goodput(n, a.groups, rate, end - t["faults0"])
+    survived = sum(1 for f in by_failure if f in seen)
+    lines = [
+        f"soak: seed {a.seed}, {a.minutes:g} min of faults every ~{a.gap:g} s, "
+        f"{a.groups} replica groups x {a.ranks} ranks (schedule: schedule.json; the seed "
+        "replays the schedule, not the interleaving)",
+        f"faults injected: {len(injects)} ({len(drv.entries)} scheduled entries; "
+        f"skipped: {dict(skipped) or 'none'})",
+        "",
+        f"{'kind':34s} {'faults':>6s}  {'survivors next commit med / max':>31s}  "
+        f"{'victim rejoin med / max':>23s}",
+    ]
+    for k in sorted(set(per_kind) | set(rejoin)):
+        lines.append(f"{k:34s} {per_kind.get(k, 0):6d}  {_fmt(surv.get(k, [])):>31s}  "
+                     f"{_fmt(rejoin.get(k, [])):>23s}")
+    lines += [
+        "",
+        f"survived: {survived} of {len(injects)} (the others committed again after the fault)",
+        f"fault-free rate: {rate:.2f} steps/s per replica" if rate else "fault-free rate: n/a",
+        (f"goodput: {g:.3f} ({n} committed replica-steps / ({a.groups} replicas x "
+         f"{rate:.2f} steps/s x {end - t['faults0']:.0f} s))") if g is not None
+        else "goodput: n/a",
+        f"launcher exit status: {rc}",
+        checker.summarize(vs),
+    ]
+    text = "\n".join(lines)
+    (out / "summary.txt").write_text(text + "\n")
+    summary = {
+        "seed": a.seed, "minutes": a.minutes, "groups": a.groups, "ranks": a.ranks,
+        "faults": len(injects), "faults_per_kind": dict(per_kind), "skipped": dict(skipped),
+        "survived": survived, "violations": [asdict(v) for v in vs],
+        "survivors_s": dict(surv), "rejoin_s": dict(rejoin), "fault_free_rate": rate,
+        "goodput": g, "committed_replica_steps": n, "launcher_rc": rc, "phases": t,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(text, flush=True)
+    _chart(out, tl, injects, t)
+    return summary
+
+
+def _chart(out: Path, tl: list[dict[str, Any]], injects: list[dict[str, Any]],
+           t: dict[str, float]) -> None:
+    """Committed step per replica over time, faults marked (chart.png)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    t0 = t.get("baseline0", tl[0]["t"] if tl else 0.0)
+    fig, ax = plt.subplots(figsize=(12, 5))
+    by: dict[int, list[tuple[float, int]]] = defaultdict(list)
+    for r in tl:
+        if r.get("event") == "commit" and r.get("rank", 0) == 0 and r.get("group") is not None:
+            by[r["group"]].append((r["t"] - t0, r["step"]))
+    for gid, pts in sorted(by.items()):
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], ".", ms=2, label=f"group {gid}")
+    for r in injects:
+        ax.axvline(r["t"] - t0, color="red", alpha=0.25, lw=0.8)
+    ax.set_xlabel("seconds since the fault-free window began")
+    ax.set_ylabel("committed step")
+    ax.set_title("soak: committed steps per replica; red lines: injected faults")
+    if by:
+        ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(out / "chart.png", dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    why = netns_unavailable()
+    if why is not None:
+        print(f"soak: partitions need network namespaces, and {why}", file=sys.stderr)
+        return 2
+    out = Path(a.out).resolve()
+    if out.exists():
+        shutil.rmtree(out)
+    (out / "steps").mkdir(parents=True)
+    (out / "hooks").mkdir()
+    params = SoakParams()
+    kinds = a.kinds.split(",") if a.kinds else None
+    schedule = make_schedule(a.seed, a.minutes * 60.0, a.gap, params, kinds)
+    (out / "schedule.json").write_text(json.dumps(
+        [{"at": e.at, "kind": e.kind, "specs": [vars(s) for s in e.specs]} for e in schedule],
+        indent=1) + "\n")
+    missing = set(kinds or KINDS) - {e.kind for e in schedule}
+    if missing:
+        print(f"soak: the schedule has no {sorted(missing)} (lengthen --minutes)", flush=True)
+    cmd = [sys.executable, str(_TRAINER), "--log-dir", str(out / "steps"),
+           "--timeout", str(params.op_timeout), "--quorum-timeout", "90"]
+    cfg = LaunchConfig(
+        cmd=cmd, groups=a.groups, nproc_per_group=a.ranks, min_replicas=2,
+        heartbeat_timeout_ms=2000, timeline=str(out / "timeline.jsonl"),
+        log_dir=str(out / "logs"), stop_file=str(out / "stop"), netns=True,
+        quorum_id_file=str(out / "quorum_id"), hook_dir=str(out / "hooks"),
+        max_restarts=100000, max_failed_starts=5, omp_threads=1, quiet=a.quiet,
+    )
+    drv = _Driver(a, schedule, out)
+    print(f"[soak] seed {a.seed}: {len(schedule)} scheduled faults over {a.minutes:g} min, "
+          f"{a.groups} groups x {a.ranks} ranks; output in {out}", flush=True)
+    launcher = Launcher(cfg, on_event=drv.on_event, on_tick=drv.on_tick)
+    rc = launcher.run()
+    drv.lh.close()
+    time.sleep(0.5)
+    (out / "leftovers.json").write_text(json.dumps(_leftovers(drv.pids, os.getpid())) + "\n")
+    h = checker.load(out)
+    vs = checker.check(h, checker.Bounds(min_replicas=2))
+    if drv.phase == "stopped":
+        vs.append(checker.Violation("run_did_not_end",
+                                    "the groups did not reach the stop step within 180 s"))
+    report(out, a, drv, h, vs, rc)
+    return 1 if vs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

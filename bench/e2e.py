@@ -58,6 +58,7 @@ TRAIN = ROOT / "examples" / "train_llama.py"
 TRAINER_API = ("Manager", "DistributedDataParallel", "Optimizer", "ProcessGroupGloo")
 
 from stepguard.launch import LaunchConfig, Launcher, parse_failure_spec  # noqa: E402
+from stepguard.soak import goodput  # noqa: E402
 
 
 def stepguard_has_trainer() -> bool:
@@ -188,7 +189,16 @@ def measure(tl: list[dict[str, Any]], groups: int, warmup: int) -> dict[str, Any
             continue
         times.append(r["step_time"])
     steps = {r["step"] for r in tl if r["event"] == "commit"}
+    # goodput (stepguard.soak.goodput): from the first commit to the last,
+    # against the steady-state step rate of this configuration
+    commit_t = [r["t"] for r in tl if r["event"] == "commit"]
+    rate = goodput.rate_from_step_times(times)
+    gp = None
+    if rate and len(commit_t) > 1:
+        gp = goodput.goodput(goodput.committed_replica_steps(tl), groups, rate,
+                             max(commit_t) - min(commit_t))
     return {
+        "goodput": gp,
         "kills": sum(1 for r in tl if r["event"] == "inject"),
         "survivors": sorted(surv.values()),
         "rejoin": sorted(rejoin),
@@ -248,7 +258,10 @@ def table(res: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
             m = med(res[c]["step_times"])
             if m is not None:
                 over.append(f"{c} {m / plain:.2f}x")
-    lines = [head, sep, *rows, counts]
+    gps = "| goodput (stepguard.soak.goodput) | " + " | ".join(
+        f"{res[c]['goodput']:.2f}" if res[c].get("goodput") is not None else "n/a"
+        for c in cols) + (" | |" if fast else " |")
+    lines = [head, sep, *rows, counts, gps]
     if over:
         lines.append("")
         lines.append("Step time relative to plain DDP: " + ", ".join(over) + ".")

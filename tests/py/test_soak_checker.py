@@ -344,3 +344,23 @@ def test_step_log_lines_feed_the_checker(tmp_path, monkeypatch):
     vs = check(History([], lines), Bounds())
     assert [(v.rule, v.step, v.replica, v.rank, v.incarnation) for v in vs
             if v.rule == "discard_changed_state"] == [("discard_changed_state", 5, "soak_1", 1, 2)]
+
+
+def test_side_by_side_lists_both_runs_on_the_kinds_they_share():
+    from stepguard.soak.runner import side_by_side
+
+    def summary(impl, faults, surv):
+        return {"impl": impl, "faults": faults, "survived": faults, "violations": [],
+                "fault_free_rate": 7.0, "goodput": 0.3,
+                "survivors_s": surv, "rejoin_s": {"kill_group": [20.0, 30.0]}}
+
+    text = side_by_side(summary("stepguard", 27, {"kill_group": [1.0, 2.0, 9.0],
+                                                  "lighthouse": [0.1]}),
+                        summary("torchft", 20, {"kill_group": [4.0]}))
+    lines = text.splitlines()
+    assert lines[0].split() == ["stepguard", "torchft"]
+    assert any(line.split()[-4:] == ["2.0", "s", "4.0", "s"] and "kill_group" in line
+               for line in lines), text
+    assert not any("lighthouse" in line for line in lines)  # torchft has no such fault
+    assert any(line.startswith("faults injected") and line.split()[-2:] == ["27", "20"]
+               for line in lines)

@@ -28,6 +28,10 @@ from stepguard.launch.netns import netns_unavailable
 from stepguard.soak import checker, goodput
 from stepguard.soak.schedule import KINDS, SoakParams, make_schedule
 
+# torchft's trainer has no heal hook (the armed kinds) and does not
+# survive a lighthouse restart (its quorum call fails, and it exits)
+TORCHFT_KINDS = ("kill_group", "kill_rank", "hang", "partition", "double")
+
 _ROOT = Path(__file__).resolve().parents[3]
 _TRAINER = _ROOT / "examples" / "soak_train.py"
 
@@ -49,6 +53,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tail", type=float, default=25.0, help="quiet seconds before the stop")
     p.add_argument("--kinds", default=None, help="comma-separated subset of the fault kinds")
     p.add_argument("--out", default="soak-out")
+    p.add_argument("--impl", choices=("stepguard", "torchft"), default="stepguard",
+                   help="torchft: torchft's trainer (Gloo) and lighthouse, on the kinds "
+                   f"torchft survives ({', '.join(TORCHFT_KINDS)})")
+    p.add_argument("--compare-with", default=None, metavar="DIR",
+                   help="print this run's summary next to the one in DIR")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     if a.short:
@@ -129,7 +138,7 @@ class _Driver:
                 self.say("fault phase done; quiet tail")
         elif self.phase == "tail" and now - self.t["tail0"] >= a.tail and (
                 all(g.state == "running" and g.first_commit_seen for g in launcher.groups)
-                or now - self.t["tail0"] >= a.tail + 120.0):
+                or now - self.t["tail0"] >= a.tail + (45.0 if a.short else 120.0)):
             # every group back (a group still healing when the others stop
             # could never reach the stop step), or waited long enough
             self.phase, self.t["finish"] = "finishing", now
@@ -215,7 +224,7 @@ def report(out: Path, a: argparse.Namespace, drv: _Driver, h: checker.History,
         g = goodput.goodput(n, a.groups, rate, end - t["faults0"])
     survived = sum(1 for f in by_failure if f in seen)
     lines = [
-        f"soak: seed {a.seed}, {a.minutes:g} min of faults every ~{a.gap:g} s, "
+        f"soak ({a.impl}): seed {a.seed}, {a.minutes:g} min of faults every ~{a.gap:g} s, "
         f"{a.groups} replica groups x {a.ranks} ranks (schedule: schedule.json; the seed "
         "replays the schedule, not the interleaving)",
         f"faults injected: {len(injects)} ({len(drv.entries)} scheduled entries; "
@@ -240,7 +249,7 @@ def report(out: Path, a: argparse.Namespace, drv: _Driver, h: checker.History,
     text = "\n".join(lines)
     (out / "summary.txt").write_text(text + "\n")
     summary = {
-        "seed": a.seed, "minutes": a.minutes, "groups": a.groups, "ranks": a.ranks,
+        "impl": a.impl, "seed": a.seed, "minutes": a.minutes, "groups": a.groups, "ranks": a.ranks,
         "faults": len(injects), "faults_per_kind": dict(per_kind), "skipped": dict(skipped),
         "survived": survived, "violations": [asdict(v) for v in vs],
         "survivors_s": dict(surv), "rejoin_s": dict(rejoin), "fault_free_rate": rate,
@@ -295,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "hooks").mkdir()
     params = SoakParams()
     kinds = a.kinds.split(",") if a.kinds else None
+    if a.impl == "torchft" and kinds is None:
+        kinds = list(TORCHFT_KINDS)
     schedule = make_schedule(a.seed, a.minutes * 60.0, a.gap, params, kinds)
     (out / "schedule.json").write_text(json.dumps(
         [{"at": e.at, "kind": e.kind, "specs": [vars(s) for s in e.specs]} for e in schedule],
@@ -303,12 +314,13 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"soak: the schedule has no {sorted(missing)} (lengthen --minutes)", flush=True)
     cmd = [sys.executable, str(_TRAINER), "--log-dir", str(out / "steps"),
-           "--timeout", str(params.op_timeout), "--quorum-timeout", "90"]
+           "--timeout", str(params.op_timeout), "--quorum-timeout", "90", "--impl", a.impl]
     cfg = LaunchConfig(
         cmd=cmd, groups=a.groups, nproc_per_group=a.ranks, min_replicas=2,
         heartbeat_timeout_ms=2000, timeline=str(out / "timeline.jsonl"),
         log_dir=str(out / "logs"), stop_file=str(out / "stop"), netns=True,
-        quorum_id_file=str(out / "quorum_id"), hook_dir=str(out / "hooks"),
+        quorum_id_file=str(out / "quorum_id") if a.impl == "stepguard" else None,
+        hook_dir=str(out / "hooks"), lighthouse_impl=a.impl,
         max_restarts=100000, max_failed_starts=5, omp_threads=1, quiet=a.quiet,
     )
     drv = _Driver(a, schedule, out)
@@ -324,8 +336,39 @@ def main(argv: list[str] | None = None) -> int:
     if drv.phase == "stopped":
         vs.append(checker.Violation("run_did_not_end",
                                     "the groups did not reach the stop step within 180 s"))
-    report(out, a, drv, h, vs, rc)
+    summary = report(out, a, drv, h, vs, rc)
+    if a.compare_with:
+        other = Path(a.compare_with) / "summary.json"
+        if other.exists():
+            print(side_by_side(summary, json.loads(other.read_text())), flush=True)
+        else:
+            print(f"soak: nothing to compare with: no {other}", flush=True)
     return 1 if vs else 0
+
+
+def side_by_side(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """Two summaries (e.g. stepguard's and torchft's on one seed) in columns."""
+    na, nb = a.get("impl", "this run"), b.get("impl", "other run")
+
+    def med(v: list[float] | None) -> str:
+        return f"{statistics.median(v):.1f} s" if v else "n/a"
+
+    rows = [("faults injected", str(a["faults"]), str(b["faults"])),
+            ("survived", str(a["survived"]), str(b["survived"])),
+            ("violations", str(len(a["violations"])), str(len(b["violations"]))),
+            ("fault-free rate (steps/s)", f"{a['fault_free_rate'] or 0:.2f}",
+             f"{b['fault_free_rate'] or 0:.2f}"),
+            ("goodput", f"{a['goodput'] or 0:.3f}", f"{b['goodput'] or 0:.3f}")]
+    for k in sorted(set(a["survivors_s"]) & set(b["survivors_s"])):
+        rows.append((f"{k}: survivors' next commit, median", med(a["survivors_s"][k]),
+                     med(b["survivors_s"][k])))
+    for k in sorted(set(a["rejoin_s"]) & set(b["rejoin_s"])):
+        rows.append((f"{k}: victim rejoin, median", med(a["rejoin_s"][k]),
+                     med(b["rejoin_s"][k])))
+    w = max(len(r[0]) for r in rows)
+    lines = [f"{'':{w}s}  {na:>12s}  {nb:>12s}"]
+    lines += [f"{r[0]:{w}s}  {r[1]:>12s}  {r[2]:>12s}" for r in rows]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -41,11 +41,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, default=50.0,
                    help="length of the fault phase (default 50: about 230 faults)")
     p.add_argument("--short", action="store_true",
-                   help="the CI size: 4.5 minutes of faults every ~12 s, under 8 minutes "
+                   help="the CI size: 4 minutes of faults every ~11 s, under 8 minutes "
                    "in all")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--gap", type=float, default=None,
-                   help="mean seconds between faults (default 13, short 12)")
+                   help="mean seconds between faults (default 13, short 11)")
     p.add_argument("--groups", type=int, default=3)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--baseline", type=float, default=None,
@@ -61,9 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     if a.short:
-        a.minutes = min(a.minutes, 4.5)
+        a.minutes = min(a.minutes, 4.0)
     if a.gap is None:
-        a.gap = 12.0 if a.short else 13.0
+        a.gap = 11.0 if a.short else 13.0
     if a.baseline is None:
         a.baseline = 20.0 if a.short else 30.0
     return a
@@ -211,7 +211,8 @@ def report(out: Path, a: argparse.Namespace, drv: _Driver, h: checker.History,
     rejoin: dict[str, list[float]] = defaultdict(list)
     for r in tl:
         if r.get("event") == "recovery" and r.get("kind") == "rejoin":
-            rejoin[victim.get((r["group"], r["incarnation"]), "other")].append(r["duration_s"])
+            rejoin[victim.get((r["group"], r["incarnation"]), "(after an exit of its own)")].append(
+                r["duration_s"])
     t = drv.t
     rate = None
     if "faults0" in t:

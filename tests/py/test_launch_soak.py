@@ -167,3 +167,32 @@ def test_lighthouse_killed_and_restarted_on_its_port(tmp_path: Path, id_file) ->
     assert not os.path.exists(f"/proc/{first[0]['pid']}/cmdline") or \
         Path(f"/proc/{first[0]['pid']}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
 
+
+
+def test_the_last_group_holding_the_state_is_spared(tmp_path: Path) -> None:
+    """With spare_last_holder, a kill that could only hit the one group
+    holding the state is skipped, and a rank of that group reaching an
+    armed point is let go (and the point armed again) instead of killed."""
+    state = {"asked": False}
+
+    def on_event(rec: dict) -> None:
+        if rec["event"] == "commit" and rec["step"] >= 5 and not state["asked"]:
+            state["asked"] = True
+            launcher.inject(parse_failure_spec("kill:start=0s,rank=all"))
+            launcher.inject(parse_failure_spec("kill_source:start=0s,duration=30s"))
+        if rec["event"] == "hook" and not launcher._finishing and \
+                len(_of(_timeline(tmp_path / "tl.jsonl"), "hook")) >= 2:
+            launcher.finish(step=0)
+
+    cfg = _config(tmp_path, groups=1, hook_dir=str(tmp_path / "hooks"),
+                  spare_last_holder=True, env={"FAKE_HOOK": "serve"})
+    launcher = Launcher(cfg, on_event=on_event)
+    assert launcher.run() == 0
+    tl = _timeline(tmp_path / "tl.jsonl")
+    assert not _of(tl, "inject")
+    skipped = _of(tl, "inject_skipped", kind="kill")
+    # the kill asked for, and the heal trigger of kill_source
+    assert len(skipped) == 2 and all("holding the state" in s["reason"] for s in skipped)
+    hooks = _of(tl, "hook", point="serve")
+    assert len(hooks) >= 2 and len({h["step"] for h in hooks}) >= 2  # it went on
+    assert not _of(tl, "hook_timeout") and not _of(tl, "exit", returncode=-9)

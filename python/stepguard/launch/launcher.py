@@ -90,6 +90,10 @@ class LaunchConfig:
     quorum_id_file: str | None = None
     # Where kill_source / kill_after_heal arm fault points (hook_point).
     hook_dir: str | None = None
+    # Never inject into the last group holding the job's state (running,
+    # committed in this incarnation, not hung, not just hit): a fault load
+    # that kills every replica of the state is not one to survive.
+    spare_last_holder: bool = False
 
 
 _PR_SET_PDEATHSIG = 1
@@ -735,7 +739,19 @@ class Launcher:
             # two faults at once hit two groups, when there are two
             now = time.monotonic()
             cands = [g for g in cands if now - g.hit_at > 1.0] or cands
+        if self.cfg.spare_last_holder:
+            cands = [g for g in cands if not self._last_holder(g)]
         return inj.rng.choice(cands) if cands else None
+
+    def _last_holder(self, g: _Group) -> bool:
+        """Whether ``g`` holds the state and no other group does."""
+        now = time.monotonic()
+
+        def holds(h: _Group) -> bool:
+            return (h.state == "running" and h.first_commit_seen and not h.stopped
+                    and now - h.hit_at > 1.0)
+
+        return holds(g) and not any(holds(h) for h in self.groups if h is not g)
 
     def _inject(self, inj: _Injector) -> None:
         outer, self._tag = self._tag, inj.spec.tag
@@ -756,7 +772,9 @@ class Launcher:
         if g is not None:
             g.hit_at = time.monotonic()
         if g is None:
-            self._record("inject_skipped", kind=s.kind, reason="no running group to hit")
+            self._record("inject_skipped", kind=s.kind, reason="no running group to hit"
+                         + (" but the last one holding the state"
+                            if self.cfg.spare_last_holder else ""))
             return
         self._failure_seq += 1
         fid = self._failure_seq
@@ -901,9 +919,13 @@ class Launcher:
         arming = self._armed.get(point)
         if arming is None:
             return
-        if not current or g.state != "running":
-            # claimed by a rank already on its way out: armed again
+        if not current or g.state != "running" or (
+                self.cfg.spare_last_holder and self._last_holder(g)):
+            # claimed by a rank on its way out, or by the last replica of
+            # the state: let it go on, and armed again
             assert self.cfg.hook_dir is not None
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                (Path(self.cfg.hook_dir) / f"{point}.release.{int(rec['pid'])}").write_text("")
             (Path(self.cfg.hook_dir) / point).write_text(arming["kind"])
             return
         del self._armed[point]

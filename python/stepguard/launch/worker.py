@@ -86,11 +86,12 @@ def hook_point(point: str, wait_s: float = 30.0, **fields: Any) -> bool:
     point claims it (an atomic rename, so only one does), reports a
     ``hook`` event and waits here up to ``wait_s`` for the launcher to
     end its group; if nothing happens, it goes on.  So a fault lands
-    exactly at that point of the run, not by luck.
+    exactly at that point of the run, not by luck.  The launcher may also
+    let it go (a ``<point>.release.<pid>`` file) and arm the point again.
 
     Returns:
-        True when this call claimed the point (and the launcher did not
-        act within ``wait_s``).
+        True when this call claimed the point and the launcher neither
+        acted nor let it go within ``wait_s``.
     """
     folder = config.get("STEPGUARD_HOOK_DIR")
     if not folder:
@@ -104,8 +105,11 @@ def hook_point(point: str, wait_s: float = 30.0, **fields: Any) -> bool:
     except OSError:
         return False
     report("hook", point=point, pid=os.getpid(), **fields)
+    release = Path(folder) / f"{point}.release.{os.getpid()}"
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
+        if release.exists():  # the launcher let this one go
+            return False
         time.sleep(0.05)
     report("hook_timeout", point=point, pid=os.getpid())
     return True

@@ -322,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         log_dir=str(out / "logs"), stop_file=str(out / "stop"), netns=True,
         quorum_id_file=str(out / "quorum_id") if a.impl == "stepguard" else None,
         hook_dir=str(out / "hooks"), lighthouse_impl=a.impl,
+        spare_last_holder=True,
         max_restarts=100000, max_failed_starts=5, omp_threads=1, quiet=a.quiet,
     )
     drv = _Driver(a, schedule, out)

@@ -196,3 +196,28 @@ def test_the_last_group_holding_the_state_is_spared(tmp_path: Path) -> None:
     hooks = _of(tl, "hook", point="serve")
     assert len(hooks) >= 2 and len({h["step"] for h in hooks}) >= 2  # it went on
     assert not _of(tl, "hook_timeout") and not _of(tl, "exit", returncode=-9)
+
+
+def test_an_armed_point_reached_after_injections_stopped_is_let_go(tmp_path: Path) -> None:
+    state = {"armed": False}
+
+    def on_event(rec: dict) -> None:
+        if rec["event"] == "arm":
+            launcher.stop_injecting()  # before any rank can reach the point
+        if rec["event"] == "commit" and rec["step"] >= 5 and not state["armed"]:
+            state["armed"] = True
+            launcher.inject(parse_failure_spec("kill_after_heal:start=0s,duration=30s"))
+        if rec["event"] == "inject_skipped" and rec.get("kind") == "kill_after_heal" \
+                and not launcher._finishing:
+            launcher.finish(step=0)
+
+    cfg = _config(tmp_path, groups=3, hook_dir=str(tmp_path / "hooks"),
+                  env={"FAKE_HOOK": "after_heal"})
+    launcher = Launcher(cfg, on_event=on_event)
+    assert launcher.run() == 0
+    tl = _timeline(tmp_path / "tl.jsonl")
+    assert len(_of(tl, "hook", point="after_heal")) == 1
+    assert not _of(tl, "inject", kind="kill_after_heal")
+    sk = _of(tl, "inject_skipped", kind="kill_after_heal")
+    assert len(sk) == 1 and "stopped" in sk[0]["reason"]
+    assert not _of(tl, "hook_timeout")

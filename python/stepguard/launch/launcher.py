@@ -919,6 +919,16 @@ class Launcher:
         arming = self._armed.get(point)
         if arming is None:
             return
+        if not self._injecting:  # armed before stop_injecting or finish
+            del self._armed[point]
+            assert self.cfg.hook_dir is not None
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                (Path(self.cfg.hook_dir) / f"{point}.release.{int(rec['pid'])}").write_text("")
+            outer, self._tag = self._tag, arming["tag"]
+            self._record("inject_skipped", kind=arming["kind"],
+                         reason="reached after injections stopped")
+            self._tag = outer
+            return
         if not current or g.state != "running" or (
                 self.cfg.spare_last_holder and self._last_holder(g)):
             # claimed by a rank on its way out, or by the last replica of

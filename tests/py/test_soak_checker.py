@@ -341,6 +341,14 @@ def test_step_log_lines_feed_the_checker(tmp_path, monkeypatch):
         (4, 7, ["soak_0", "soak_1"], 4, 2)
     assert (c["replica_id"], c["group"], c["rank"], c["incarnation"]) == ("soak_1", 1, 1, 2)
     assert lines[1]["hash_before"] == lines[1]["hash_after"] == c["hash_after"]
+    m._healing = True  # healed in the vote, no heal hook (torchft): unknown
+    log = StepLog(tmp_path, m, lambda: {"w": w}, "soak_1")
+    log.before_commit()
+    w += 1
+    log.after_commit(False)
+    log.close()
+    lines = [json.loads(x) for x in (tmp_path / "g1.r1.inc2.jsonl").read_text().splitlines()]
+    assert lines[-1]["hash_before"] is None
     vs = check(History([], lines), Bounds())
     assert [(v.rule, v.step, v.replica, v.rank, v.incarnation) for v in vs
             if v.rule == "discard_changed_state"] == [("discard_changed_state", 5, "soak_1", 1, 2)]

@@ -171,7 +171,8 @@ def _state(commits: list[dict[str, Any]], heals: list[dict[str, Any]],
                           f"loaded state for step {r['step']} (from {r.get('source')}) differs "
                           "from every replica that committed the step before", r))
     for r in steps:
-        if not r.get("committed") and r.get("hash_before") != r.get("hash_after"):
+        if not r.get("committed") and r.get("hash_before") is not None \
+                and r["hash_before"] != r.get("hash_after"):
             out.append(_v("discard_changed_state", "a discarded step changed the state", r))
     return out
 

@@ -7,7 +7,9 @@ flushed per line (a SIGKILL loses at most the line being written):
   after a committed step S: the hash of this rank's parameters and
   optimizer state once step S is applied;
 - ``{"kind": "step", "committed": false, "hash_before": H0,
-  "hash_after": H1, ...}`` for a discarded step (they must be equal);
+  "hash_after": H1, ...}`` for a discarded step (they must be equal;
+  ``hash_before`` is null when a heal loaded in that step without the
+  heal hook telling, as on torchft);
 - ``{"kind": "heal", "step": S, "hash": H, "source": R}`` when this rank
   loaded a peer's state for step S (from replica R).
 
@@ -139,8 +141,10 @@ class StepLog:
         after = state_hash(self.state())
         rec["hash_after"] = after
         if not committed:
-            # a heal loaded in this step's vote is the state it starts from
-            rec["hash_before"] = self._healed_hash or self._before
+            # a heal loaded in this step's vote is the state it starts from;
+            # unknown when it healed without the heal hook (torchft)
+            unhooked = self._healed_hash is None and bool(getattr(m, "_healing", False))
+            rec["hash_before"] = None if unhooked else (self._healed_hash or self._before)
         self._healed_hash = None
         self._write(rec)
 

@@ -85,6 +85,7 @@ class _Driver:
         self.next_sample = 0.0
         self.pids: set[int] = set()
         self.entries: list[dict[str, Any]] = []
+        self.fired: set[str] = set()
 
     def on_event(self, r: dict[str, Any]) -> None:
         if r["event"] == "commit":
@@ -129,9 +130,12 @@ class _Driver:
             while self.schedule and self.schedule[0].at <= at:
                 e = self.schedule[0]
                 # A fault that could only hit the last holder of the state
-                # would be skipped: wait (up to 15 s) for enough groups back.
-                if _holders(launcher) < _NEEDS.get(e.kind, 2) and at - e.at < 15.0:
+                # would be skipped: wait for enough groups back, up to 15 s
+                # (60 s for a kind not injected yet: every kind once first).
+                patience = 15.0 if e.kind in self.fired else 60.0
+                if _holders(launcher) < _NEEDS.get(e.kind, 2) and at - e.at < patience:
                     break
+                self.fired.add(e.kind)
                 self.schedule.pop(0)
                 for i, spec in enumerate(e.specs):
                     spec.tag = f"{e.kind}#{len(self.entries)}" + (f".{i}" if i else "")
@@ -239,6 +243,9 @@ def report(out: Path, a: argparse.Namespace, drv: _Driver, h: checker.History,
         n = goodput.committed_replica_steps(tl, t["faults0"], end)
         g = goodput.goodput(n, a.groups, rate, end - t["faults0"])
     survived = sum(1 for f in by_failure if f in seen)
+    wanted = set(a.kinds.split(",") if a.kinds else
+                 (TORCHFT_KINDS if a.impl == "torchft" else KINDS))
+    missing = sorted(wanted - {k for k in per_kind if not k.endswith("(its heal trigger)")})
     lines = [
         f"soak ({a.impl}): seed {a.seed}, {a.minutes:g} min of faults every ~{a.gap:g} s, "
         f"{a.groups} replica groups x {a.ranks} ranks (schedule: schedule.json; the seed "
@@ -255,6 +262,8 @@ def report(out: Path, a: argparse.Namespace, drv: _Driver, h: checker.History,
     lines += [
         "",
         f"survived: {survived} of {len(injects)} (the others committed again after the fault)",
+        "coverage: every kind injected" if not missing
+        else f"coverage: NOT injected: {', '.join(missing)}",
         f"fault-free rate: {rate:.2f} steps/s per replica" if rate else "fault-free rate: n/a",
         (f"goodput: {g:.3f} ({n} committed replica-steps / ({a.groups} replicas x "
          f"{rate:.2f} steps/s x {end - t['faults0']:.0f} s))") if g is not None
@@ -268,6 +277,7 @@ def report(out: Path, a: argparse.Namespace, drv: _Driver, h: checker.History,
         "impl": a.impl, "seed": a.seed, "minutes": a.minutes, "groups": a.groups, "ranks": a.ranks,
         "faults": len(injects), "faults_per_kind": dict(per_kind), "skipped": dict(skipped),
         "survived": survived, "violations": [asdict(v) for v in vs],
+        "kinds_not_injected": missing,
         "survivors_s": dict(surv), "rejoin_s": dict(rejoin), "fault_free_rate": rate,
         "goodput": g, "committed_replica_steps": n, "launcher_rc": rc, "phases": t,
     }
@@ -354,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
         vs.append(checker.Violation("run_did_not_end",
                                     "the groups did not reach the stop step within 180 s"))
     summary = report(out, a, drv, h, vs, rc)
+    if a.short and summary["kinds_not_injected"]:
+        print("soak: the short run must inject every kind at least once", flush=True)
+        return 1
     if a.compare_with:
         other = Path(a.compare_with) / "summary.json"
         if other.exists():

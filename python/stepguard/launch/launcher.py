@@ -140,6 +140,7 @@ class _Group:
         self.partitioned = False  # partition injection in effect
         self.link_window = False  # link injection in effect
         self.hit_at = -1e9  # monotonic time of the last injection picking it
+        self.hung = False  # this incarnation was hung (it may not outlive it)
 
 
 class _Injector:
@@ -453,6 +454,7 @@ class Launcher:
         g.injected = g.partitioned
         g.last_quorum = None
         g.stopped = False
+        g.hung = False
         base = dict(os.environ)
         base.update(c.env)
         base.update({
@@ -748,8 +750,10 @@ class Launcher:
         now = time.monotonic()
 
         def holds(h: _Group) -> bool:
+            # a group hung in this incarnation may not outlive it (a hang
+            # longer than its timeouts ends it after SIGCONT)
             return (h.state == "running" and h.first_commit_seen and not h.stopped
-                    and now - h.hit_at > 1.0)
+                    and not h.hung and now - h.hit_at > 1.0)
 
         return holds(g) and not any(holds(h) for h in self.groups if h is not g)
 
@@ -808,6 +812,7 @@ class Launcher:
         elif s.kind == "hang":
             self._signal_group(g, signal.SIGSTOP)
             g.stopped = True
+            g.hung = True
             self._record("inject", t=now, failure=fid, kind="hang", group=g.gid,
                          incarnation=g.incarnation, duration_s=s.duration, then=s.then)
             self._say(f"injected hang #{fid}: group {g.gid} stopped for {s.duration}s")

@@ -169,7 +169,7 @@ _NEEDS = {"double": 3, "lighthouse": 0, "lighthouse_no_id_file": 0}
 
 def _holders(launcher: Launcher) -> int:
     return sum(1 for g in launcher.groups if g.state == "running" and g.first_commit_seen
-               and not g.stopped)
+               and not g.stopped and not g.hung)
 
 
 def _leftovers(pids: set[int], launcher_pid: int) -> dict[str, list[Any]]:

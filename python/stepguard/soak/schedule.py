@@ -31,6 +31,7 @@ class SoakParams:
     partition_s: float = 8.0
     lighthouse_down_s: float = 3.0
     arm_s: float = 60.0  # an armed fault point expires after this
+    link_s: float = 8.0  # a slow or lossy link window
 
 
 def _kill_group(rng: random.Random, p: SoakParams) -> list[FailureSpec]:
@@ -48,6 +49,19 @@ def _hang(rng: random.Random, p: SoakParams) -> list[FailureSpec]:
 
 def _partition(rng: random.Random, p: SoakParams) -> list[FailureSpec]:
     return [FailureSpec(kind="partition", duration=p.partition_s,
+                        seed=rng.randrange(1 << 30))]
+
+
+def _slow_link(rng: random.Random, p: SoakParams) -> list[FailureSpec]:
+    # a thin, far link: 50 Mbit/s each way, 20 +- 5 ms each way
+    return [FailureSpec(kind="link", duration=p.link_s, rate=50e6, delay=0.02,
+                        jitter=0.005, seed=rng.randrange(1 << 30))]
+
+
+def _lossy_link(rng: random.Random, p: SoakParams) -> list[FailureSpec]:
+    # 5% of the packets lost each way, and one TCP segment in 500 resets
+    # its connection
+    return [FailureSpec(kind="link", duration=p.link_s, loss=0.05, reset=0.002,
                         seed=rng.randrange(1 << 30))]
 
 
@@ -72,13 +86,14 @@ def _double(rng: random.Random, p: SoakParams) -> list[FailureSpec]:
     return KINDS[a](rng, p) + KINDS[b](rng, p)
 
 
-# name -> draws the launcher specs of one fault of that kind.  Link kinds
-# (slow link: rate, delay, jitter; lossy link: loss, resets) go here.
+# name -> draws the launcher specs of one fault of that kind.
 KINDS: dict[str, Callable[[random.Random, SoakParams], list[FailureSpec]]] = {
     "kill_group": _kill_group,
     "kill_rank": _kill_rank,
     "hang": _hang,
     "partition": _partition,
+    "slow_link": _slow_link,
+    "lossy_link": _lossy_link,
     "lighthouse": _lighthouse(True),
     "lighthouse_no_id_file": _lighthouse(False),
     "kill_source": _armed("kill_source"),

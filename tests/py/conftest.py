@@ -33,6 +33,11 @@ HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")
 if HELPERS not in sys.path:
     sys.path.insert(0, HELPERS)
 
+# imported here, not where a hung test is ended (an import there could wait
+# on the import lock of the very thread that hangs); light: torch loads in
+# the worker's main()
+from train_worker import child_pids  # noqa: E402
+
 
 class Procs:
     """Starts helper processes and kills every one of them at teardown."""
@@ -115,18 +120,7 @@ def _uncaptured_stderr(config) -> int:
 
 
 def _children() -> list[int]:
-    me = os.getpid()
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == me:
-                out.append(int(d))
-    return out
+    return child_pids(os.getpid())
 
 
 @pytest.hookimpl(hookwrapper=True)

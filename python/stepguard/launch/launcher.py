@@ -1068,6 +1068,9 @@ class Launcher:
                      mechanism=self.links.mechanism(s),
                      relay_pid=self.links.relay_pid(g.gid))
         self._say(f"injected link #{fid}: group {g.gid} {_link_text(s)} for {s.duration}s")
+        # the others' next commit, as after any fault (whether the group
+        # itself keeps up is its link_end recovery)
+        self._pending_kills.append({"t": now, "group": g.gid, "failure": fid})
         inc = g.incarnation
 
         def end() -> None:

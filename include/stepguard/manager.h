@@ -25,6 +25,13 @@
  *   - group liveness: when every connection a group rank spoke on closes
  *     and it stays silent for the grace period, the replica group leaves the
  *     job (see sg_mgr_server_start);
+ *   - the commit vote has a deadline: a round that not every group rank
+ *     has voted in ends at the earliest cutoff of its waiting calls (a
+ *     call's cutoff is SG_MGR_VOTE_MARGIN_MS, at most a quarter of its
+ *     timeout, before its deadline) with "no" for every waiting rank, and
+ *     the late rank's vote for that step is answered "no" when it comes
+ *     (torchft leaves the early ranks to time out and lets the late vote
+ *     end the round, so a group's ranks could decide differently);
  *   - Kill calls a handler instead of exiting the process;
  *   - ManagerQuorumResponse carries an extension field,
  *     up_to_date_manager_addresses = 100, that torchft peers skip;
@@ -52,6 +59,10 @@ extern "C" {
 #define SG_MGR_MAX_ID_LEN 1024         /* replica id, addresses */
 #define SG_MGR_MAX_METADATA_LEN 65536  /* checkpoint_metadata per rank */
 #define SG_MGR_DISCONNECT_GRACE_MS 250 /* default group liveness grace */
+/* A commit vote round a rank is late to ends this long (at most a quarter
+ * of the call's timeout) before the deadline of its earliest waiting call,
+ * so that the answer reaches that caller before it gives up. */
+#define SG_MGR_VOTE_MARGIN_MS 1000
 
 /*
  * Called on the server's thread when a Kill request arrives, after the OK

@@ -146,7 +146,8 @@ static void local_run(sg_mgr_server_t *s, sg_mgr_call_t *c) {
     sg__mgr_qargs_t a = local_qargs(c);
     sg__mgr_quorum_arrive(s, to, &a);
   } else {
-    sg__mgr_commit_vote(s, to, c->group_rank, c->vote, 0, 0);
+    sg__mgr_commit_vote(s, to, c->group_rank, c->step, c->vote, c->deadline, 0,
+                        0);
   }
   if (!c->had_waiter) /* answered without waiting, or not run */
     sg__mgr_call_unref(c);
@@ -366,7 +367,7 @@ static int commit_here(sg_mgr_server_t *s, sg_mgr_call_t *c) {
   /* what the vote would do, as in sg__mgr_commit_vote (round.c decides) */
   sg__mgr_vote_t v = sg__mgr_commit_tally(s->tally, s->ranks[g].ballot, c->vote,
                                           (size_t)s->world_size);
-  if (s->commit_waiters || !v.ends) {
+  if (s->commit_waiters || !v.ends || s->ranks[g].vote_late) {
     pthread_mutex_unlock(&s->commit_mu);
     return 0;
   }

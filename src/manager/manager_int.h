@@ -37,7 +37,9 @@
  *             on its caller's thread and the quorum thread answers it, so
  *             neither wakes the loop; a call from the wire is answered on
  *             the loop only
- *   commit    ShouldCommit votes are ANDed per round; the round's state is
+ *   commit    ShouldCommit votes are ANDed per round; a round a rank is
+ *             late to ends at the earliest cutoff of its waiting calls
+ *             with no (commit_timer; round.h); the round's state is
  *             the loop's but guarded by commit_mu, so that an in-process
  *             vote that ends a round nobody waits in is answered right on
  *             its caller's thread
@@ -95,6 +97,8 @@ struct sg__mgr_waiter_s {
   int init_sync;
   int in_round;      /* Quorum: its round's lighthouse call is under way */
   int64_t after_qid; /* WaitLost: answer once a newer quorum lost a member */
+  int64_t cutoff;    /* commit: when its round ends without every vote
+                        (sg__mgr_commit_cutoff; INT64_MAX: never) */
   sg__mgr_waiter_t *prev, *next;
 };
 
@@ -137,8 +141,12 @@ struct sg__mgr_rank_s {
   int64_t step;     /* from its latest such call */
   int64_t commit_failures;
   sg__mgr_ballot_t ballot; /* ShouldCommit in the current round */
-  unsigned nconns;         /* open connections it spoke on */
-  int64_t grace_deadline;  /* 0: none */
+  int vote_late;           /* a round ended on its cutoff without its vote,
+                              for step late_step (commit_mu; cleared by its
+                              next vote or Quorum call) */
+  int64_t late_step;
+  unsigned nconns;        /* open connections it spoke on */
+  int64_t grace_deadline; /* 0: none */
 };
 
 /* The lighthouse round handed to the quorum thread (or to the
@@ -174,6 +182,7 @@ struct sg_mgr_server_s {
   uv_async_t stop_async, result_async, local_async;
   uv_async_t lost_async; /* lost_qid grew: answer the WaitLost calls */
   uv_timer_t grace_timer, kill_timer;
+  uv_timer_t commit_timer; /* the commit round's cutoff */
   sg_rpc_server_t *rpc;
   int port;
   int handles_open;
@@ -197,6 +206,7 @@ struct sg_mgr_server_s {
   sg__mgr_rank_t *ranks; /* world_size entries */
   size_t n_arrived;      /* ranks with waiting > 0 */
   sg__mgr_tally_t tally; /* the commit round's count */
+  int64_t commit_step;   /* the step of the round's latest vote */
   int last_shrink_only;
   int64_t last_timeout_ms;
   sg__mgr_waiter_t *quorum_waiters, *commit_waiters;
@@ -303,11 +313,14 @@ size_t sg__mgr_encode_decision(int decision, uint8_t *buf);
  * and forget the round's votes (commit_mu held). */
 void sg__mgr_commit_round_end(sg_mgr_server_t *s, int decision);
 
-/* sg__mgr_commit_vote: group rank g votes `vote` (answered through `to`
- * when the round ends, or at once with a refusal); has_conn and conn_id
- * name the wire connection it spoke on.  Loop thread; takes commit_mu. */
+/* sg__mgr_commit_vote: group rank g votes `vote` for `step` (answered
+ * through `to` when the round ends, at its cutoff from `deadline` at the
+ * latest, or at once with a refusal or, late to a round that ended without
+ * it, with no); has_conn and conn_id name the wire connection it spoke on.
+ * Loop thread; takes commit_mu. */
 void sg__mgr_commit_vote(sg_mgr_server_t *s, sg__mgr_reply_t to, int64_t g,
-                         int vote, int has_conn, uint64_t conn_id);
+                         int64_t step, int vote, sg_deadline_t deadline,
+                         int has_conn, uint64_t conn_id);
 
 /* ---- local.c: in-process calls ------------------------------------------ */
 

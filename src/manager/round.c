@@ -4,7 +4,8 @@
  *
  *   quorum round  sg__mgr_round_ready, sg__mgr_round_plan (the step rule is
  *                 results.c's sg__mgr_group_step)
- *   commit round  sg__mgr_commit_tally
+ *   commit round  sg__mgr_commit_tally, sg__mgr_commit_cutoff,
+ *                 sg__mgr_commit_due, sg__mgr_commit_late
  */
 #include <string.h>
 
@@ -49,4 +50,27 @@ sg__mgr_vote_t sg__mgr_commit_tally(sg__mgr_tally_t t, sg__mgr_ballot_t b,
   v.ends = t.n_voted == world_size;
   v.decision = t.n_no == 0;
   return v;
+}
+
+int64_t sg__mgr_commit_cutoff(int64_t deadline, int64_t now,
+                              int64_t margin_ms) {
+  if (deadline == INT64_MAX)
+    return INT64_MAX;
+  if (deadline <= now)
+    return deadline;
+  int64_t margin = (deadline - now) / 4;
+  if (margin_ms >= 0 && margin_ms < INT64_MAX / 1000000 &&
+      margin_ms * 1000000 < margin)
+    margin = margin_ms * 1000000;
+  return deadline - margin;
+}
+
+int sg__mgr_commit_due(sg__mgr_tally_t t, size_t world_size, int64_t cutoff,
+                       int64_t now) {
+  return t.n_voted > 0 && t.n_voted < world_size && cutoff != INT64_MAX &&
+         now >= cutoff;
+}
+
+int sg__mgr_commit_late(int late, int64_t late_step, int64_t step) {
+  return late && step == late_step;
 }

@@ -6,7 +6,10 @@
  *   quorum round  sg__mgr_round_ready: whether a round starts now
  *                 sg__mgr_round_plan: what the group asks the lighthouse
  *   commit round  sg__mgr_commit_tally: one ShouldCommit vote counted, and
- *                 whether it ends the round with which decision
+ *                 whether it ends the round with which decision;
+ *                 sg__mgr_commit_cutoff, sg__mgr_commit_due: when the
+ *                 server ends a round a rank is late to (no);
+ *                 sg__mgr_commit_late: a vote for a round already ended
  *
  * The server keeps the state (manager_int.h) and does the I/O around these;
  * what each rank learns from an issued quorum is results.h.  Nothing here
@@ -91,5 +94,41 @@ typedef struct sg__mgr_vote_s {
  */
 sg__mgr_vote_t sg__mgr_commit_tally(sg__mgr_tally_t t, sg__mgr_ballot_t b,
                                     int vote, size_t world_size);
+
+/*
+ * The commit round's deadline (a difference from torchft, whose round has
+ * none: a rank late to the vote leaves its group mates' calls to time out
+ * while its own vote, when it comes, still ends the round, so the group's
+ * ranks may part).  The server ends a round that not every rank has voted
+ * in at its cutoff, with "no" for everyone: the earliest cutoff among the
+ * round's waiting calls.  A call's cutoff comes a margin before its own
+ * deadline, so that the answer reaches its caller in time:
+ * min(margin_ms, a quarter of the time the call had when it arrived).
+ */
+
+/*
+ * sg__mgr_commit_cutoff: the cutoff of a vote that arrived at `now` with
+ * deadline `deadline` (both sg_now_ns() instants; INT64_MAX: none, and then
+ * no cutoff: INT64_MAX).  A deadline already passed is its own cutoff.
+ */
+int64_t sg__mgr_commit_cutoff(int64_t deadline, int64_t now, int64_t margin_ms);
+
+/*
+ * sg__mgr_commit_due: whether a round counted `t` in a group of
+ * `world_size` ends now (`now`) on its cutoff (the earliest cutoff of its
+ * waiting calls; INT64_MAX: none waits): some rank has voted, not all have,
+ * and the cutoff passed.  The decision is then no.
+ */
+int sg__mgr_commit_due(sg__mgr_tally_t t, size_t world_size, int64_t cutoff,
+                       int64_t now);
+
+/*
+ * sg__mgr_commit_late: whether a vote for `step` from a rank that did not
+ * vote in a round ended on its cutoff (`late`, for that round's step
+ * `late_step`) belongs to that round: it is answered no at once and not
+ * counted (the group decided no without it).  A vote for another step is
+ * a new vote.
+ */
+int sg__mgr_commit_late(int late, int64_t late_step, int64_t step);
 
 #endif /* SG_MANAGER_ROUND_H */

@@ -744,6 +744,9 @@ void sg__mgr_quorum_arrive_locked(sg_mgr_server_t *s, sg__mgr_reply_t to,
     return;
   }
   sg__mgr_rank_t *r = &s->ranks[a->group_rank];
+  pthread_mutex_lock(&s->commit_mu); /* it moved on past any late vote */
+  r->vote_late = 0;
+  pthread_mutex_unlock(&s->commit_mu);
   char *md = sg_strdup(a->metadata);
   char *handle = sg_strdup(a->handle);
   if (!md || !handle) {
@@ -846,20 +849,96 @@ static void finish_commit_round(sg_mgr_server_t *s, int decision) {
   sg__mgr_commit_round_end(s, decision);
 }
 
-/* sg__mgr_commit_vote: group rank g votes; the round ends with the last vote.
- */
+/* commit_cutoff: the earliest cutoff of the waiting votes (commit_mu
+ * held); INT64_MAX: none. */
+static int64_t commit_cutoff(const sg_mgr_server_t *s) {
+  int64_t best = INT64_MAX;
+  for (const sg__mgr_waiter_t *w = s->commit_waiters; w; w = w->next)
+    if (w->cutoff < best)
+      best = w->cutoff;
+  return best;
+}
+
+static void on_commit_timer(uv_timer_t *t);
+
+/* rearm_commit: the commit timer fires at the round's cutoff (loop thread;
+ * takes commit_mu). */
+static void rearm_commit(sg_mgr_server_t *s) {
+  pthread_mutex_lock(&s->commit_mu);
+  int64_t cutoff = commit_cutoff(s);
+  pthread_mutex_unlock(&s->commit_mu);
+  if (cutoff == INT64_MAX || s->closing) {
+    uv_timer_stop(&s->commit_timer);
+    return;
+  }
+  int64_t now = sg_now_ns();
+  int64_t ms = cutoff <= now ? 0 : (cutoff - now + 999999) / 1000000;
+  uv_timer_start(&s->commit_timer, on_commit_timer, (uint64_t)ms, 0);
+}
+
+/* on_commit_timer: a round some rank is late to ends on its cutoff with
+ * no; the ranks that did not vote are marked late for its step. */
+static void on_commit_timer(uv_timer_t *t) {
+  sg_mgr_server_t *s = t->data;
+  pthread_mutex_lock(&s->commit_mu);
+  if (sg__mgr_commit_due(s->tally, (size_t)s->world_size, commit_cutoff(s),
+                         sg_now_ns())) {
+    char missing[128] = "";
+    size_t used = 0;
+    for (int64_t g = 0; g < s->world_size; g++) {
+      sg__mgr_rank_t *r = &s->ranks[g];
+      if (r->ballot.voted)
+        continue;
+      r->vote_late = 1;
+      r->late_step = s->commit_step;
+      if (used < sizeof(missing) - 24) {
+        int n = snprintf(missing + used, sizeof(missing) - used, "%s%lld",
+                         used ? ", " : "", (long long)g);
+        used += n > 0 ? (size_t)n : 0;
+      }
+    }
+    sg_log(SG_LOG_WARN, LOG,
+           "[Replica %s] should_commit for step %lld: group rank(s) %s did "
+           "not vote before the deadline; the group does not commit",
+           s->name, (long long)s->commit_step, missing);
+    finish_commit_round(s, 0);
+  }
+  pthread_mutex_unlock(&s->commit_mu);
+  rearm_commit(s);
+}
+
+/* sg__mgr_commit_vote: group rank g votes; the round ends with the last vote
+ * or at its cutoff. */
 void sg__mgr_commit_vote(sg_mgr_server_t *s, sg__mgr_reply_t to, int64_t g,
-                         int vote, int has_conn, uint64_t conn_id) {
+                         int64_t step, int vote, sg_deadline_t deadline,
+                         int has_conn, uint64_t conn_id) {
   if (check_rank(s, to, g) || check_left(s, to))
     return;
   if (has_conn)
     note_speaker(s, g, conn_id);
   pthread_mutex_lock(&s->commit_mu);
-  if (!add_waiter(s, to, SG__MGR_COMMIT, g)) {
+  sg__mgr_rank_t *r = &s->ranks[g];
+  int late = sg__mgr_commit_late(r->vote_late, r->late_step, step);
+  r->vote_late = 0;
+  if (late) {
+    pthread_mutex_unlock(&s->commit_mu);
+    sg_log(SG_LOG_INFO, LOG,
+           "[Replica %s] should_commit for step %lld: group rank %lld voted "
+           "after the group decided no",
+           s->name, (long long)step, (long long)g);
+    uint8_t buf[16];
+    size_t len = sg__mgr_encode_decision(0, buf);
+    respond(to, SG_GRPC_OK, NULL, buf, len);
+    return;
+  }
+  sg__mgr_waiter_t *w = add_waiter(s, to, SG__MGR_COMMIT, g);
+  if (!w) {
     pthread_mutex_unlock(&s->commit_mu);
     return;
   }
-  sg__mgr_rank_t *r = &s->ranks[g];
+  w->cutoff =
+      sg__mgr_commit_cutoff(deadline, sg_now_ns(), SG_MGR_VOTE_MARGIN_MS);
+  s->commit_step = step;
   sg__mgr_vote_t v =
       sg__mgr_commit_tally(s->tally, r->ballot, vote, (size_t)s->world_size);
   s->tally = v.tally;
@@ -867,6 +946,7 @@ void sg__mgr_commit_vote(sg_mgr_server_t *s, sg__mgr_reply_t to, int64_t g,
   if (v.ends)
     finish_commit_round(s, v.decision);
   pthread_mutex_unlock(&s->commit_mu);
+  rearm_commit(s);
 }
 
 static void handle_should_commit(sg_mgr_server_t *s, sg_rpc_call_t *call,
@@ -880,8 +960,9 @@ static void handle_should_commit(sg_mgr_server_t *s, sg_rpc_call_t *call,
                         "invalid ShouldCommitRequest");
     return;
   }
-  sg__mgr_commit_vote(s, wire(call), req->group_rank, req->should_commit != 0,
-                      1, sg_rpc_call_conn_id(call));
+  sg__mgr_commit_vote(s, wire(call), req->group_rank, req->step,
+                      req->should_commit != 0, sg_rpc_call_deadline(call), 1,
+                      sg_rpc_call_conn_id(call));
   torchft__should_commit_request__free_unpacked(req, &sg__pb_allocator);
 }
 
@@ -1077,6 +1158,7 @@ static void on_handle_closed(uv_handle_t *h) {
 static void close_handles(sg_mgr_server_t *s) {
   uv_close((uv_handle_t *)&s->grace_timer, on_handle_closed);
   uv_close((uv_handle_t *)&s->kill_timer, on_handle_closed);
+  uv_close((uv_handle_t *)&s->commit_timer, on_handle_closed);
   uv_close((uv_handle_t *)&s->stop_async, on_handle_closed);
   uv_close((uv_handle_t *)&s->result_async, on_handle_closed);
   uv_close((uv_handle_t *)&s->local_async, on_handle_closed);
@@ -1096,6 +1178,7 @@ static void on_stop(uv_async_t *a) {
   s->closing = 1;
   uv_timer_stop(&s->grace_timer);
   uv_timer_stop(&s->kill_timer);
+  uv_timer_stop(&s->commit_timer);
   pthread_mutex_lock(&s->quorum_mu);
   s->q_closed = 1; /* no call waits for a round from now on */
   pthread_mutex_unlock(&s->quorum_mu);
@@ -1274,14 +1357,15 @@ int sg_mgr_server_start(const sg_mgr_server_opts_t *o, sg_mgr_server_t **out,
   }
   uv_timer_init(&s->loop, &s->grace_timer);
   uv_timer_init(&s->loop, &s->kill_timer);
+  uv_timer_init(&s->loop, &s->commit_timer);
   uv_async_init(&s->loop, &s->stop_async, on_stop);
   uv_async_init(&s->loop, &s->result_async, on_result);
   uv_async_init(&s->loop, &s->local_async, sg__mgr_on_local);
   uv_async_init(&s->loop, &s->lost_async, on_lost);
-  s->grace_timer.data = s->kill_timer.data = s;
+  s->grace_timer.data = s->kill_timer.data = s->commit_timer.data = s;
   s->stop_async.data = s->result_async.data = s->local_async.data = s;
   s->lost_async.data = s;
-  s->handles_open = 6;
+  s->handles_open = 7;
 
   sg_rpc_server_opts_t ro = {0};
   ro.bind = s->bind;

@@ -1815,37 +1815,176 @@ static void test_started_calls_one_road(void **state) {
 
 /* The vote that ends a round nobody waits in is decided on the caller's
  * thread: a no vote of a rank whose call gave up still counts (torchft),
- * and the round starts afresh after it. */
+ * and the round starts afresh after it.  A rank alone in a round of two
+ * gets no at its cutoff, before its deadline, and the rank that missed
+ * that round gets no for its step too. */
 static void test_local_vote_ends_round_of_departed_voter(void **state) {
   (void)state;
   group_t g;
   sg_lh_server_t *lh = lh_group_start(&g, 2);
   sg_err_t err;
   int out = -1;
-  /* rank 1 votes no and gives up before rank 0 comes */
-  assert_int_equal(sg_mgr_client_should_commit(
-                       g.cl[1], 1, 1, 0, sg_deadline_in_ms(200), &out, &err),
-                   SG_ETIMEDOUT);
+  /* rank 1 votes no with a long deadline and gives up before rank 0 comes */
+  sg_mgr_call_t *c = NULL;
+  assert_int_equal(sg_mgr_client_should_commit_start(
+                       g.cl[1], 1, 1, 0, sg_deadline_in_ms(60000), &c, &err),
+                   0);
+  usleep(100 * 1000);
+  sg_mgr_call_abort(c);
+  sg_mgr_call_free(c);
   usleep(100 * 1000); /* the cancel reaches the server */
   assert_int_equal(local_vote(g.srv, 0, 1, &out, &err), 0);
   assert_int_equal(out, 0);
   /* a new round: rank 1 yes (gives up), rank 0 yes -> yes */
-  assert_int_equal(sg_mgr_client_should_commit(
-                       g.cl[1], 1, 2, 1, sg_deadline_in_ms(200), &out, &err),
-                   SG_ETIMEDOUT);
+  assert_int_equal(sg_mgr_client_should_commit_start(
+                       g.cl[1], 1, 2, 1, sg_deadline_in_ms(60000), &c, &err),
+                   0);
+  usleep(100 * 1000);
+  sg_mgr_call_abort(c);
+  sg_mgr_call_free(c);
   usleep(100 * 1000);
   assert_int_equal(local_vote(g.srv, 0, 1, &out, &err), 0);
   assert_int_equal(out, 1);
-  /* rank 0 alone does not end a round of two: it waits, then times out */
-  sg_mgr_call_t *c = NULL;
+  /* rank 0 alone does not end a round of two: it gets no at its cutoff,
+   * before its deadline (not a timeout) */
+  int64_t t0 = sg_now_ns();
   assert_int_equal(sg_mgr_local_should_commit_start(
-                       g.srv, 0, 3, 1, sg_deadline_in_ms(200), &c, &err),
+                       g.srv, 0, 3, 1, sg_deadline_in_ms(1000), &c, &err),
                    0);
-  assert_false(sg_mgr_call_done(c));
   assert_int_equal(sg_mgr_call_wait(c, sg_deadline_in_ms(10000)), 0);
-  assert_int_equal(sg_mgr_call_should_commit_result(c, &out, &err),
-                   SG_ETIMEDOUT);
+  assert_int_equal(sg_mgr_call_should_commit_result(c, &out, &err), 0);
+  assert_int_equal(out, 0);
+  assert_true((sg_now_ns() - t0) / 1000000 < 1000);
   sg_mgr_call_free(c);
+  /* rank 1's vote for step 3 comes late: no, at once */
+  t0 = sg_now_ns();
+  assert_int_equal(sg_mgr_client_should_commit(
+                       g.cl[1], 1, 3, 1, sg_deadline_in_ms(30000), &out, &err),
+                   0);
+  assert_int_equal(out, 0);
+  assert_true((sg_now_ns() - t0) / 1000000 < 10000);
+  lh_group_stop(&g, lh);
+}
+
+struct wvote {
+  sg_mgr_client_t *c;
+  int64_t g, step;
+  int vote, rc, out;
+  int64_t timeout_ms;
+  pthread_t t;
+};
+
+static void *wire_vote_thread(void *arg) {
+  struct wvote *v = arg;
+  sg_err_t err;
+  v->rc = sg_mgr_client_should_commit(v->c, v->g, v->step, v->vote,
+                                      sg_deadline_in_ms(v->timeout_ms), &v->out,
+                                      &err);
+  return NULL;
+}
+
+/* both_vote_yes: ranks 0 (in-process when `local`) and 1 vote yes for
+ * `step` at once; both must get yes. */
+static void both_vote_yes(group_t *g, int local, int64_t step) {
+  struct wvote v1 = {g->cl[1], 1, step, 1, -1, -1, 30000, 0};
+  assert_int_equal(pthread_create(&v1.t, NULL, wire_vote_thread, &v1), 0);
+  int out = -1;
+  sg_err_t err;
+  if (local) {
+    sg_mgr_call_t *c = NULL;
+    assert_int_equal(sg_mgr_local_should_commit_start(g->srv, 0, step, 1,
+                                                      sg_deadline_in_ms(30000),
+                                                      &c, &err),
+                     0);
+    assert_int_equal(sg_mgr_call_wait(c, sg_deadline_in_ms(60000)), 0);
+    assert_int_equal(sg_mgr_call_should_commit_result(c, &out, &err), 0);
+    sg_mgr_call_free(c);
+  } else {
+    assert_int_equal(sg_mgr_client_should_commit(g->cl[0], 0, step, 1,
+                                                 sg_deadline_in_ms(30000), &out,
+                                                 &err),
+                     0);
+  }
+  pthread_join(v1.t, NULL);
+  assert_int_equal(v1.rc, 0);
+  assert_int_equal(out, 1);
+  assert_int_equal(v1.out, 1);
+}
+
+/* A rank late to the vote: rank 0 votes yes, rank 1 votes yes only after
+ * rank 0's call ended.  The server ends the round at rank 0's cutoff with
+ * no (an answer, not a timeout), and rank 1's late vote for that step gets
+ * no too: the group's ranks decide the same, and no rank gets yes.  The
+ * next round commits.  Over the wire (`local` 0) and with rank 0
+ * in-process (`local` 1). */
+static void late_rank_gets_no(int local) {
+  group_t g;
+  sg_lh_server_t *lh = lh_group_start(&g, 2);
+  sg_err_t err;
+  int out0 = -1, out1 = -1;
+  int64_t t0 = sg_now_ns();
+  if (local) {
+    sg_mgr_call_t *c = NULL;
+    assert_int_equal(sg_mgr_local_should_commit_start(
+                         g.srv, 0, 5, 1, sg_deadline_in_ms(1000), &c, &err),
+                     0);
+    assert_int_equal(sg_mgr_call_wait(c, sg_deadline_in_ms(10000)), 0);
+    assert_int_equal(sg_mgr_call_should_commit_result(c, &out0, &err), 0);
+    sg_mgr_call_free(c);
+  } else {
+    assert_int_equal(sg_mgr_client_should_commit(g.cl[0], 0, 5, 1,
+                                                 sg_deadline_in_ms(1000), &out0,
+                                                 &err),
+                     0);
+  }
+  assert_int_equal(out0, 0);
+  assert_true((sg_now_ns() - t0) / 1000000 < 1000); /* before its deadline */
+  /* rank 1 votes after rank 0's deadline passed */
+  usleep(200 * 1000);
+  assert_int_equal(sg_mgr_client_should_commit(
+                       g.cl[1], 1, 5, 1, sg_deadline_in_ms(30000), &out1, &err),
+                   0);
+  assert_int_equal(out1, 0);
+  /* the next round, same step (the group did not commit): yes for both */
+  both_vote_yes(&g, local, 5);
+  both_vote_yes(&g, local, 6);
+  lh_group_stop(&g, lh);
+}
+
+static void test_vote_late_rank_wire(void **state) {
+  (void)state;
+  late_rank_gets_no(0);
+}
+
+static void test_vote_late_rank_local(void **state) {
+  (void)state;
+  late_rank_gets_no(1);
+}
+
+/* A late rank that moves on to the next Quorum without voting is not held
+ * to the missed round: its next vote for the same step counts. */
+static void test_vote_late_mark_cleared_by_quorum(void **state) {
+  (void)state;
+  group_t g;
+  sg_lh_server_t *lh = lh_group_start(&g, 2);
+  sg_err_t err;
+  int out = -1;
+  assert_int_equal(sg_mgr_client_should_commit(
+                       g.cl[0], 0, 5, 1, sg_deadline_in_ms(400), &out, &err),
+                   0);
+  assert_int_equal(out, 0);
+  /* both ranks meet in a quorum round (rank 1 never voted for step 5) */
+  struct qreq q[2];
+  for (int r = 0; r < 2; r++) {
+    q_init(&q[r], &g, r, 5);
+    q_start(&q[r]);
+  }
+  for (int r = 0; r < 2; r++) {
+    q_join(&q[r]);
+    assert_int_equal(q[r].rc, 0);
+  }
+  q_free(q, 2);
+  both_vote_yes(&g, 0, 5);
   lh_group_stop(&g, lh);
 }
 
@@ -1997,6 +2136,9 @@ int main(void) {
       cmocka_unit_test(test_local_deadline_abort_and_slices),
       cmocka_unit_test(test_started_calls_one_road),
       cmocka_unit_test(test_local_vote_ends_round_of_departed_voter),
+      cmocka_unit_test(test_vote_late_rank_wire),
+      cmocka_unit_test(test_vote_late_rank_local),
+      cmocka_unit_test(test_vote_late_mark_cleared_by_quorum),
       cmocka_unit_test(test_local_call_in_forked_child),
       cmocka_unit_test(test_local_stop_fails_waiting_call),
       cmocka_unit_test(test_local_allocation_failures),

@@ -252,6 +252,83 @@ static void test_property_commit_rounds(void **state) {
   }
 }
 
+/* A vote's cutoff: a margin before its deadline, at most a quarter of the
+ * time it had; none without a deadline; a passed deadline is its own. */
+static void test_commit_cutoff(void **state) {
+  (void)state;
+  const int64_t ms = 1000000, now = 5000 * ms;
+  /* 4 s left, margin 1 s: 1 s before */
+  assert_int_equal(sg__mgr_commit_cutoff(now + 4000 * ms, now, 1000),
+                   now + 3000 * ms);
+  /* 200 ms left: a quarter (50 ms) is less than the margin */
+  assert_int_equal(sg__mgr_commit_cutoff(now + 200 * ms, now, 1000),
+                   now + 150 * ms);
+  /* 60 s left: the margin */
+  assert_int_equal(sg__mgr_commit_cutoff(now + 60000 * ms, now, 1000),
+                   now + 59000 * ms);
+  assert_int_equal(sg__mgr_commit_cutoff(INT64_MAX, now, 1000), INT64_MAX);
+  assert_int_equal(sg__mgr_commit_cutoff(now - 1, now, 1000), now - 1);
+  assert_int_equal(sg__mgr_commit_cutoff(now, now, 1000), now);
+  /* an absurd margin saturates to the quarter, never past the deadline */
+  int64_t c = sg__mgr_commit_cutoff(now + 400 * ms, now, INT64_MAX);
+  assert_int_equal(c, now + 300 * ms);
+  assert_true(sg__mgr_commit_cutoff(INT64_MAX - 1, 0, 1000) < INT64_MAX - 1);
+}
+
+/* A round ends on its cutoff only when some but not all ranks voted and
+ * the cutoff passed. */
+static void test_commit_due(void **state) {
+  (void)state;
+  sg__mgr_tally_t none = {0, 0}, one = {1, 0}, one_no = {1, 1}, two = {2, 0};
+  assert_false(sg__mgr_commit_due(one, 2, 100, 99));
+  assert_true(sg__mgr_commit_due(one, 2, 100, 100));
+  assert_true(sg__mgr_commit_due(one_no, 2, 100, 1000));
+  assert_false(sg__mgr_commit_due(none, 2, 100, 1000)); /* nobody voted */
+  assert_false(sg__mgr_commit_due(two, 2, 100, 1000));  /* all voted */
+  assert_false(sg__mgr_commit_due(one, 1, 100, 1000));  /* all voted */
+  assert_false(sg__mgr_commit_due(one, 2, INT64_MAX, INT64_MAX - 1));
+}
+
+/* A vote for the step of a round that ended without it is late; a vote
+ * for another step, or from a rank not marked, is a new vote. */
+static void test_commit_late(void **state) {
+  (void)state;
+  assert_true(sg__mgr_commit_late(1, 7, 7));
+  assert_false(sg__mgr_commit_late(1, 7, 8));
+  assert_false(sg__mgr_commit_late(0, 7, 7));
+}
+
+/* Property: whatever order and timing, a round that a rank missed never
+ * decides yes for anyone: the ranks that voted get no at the cutoff, the
+ * late ones get no for that step, and the next round starts clean. */
+static void test_property_missed_round_is_no_for_all(void **state) {
+  (void)state;
+  srand(11);
+  for (int it = 0; it < 2000; it++) {
+    size_t n = 2 + (size_t)(rand() % 5);
+    sg__mgr_tally_t t = {0, 0};
+    sg__mgr_ballot_t b[8] = {{0}};
+    int late[8] = {0};
+    size_t voters = 1 + (size_t)(rand() % (int)(n - 1)); /* not all */
+    int64_t step = rand() % 100;
+    for (size_t g = 0; g < voters; g++) {
+      sg__mgr_vote_t v = sg__mgr_commit_tally(t, b[g], 1, n);
+      assert_false(v.ends);
+      t = v.tally;
+      b[g] = v.ballot;
+    }
+    int64_t cutoff = 1000 + rand() % 1000;
+    assert_false(sg__mgr_commit_due(t, n, cutoff, cutoff - 1));
+    assert_true(sg__mgr_commit_due(t, n, cutoff, cutoff));
+    for (size_t g = 0; g < n; g++)
+      late[g] = !b[g].voted;
+    for (size_t g = 0; g < n; g++) {
+      assert_int_equal(sg__mgr_commit_late(late[g], step, step), g >= voters);
+      assert_false(sg__mgr_commit_late(late[g], step, step + 1));
+    }
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_ready_when_every_rank_waits),
@@ -268,6 +345,10 @@ int main(void) {
       cmocka_unit_test(test_commit_inputs_are_values),
       cmocka_unit_test(test_decisions_never_allocate),
       cmocka_unit_test(test_property_commit_rounds),
+      cmocka_unit_test(test_commit_cutoff),
+      cmocka_unit_test(test_commit_due),
+      cmocka_unit_test(test_commit_late),
+      cmocka_unit_test(test_property_missed_round_is_no_for_all),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

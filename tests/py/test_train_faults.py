@@ -174,3 +174,36 @@ def test_recovery_source_killed_while_a_peer_heals(job_factory):
     for rid in (survivor, "train_2"):
         assert job.wait_exit(rid, 60) == [0], job.summary()
     job.assert_identical(3, [survivor, "train_2"])
+
+
+def test_rank_late_to_the_vote_discards_the_step_and_the_replica_survives(job_factory):
+    """A group rank that stays in a step past the operation timeout before
+    its commit vote, while its group mate votes on time: the group's vote
+    ends at its deadline with "no" for both ranks (not a timeout that would
+    end the early rank's process, nor a late "yes" for the late rank alone),
+    so the group discards the step and lives on, the next steps commit, and
+    replicas hold identical parameters."""
+    timeout = 4.0
+    job = job_factory(min_replicas=2, join_timeout_ms=5000)
+    for i in range(2):
+        late = (("--late-vote-at", "4", "--late-vote-sleep", str(2 * timeout))
+                if i == 0 else ())
+        job.start_group(f"vote_{i}", 2, "--steps", "400", "--timeout", str(timeout),
+                        *PACE, *late)
+    late_ev = wait_for(lambda: job.events("vote_0", g=1, ev="late_vote"), 60,
+                       "group rank 1 of vote_0 to be late to its vote", job)[0]
+    step = late_ev["step"]
+    for g in (0, 1):
+        e = wait_for(lambda: first_step(job, "vote_0", step, g=g), 60,
+                     f"vote_0 rank {g} to finish step {step}", job)
+        assert not e["ok"], f"rank {g} committed a step its group mate missed: {e}"
+        assert e["err"] is None, e
+    wait_for(lambda: job.all_committed(step + 3), 60,
+             "both replicas to commit 3 more steps", job)
+    assert job.alive("vote_0") and job.alive("vote_1"), job.summary()
+    target = max(job.committed(rid, g) for rid in ("vote_0", "vote_1")
+                 for g in (0, 1)) + 2
+    job.stop_at(target)
+    for rid in ("vote_0", "vote_1"):
+        assert job.wait_exit(rid, 60) == [0, 0], job.summary()
+    job.assert_identical(step)

@@ -172,6 +172,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "replica takes part in), after the quorum and the forward "
                     "pass, log 'mid' and sleep --mid-sleep before the backward pass")
     ap.add_argument("--mid-sleep", type=float, default=0.0)
+    ap.add_argument("--late-vote-at", type=int, default=-1,
+                    help="group rank --late-vote-rank, at the first step at or "
+                    "after this one: log 'late_vote' and sleep --late-vote-sleep "
+                    "after the backward pass, before the commit vote")
+    ap.add_argument("--late-vote-sleep", type=float, default=0.0)
+    ap.add_argument("--late-vote-rank", type=int, default=1)
     ap.add_argument("--fail-allreduce-at", type=int, default=-1,
                     help="make the allreduce future of this step fail "
                     "(see --fail-mode)")
@@ -335,6 +341,11 @@ def main(argv: list[str] | None = None) -> int:
         if 0 <= a.report_error_at == manager.current_step():
             manager.report_error(RuntimeError("injected report_error"))
             a.report_error_at = -1
+        if (0 <= a.late_vote_at <= manager.current_step()
+                and group_rank == a.late_vote_rank):
+            log("late_vote", step=manager.current_step())
+            a.late_vote_at = -1
+            time.sleep(a.late_vote_sleep)
         before = manager.current_step()
         opt.step()  # should_commit
         after = manager.current_step()

@@ -29,7 +29,7 @@
  *     has voted in ends at the earliest cutoff of its waiting calls (a
  *     call's cutoff is SG_MGR_VOTE_MARGIN_MS, at most a quarter of its
  *     timeout, before its deadline) with "no" for every waiting rank, and
- *     the late rank's vote for that step is answered "no" when it comes
+ *     the next vote of a rank that missed it is answered "no" at once
  *     (torchft leaves the early ranks to time out and lets the late vote
  *     end the round, so a group's ranks could decide differently);
  *   - Kill calls a handler instead of exiting the process;

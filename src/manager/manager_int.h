@@ -141,9 +141,10 @@ struct sg__mgr_rank_s {
   int64_t step;     /* from its latest such call */
   int64_t commit_failures;
   sg__mgr_ballot_t ballot; /* ShouldCommit in the current round */
-  int vote_late;           /* a round ended on its cutoff without its vote,
-                              for step late_step (commit_mu; cleared by its
-                              next vote or Quorum call) */
+  int vote_late;           /* it missed a round that ended on its cutoff
+                              (sg__mgr_commit_misses), for step late_step
+                              (commit_mu; cleared by its next vote, which
+                              is answered no, or its next Quorum call) */
   int64_t late_step;
   unsigned nconns;        /* open connections it spoke on */
   int64_t grace_deadline; /* 0: none */

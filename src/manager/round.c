@@ -5,7 +5,7 @@
  *   quorum round  sg__mgr_round_ready, sg__mgr_round_plan (the step rule is
  *                 results.c's sg__mgr_group_step)
  *   commit round  sg__mgr_commit_tally, sg__mgr_commit_cutoff,
- *                 sg__mgr_commit_due, sg__mgr_commit_late
+ *                 sg__mgr_commit_due, sg__mgr_commit_misses
  */
 #include <string.h>
 
@@ -71,6 +71,6 @@ int sg__mgr_commit_due(sg__mgr_tally_t t, size_t world_size, int64_t cutoff,
          now >= cutoff;
 }
 
-int sg__mgr_commit_late(int late, int64_t late_step, int64_t step) {
-  return late && step == late_step;
+int sg__mgr_commit_misses(sg__mgr_ballot_t b, int moved_on) {
+  return !b.voted && !moved_on;
 }

@@ -9,7 +9,8 @@
  *                 whether it ends the round with which decision;
  *                 sg__mgr_commit_cutoff, sg__mgr_commit_due: when the
  *                 server ends a round a rank is late to (no);
- *                 sg__mgr_commit_late: a vote for a round already ended
+ *                 sg__mgr_commit_misses: which ranks a round so ended
+ *                 holds to it (their next vote is answered no)
  *
  * The server keeps the state (manager_int.h) and does the I/O around these;
  * what each rank learns from an issued quorum is results.h.  Nothing here
@@ -123,12 +124,14 @@ int sg__mgr_commit_due(sg__mgr_tally_t t, size_t world_size, int64_t cutoff,
                        int64_t now);
 
 /*
- * sg__mgr_commit_late: whether a vote for `step` from a rank that did not
- * vote in a round ended on its cutoff (`late`, for that round's step
- * `late_step`) belongs to that round: it is answered no at once and not
- * counted (the group decided no without it).  A vote for another step is
- * a new vote.
+ * sg__mgr_commit_misses: whether a rank whose ballot is `b` missed a round
+ * that ended on its cutoff: it did not vote, and it has not `moved_on` (no
+ * Quorum call of it waits: a rank waiting for the next quorum voted in an
+ * earlier round and owes this one nothing).  Its next vote, whatever step
+ * it names (a rank whose heal failed votes with step -1), belongs to the
+ * missed round: it is answered no at once and not counted; its next Quorum
+ * call, should it come first, forgets that.
  */
-int sg__mgr_commit_late(int late, int64_t late_step, int64_t step);
+int sg__mgr_commit_misses(sg__mgr_ballot_t b, int moved_on);
 
 #endif /* SG_MANAGER_ROUND_H */

@@ -877,9 +877,10 @@ static void rearm_commit(sg_mgr_server_t *s) {
 }
 
 /* on_commit_timer: a round some rank is late to ends on its cutoff with
- * no; the ranks that did not vote are marked late for its step. */
+ * no; the ranks that missed it are marked late (sg__mgr_commit_misses). */
 static void on_commit_timer(uv_timer_t *t) {
   sg_mgr_server_t *s = t->data;
+  pthread_mutex_lock(&s->quorum_mu); /* whose Quorum calls wait */
   pthread_mutex_lock(&s->commit_mu);
   if (sg__mgr_commit_due(s->tally, (size_t)s->world_size, commit_cutoff(s),
                          sg_now_ns())) {
@@ -889,8 +890,11 @@ static void on_commit_timer(uv_timer_t *t) {
       sg__mgr_rank_t *r = &s->ranks[g];
       if (r->ballot.voted)
         continue;
-      r->vote_late = 1;
-      r->late_step = s->commit_step;
+      if (sg__mgr_commit_misses(r->ballot,
+                                r->waiting > 0 || s->round_in_flight)) {
+        r->vote_late = 1;
+        r->late_step = s->commit_step;
+      }
       if (used < sizeof(missing) - 24) {
         int n = snprintf(missing + used, sizeof(missing) - used, "%s%lld",
                          used ? ", " : "", (long long)g);
@@ -904,6 +908,7 @@ static void on_commit_timer(uv_timer_t *t) {
     finish_commit_round(s, 0);
   }
   pthread_mutex_unlock(&s->commit_mu);
+  pthread_mutex_unlock(&s->quorum_mu);
   rearm_commit(s);
 }
 
@@ -918,14 +923,14 @@ void sg__mgr_commit_vote(sg_mgr_server_t *s, sg__mgr_reply_t to, int64_t g,
     note_speaker(s, g, conn_id);
   pthread_mutex_lock(&s->commit_mu);
   sg__mgr_rank_t *r = &s->ranks[g];
-  int late = sg__mgr_commit_late(r->vote_late, r->late_step, step);
-  r->vote_late = 0;
-  if (late) {
+  if (r->vote_late) {
+    r->vote_late = 0;
+    int64_t missed = r->late_step;
     pthread_mutex_unlock(&s->commit_mu);
     sg_log(SG_LOG_INFO, LOG,
            "[Replica %s] should_commit for step %lld: group rank %lld voted "
-           "after the group decided no",
-           s->name, (long long)step, (long long)g);
+           "(step %lld) after the group decided no",
+           s->name, (long long)missed, (long long)g, (long long)step);
     uint8_t buf[16];
     size_t len = sg__mgr_encode_decision(0, buf);
     respond(to, SG_GRPC_OK, NULL, buf, len);

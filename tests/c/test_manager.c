@@ -1961,6 +1961,57 @@ static void test_vote_late_rank_local(void **state) {
   late_rank_gets_no(1);
 }
 
+/* The late rank's vote belongs to the round it missed whatever step it
+ * names (a rank whose heal failed votes with step -1): no, at once, and
+ * the next round commits. */
+static void test_vote_late_rank_other_step(void **state) {
+  (void)state;
+  group_t g;
+  sg_lh_server_t *lh = lh_group_start(&g, 2);
+  sg_err_t err;
+  int out = -1;
+  assert_int_equal(sg_mgr_client_should_commit(
+                       g.cl[0], 0, 5, 1, sg_deadline_in_ms(1000), &out, &err),
+                   0);
+  assert_int_equal(out, 0);
+  int64_t t0 = sg_now_ns();
+  assert_int_equal(sg_mgr_client_should_commit(
+                       g.cl[1], 1, -1, 1, sg_deadline_in_ms(30000), &out, &err),
+                   0);
+  assert_int_equal(out, 0);
+  assert_true((sg_now_ns() - t0) / 1000000 < 10000); /* not at a cutoff */
+  both_vote_yes(&g, 0, 5);
+  lh_group_stop(&g, lh);
+}
+
+/* A rank already waiting for the next quorum when a round ends on its
+ * cutoff owes that round nothing: after the quorum, both ranks vote for
+ * the same step again and commit. */
+static void test_vote_rank_in_quorum_not_held(void **state) {
+  (void)state;
+  group_t g;
+  sg_lh_server_t *lh = lh_group_start(&g, 2);
+  sg_err_t err;
+  int out = -1;
+  struct qreq q[2];
+  q_init(&q[1], &g, 1, 5);
+  q_start(&q[1]); /* rank 1 moved on to the next quorum */
+  usleep(200 * 1000);
+  assert_int_equal(sg_mgr_client_should_commit(
+                       g.cl[0], 0, 5, 1, sg_deadline_in_ms(1000), &out, &err),
+                   0);
+  assert_int_equal(out, 0);
+  q_init(&q[0], &g, 0, 5);
+  q_start(&q[0]);
+  for (int r = 0; r < 2; r++) {
+    q_join(&q[r]);
+    assert_int_equal(q[r].rc, 0);
+  }
+  q_free(q, 2);
+  both_vote_yes(&g, 0, 5);
+  lh_group_stop(&g, lh);
+}
+
 /* A late rank that moves on to the next Quorum without voting is not held
  * to the missed round: its next vote for the same step counts. */
 static void test_vote_late_mark_cleared_by_quorum(void **state) {
@@ -2138,6 +2189,8 @@ int main(void) {
       cmocka_unit_test(test_local_vote_ends_round_of_departed_voter),
       cmocka_unit_test(test_vote_late_rank_wire),
       cmocka_unit_test(test_vote_late_rank_local),
+      cmocka_unit_test(test_vote_late_rank_other_step),
+      cmocka_unit_test(test_vote_rank_in_quorum_not_held),
       cmocka_unit_test(test_vote_late_mark_cleared_by_quorum),
       cmocka_unit_test(test_local_call_in_forked_child),
       cmocka_unit_test(test_local_stop_fails_waiting_call),

@@ -289,18 +289,21 @@ static void test_commit_due(void **state) {
   assert_false(sg__mgr_commit_due(one, 2, INT64_MAX, INT64_MAX - 1));
 }
 
-/* A vote for the step of a round that ended without it is late; a vote
- * for another step, or from a rank not marked, is a new vote. */
-static void test_commit_late(void **state) {
+/* A round that ended on its cutoff holds to it only the ranks that did
+ * not vote and have not moved on to the next Quorum. */
+static void test_commit_misses(void **state) {
   (void)state;
-  assert_true(sg__mgr_commit_late(1, 7, 7));
-  assert_false(sg__mgr_commit_late(1, 7, 8));
-  assert_false(sg__mgr_commit_late(0, 7, 7));
+  sg__mgr_ballot_t none = {0, 0}, yes = {1, 0}, no = {1, 1};
+  assert_true(sg__mgr_commit_misses(none, 0));
+  assert_false(sg__mgr_commit_misses(none, 1)); /* waits for a quorum */
+  assert_false(sg__mgr_commit_misses(yes, 0));
+  assert_false(sg__mgr_commit_misses(no, 0));
+  assert_false(sg__mgr_commit_misses(yes, 1));
 }
 
-/* Property: whatever order and timing, a round that a rank missed never
- * decides yes for anyone: the ranks that voted get no at the cutoff, the
- * late ones get no for that step, and the next round starts clean. */
+/* Property: a round some rank missed never decides yes for anyone: it is
+ * due at its cutoff (never before), the ranks that voted are not held to
+ * it, and exactly the silent ranks that did not move on are. */
 static void test_property_missed_round_is_no_for_all(void **state) {
   (void)state;
   srand(11);
@@ -308,24 +311,22 @@ static void test_property_missed_round_is_no_for_all(void **state) {
     size_t n = 2 + (size_t)(rand() % 5);
     sg__mgr_tally_t t = {0, 0};
     sg__mgr_ballot_t b[8] = {{0}};
-    int late[8] = {0};
+    int moved_on[8] = {0};
     size_t voters = 1 + (size_t)(rand() % (int)(n - 1)); /* not all */
-    int64_t step = rand() % 100;
     for (size_t g = 0; g < voters; g++) {
-      sg__mgr_vote_t v = sg__mgr_commit_tally(t, b[g], 1, n);
+      sg__mgr_vote_t v = sg__mgr_commit_tally(t, b[g], rand() % 2, n);
       assert_false(v.ends);
       t = v.tally;
       b[g] = v.ballot;
     }
+    for (size_t g = 0; g < n; g++)
+      moved_on[g] = rand() % 2;
     int64_t cutoff = 1000 + rand() % 1000;
     assert_false(sg__mgr_commit_due(t, n, cutoff, cutoff - 1));
-    assert_true(sg__mgr_commit_due(t, n, cutoff, cutoff));
+    assert_true(sg__mgr_commit_due(t, n, cutoff, cutoff + rand() % 1000));
     for (size_t g = 0; g < n; g++)
-      late[g] = !b[g].voted;
-    for (size_t g = 0; g < n; g++) {
-      assert_int_equal(sg__mgr_commit_late(late[g], step, step), g >= voters);
-      assert_false(sg__mgr_commit_late(late[g], step, step + 1));
-    }
+      assert_int_equal(sg__mgr_commit_misses(b[g], moved_on[g]),
+                       g >= voters && !moved_on[g]);
   }
 }
 
@@ -347,7 +348,7 @@ int main(void) {
       cmocka_unit_test(test_property_commit_rounds),
       cmocka_unit_test(test_commit_cutoff),
       cmocka_unit_test(test_commit_due),
-      cmocka_unit_test(test_commit_late),
+      cmocka_unit_test(test_commit_misses),
       cmocka_unit_test(test_property_missed_round_is_no_for_all),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

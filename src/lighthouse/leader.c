@@ -218,7 +218,7 @@ void *sg__lh_leader_main(void *arg) {
       if (rc) {
         etcd_error(s, "lease keepalive", &e, rc, &logged);
         next_ka = sg_now_ns() + ms_to_ns(ETCD_POLL_MS);
-      } else if ((s->etcd_ok = 1, ttl <= 0)) {
+      } else if ((s->etcd_ok = 1, s->etcd_ok_ns = sg_now_ns(), ttl <= 0)) {
         if (leading)
           demote(s, "the lease expired in etcd");
         leading = 0;
@@ -263,6 +263,8 @@ void *sg__lh_leader_main(void *arg) {
       pthread_mutex_lock(&s->mu);
       next_campaign = sg_now_ns() + ms_to_ns(ETCD_POLL_MS);
       s->etcd_ok = rc == 0;
+      if (rc == 0)
+        s->etcd_ok_ns = sg_now_ns();
       if (rc) {
         etcd_error(s, "campaign", &e, rc, &logged);
       } else if (won) {
@@ -357,6 +359,8 @@ int sg__lh_leader_start(sg_lh_server_t *s, sg_err_t *err) {
       s->lease_id = id;
       s->lease_sent_ns = sent;
       s->lease_ttl_s = ttl;
+      s->etcd_ok = 1;
+      s->etcd_ok_ns = sg_now_ns();
       sg_log(SG_LOG_INFO, LOG,
              "etcd at %s granted lease %llx with a TTL of %lld s (asked %lld)",
              sg__etcd_endpoint(s->etcd), (unsigned long long)id, (long long)ttl,

@@ -86,11 +86,15 @@ int sg__lh_proxy_call(sg_lh_server_t *s, sg_rpc_call_t *call,
   if (!quorum && strcmp(method, "/torchft.LighthouseService/Heartbeat") != 0)
     return 0;
   /* no leader to forward to: a Quorum call waits for one while etcd
-   * answers us (an election is on); cut off etcd we cannot know one, and
-   * the client had better try its other addresses */
-  int hold = quorum && s->etcd_ok &&
-             sg_rpc_call_deadline(call) - sg_now_ns() >
-                 ms_to_ns(2 * PROXY_RETRY_TICK_MS);
+   * answers us (an election is on), or answered within two lease TTLs (a
+   * slow etcd call on a busy host is not a partition); cut off from etcd
+   * longer we cannot know a leader, and the client had better try its
+   * other addresses */
+  int64_t now = sg_now_ns();
+  int hold =
+      quorum &&
+      (s->etcd_ok || now - s->etcd_ok_ns < ms_to_ns(2000 * s->lease_ttl_s)) &&
+      sg_rpc_call_deadline(call) - now > ms_to_ns(2 * PROXY_RETRY_TICK_MS);
   if (!s->proxy_ch && !hold)
     return 0;
   struct proxied *p = sg_calloc(1, sizeof(*p));

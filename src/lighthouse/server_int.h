@@ -145,6 +145,7 @@ struct sg_lh_server_s {
   uv_async_t proxy_async;
   struct proxied *proxy_wait; /* Quorum calls to forward again (mu) */
   int etcd_ok;                /* the etcd thread's last call succeeded */
+  int64_t etcd_ok_ns;         /* when a call of the etcd thread last did */
   uv_timer_t proxy_timer;     /* forwards them every PROXY_RETRY_TICK_MS */
   uint64_t proxied_total;
 

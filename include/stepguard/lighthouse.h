@@ -39,6 +39,12 @@ typedef struct sg_lh_opts_s {
                                    "Replicated lighthouses") */
   const char *etcd_prefix;      /* "/stepguard/lighthouse": the job's keys */
   int64_t etcd_ttl_s;           /* 2: the leader's lease TTL in etcd */
+  int64_t state_loss_wait_ms;   /* 60000: a quorum whose members are all
+                                   behind the job's highest step waits this
+                                   long after a replica holding it was last
+                                   heard; -1: until one is back; 0: not at
+                                   all, as torchft (docs/lighthouse.md,
+                                   "The step floor") */
 } sg_lh_opts_t;
 
 /* sg_lh_opts_init: torchft's CLI defaults plus ours; min_replicas = -1

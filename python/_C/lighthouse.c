@@ -37,20 +37,21 @@ static int lhserver_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
                            "hostname",
                            "max_replicas",
                            "max_connections",
+                           "state_loss_wait_ms",
                            NULL};
   sg_lh_opts_t o;
   sg_lh_opts_init(&o);
-  long long min_replicas, join = o.join_timeout_ms, tick = o.quorum_tick_ms,
-                          hb = o.heartbeat_timeout_ms,
-                          grace = o.disconnect_grace_ms,
-                          prune = o.prune_after_ms;
+  long long min_replicas,
+      join = o.join_timeout_ms, tick = o.quorum_tick_ms,
+      hb = o.heartbeat_timeout_ms, grace = o.disconnect_grace_ms,
+      prune = o.prune_after_ms, state_loss = o.state_loss_wait_ms;
   Py_ssize_t max_replicas = (Py_ssize_t)o.max_replicas;
   unsigned int max_conns = o.max_connections;
   const char *bind, *token = NULL, *id_file = NULL, *hostname = NULL;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "sL|LLLLLzzznI:LighthouseServer",
-                                   kwlist, &bind, &min_replicas, &join, &tick,
-                                   &hb, &grace, &prune, &token, &id_file,
-                                   &hostname, &max_replicas, &max_conns))
+  if (!PyArg_ParseTupleAndKeywords(
+          args, kw, "sL|LLLLLzzznIL:LighthouseServer", kwlist, &bind,
+          &min_replicas, &join, &tick, &hb, &grace, &prune, &token, &id_file,
+          &hostname, &max_replicas, &max_conns, &state_loss))
     return -1;
   if (self->srv) {
     PyErr_SetString(PyExc_RuntimeError, "LighthouseServer already started");
@@ -72,6 +73,7 @@ static int lhserver_init(PyObject *self_obj, PyObject *args, PyObject *kw) {
   o.hostname = hostname;
   o.max_replicas = (size_t)max_replicas;
   o.max_connections = max_conns;
+  o.state_loss_wait_ms = state_loss;
   sg_err_t err;
   sg_err_clear(&err);
   int rc;

@@ -102,6 +102,11 @@ class LighthouseServer:
             taken on every request, heartbeat and disconnect.
         heartbeat_timeout_ms: silence after which a replica is dead
             (default 5000).
+        state_loss_wait_ms: a quorum whose members are all behind the step
+            the job reached waits for a replica that holds it, this long
+            after one was last heard (default 60000); -1 until one is back,
+            0 not at all (torchft's behaviour) (docs/lighthouse.md, "The
+            step floor").
     """
 
     def __init__(
@@ -119,6 +124,7 @@ class LighthouseServer:
         hostname: str | None = None,
         max_replicas: int | None = None,
         max_connections: int | None = None,
+        state_loss_wait_ms: int | None = None,
     ) -> None:
         kw: dict[str, object] = {
             "join_timeout_ms": 100 if join_timeout_ms is None else join_timeout_ms,
@@ -132,6 +138,7 @@ class LighthouseServer:
             ("prune_after_ms", prune_after_ms),
             ("max_replicas", max_replicas),
             ("max_connections", max_connections),
+            ("state_loss_wait_ms", state_loss_wait_ms),
         ):
             if value is not None:
                 kw[name] = value

@@ -41,7 +41,13 @@ static const char usage[] =
     "                            $STEPGUARD_AUTH_TOKEN\n"
     "  --quorum_id_file PATH     persist quorum ids so they keep growing\n"
     "                            across restarts (default: a floor taken\n"
-    "                            from the wall clock, in us)\n"
+    "                            from the wall clock, in us), and the step\n"
+    "                            the job reached\n"
+    "  --state_loss_wait_ms MS   a quorum whose members are all behind the\n"
+    "                            step the job reached waits for a replica\n"
+    "                            holding it, this long after one was last\n"
+    "                            heard (60000); -1 until one is back, 0 not\n"
+    "                            at all (torchft)\n"
     "  --hostname NAME           host name in the advertised address\n"
     "  --etcd ENDPOINTS          replicated lighthouses: elect a leader in\n"
     "                            etcd (http://h:p,http://h:p); only the\n"
@@ -156,6 +162,13 @@ int sg_lh_main(int argc, char **argv) {
     INT_FLAG("max_connections", max_connections)
     INT_FLAG("etcd_ttl_s", etcd_ttl_s)
 #undef INT_FLAG
+    if (name_is(name, nlen, "state_loss_wait_ms")) {
+      if (strcmp(val, "-1") == 0)
+        o.state_loss_wait_ms = -1;
+      else if (parse_i64("state_loss_wait_ms", val, &o.state_loss_wait_ms))
+        goto usage_error;
+      continue;
+    }
     if (name_is(name, nlen, "bind")) {
       o.bind = val;
     } else if (name_is(name, nlen, "hostname")) {

@@ -431,6 +431,9 @@ out:
  *    "pruned_heartbeats_total",
  *    "last_decision_us": null | the last quorum's decision time,
  *    "decisions_total": quorums timed so far,
+ *    "step_floor": the step the job reached (-1: none yet),
+ *    "step_regressions": quorums issued below it,
+ *    "last_step_regression": {"from", "to"} (only after one),
  *    "prev_quorum": null | {"quorum_id", "age_ms", "max_step",
  *                           "num_participants", "members": [...]},
  *    "heartbeats": [{"replica_id", "age_ms", "expired", "connected",
@@ -475,8 +478,16 @@ int sg__lh_render_status_json(const sg__lh_status_t *s, sg_buf_t *b) {
     TRY(putf(b, "%.3f", (double)s->decision_last_ns / 1e3));
   else
     TRY(put(b, "null"));
-  TRY(putf(b, ",\"decisions_total\":%" PRIu64 ",\"prev_quorum\":",
-           s->decision.count));
+  TRY(putf(b,
+           ",\"decisions_total\":%" PRIu64 ",\"step_floor\":%" PRId64
+           ",\"step_regressions\":%zu",
+           s->decision.count, s->step_floor, s->step_regressions));
+  if (s->step_regressions)
+    TRY(putf(b,
+             ",\"last_step_regression\":{\"from\":%" PRId64 ",\"to\":%" PRId64
+             "}",
+             s->regressed_from, s->regressed_to));
+  TRY(put(b, ",\"prev_quorum\":"));
   if (s->has_prev) {
     size_t n = s->members ? s->n_members : 0;
     TRY(putf(b,
@@ -564,6 +575,9 @@ int sg__lh_render_metrics(const sg__lh_status_t *s, sg_buf_t *b) {
   char num[40];
   TRY(put_metric_u(b, "quorums_issued_total", "counter",
                    "Quorums issued since start.", s->quorums_issued));
+  TRY(put_metric_u(b, "step_regressions_total", "counter",
+                   "Quorums issued behind the step the job had reached.",
+                   s->step_regressions));
   snprintf(num, sizeof(num), "%" PRId64, s->quorum_id);
   TRY(put_metric(b, "quorum_id", "gauge", "Current quorum id.", num));
   TRY(put_metric_u(b, "participants", "gauge",

@@ -62,6 +62,9 @@ static void demote(sg_lh_server_t *s, const char *why) {
  * first quorum (sg__lh_expect: the restart hold). */
 static void install(sg_lh_server_t *s, int64_t now) {
   sg__lh_state_t *st = NULL;
+  int64_t step_floor = sg__lh_step_floor(s->st);
+  if (s->persisted_step > step_floor)
+    step_floor = s->persisted_step;
   if (sg__lh_state_new(s->o.max_replicas, &st) == 0) {
     sg__lh_fail_pending(s, "lighthouse became the leader; ask again");
     sg__lh_state_free(s->st);
@@ -76,6 +79,7 @@ static void install(sg_lh_server_t *s, int64_t now) {
   if (s->persisted_id > floor)
     floor = s->persisted_id;
   sg__lh_set_quorum_id_floor(s->st, floor);
+  sg__lh_set_step_floor(s->st, step_floor, now);
   if (s->promote_n)
     sg__lh_expect(s->st, s->promote_qid, (const char *const *)s->promote_ids,
                   s->promote_n, now);

@@ -222,6 +222,7 @@ static void idmap_free(idmap_t *m) {
 typedef struct hb_s {
   char *id;        /* owned */
   int64_t last_ns; /* monotonic time last seen */
+  int64_t best;    /* the highest step it asked a quorum at; -1: none */
 } hb_t;
 
 #define NO_INDEX SIZE_MAX
@@ -254,6 +255,11 @@ struct sg__lh_state_s {
   size_t n_expect;
   int64_t expect_qid;      /* that quorum's id (0: none known) */
   int64_t expect_since_ns; /* monotonic time of the first report */
+  /* the step floor (quorum.h): the highest member step of a quorum */
+  int64_t step_floor;    /* -1: none yet */
+  int64_t floor_seen_ns; /* when a replica at the floor was last heard */
+  size_t regressions;    /* quorums issued below the floor */
+  int64_t regressed_from, regressed_to;
 };
 
 static void quorum_clear(sg__lh_quorum_t *q) {
@@ -273,6 +279,7 @@ int sg__lh_state_new(size_t max_replicas, sg__lh_state_t **out) {
   if (!st)
     return SG_ENOMEM;
   st->max_replicas = max_replicas;
+  st->step_floor = -1;
   *out = st;
   return 0;
 }
@@ -409,6 +416,9 @@ static int part_reserve(sg__lh_state_t *st) {
  * any) is told the new index. */
 static void hb_remove(sg__lh_state_t *st, size_t idx) {
   size_t last = st->hb_map.n - 1;
+  if (st->step_floor >= 0 && st->hb[idx].best >= st->step_floor &&
+      st->hb[idx].last_ns > st->floor_seen_ns)
+    st->floor_seen_ns = st->hb[idx].last_ns; /* a holder's last word */
   if (idx != last) {
     long pi =
         idmap_find(&st->part_map, st->hb[last].id, st->hb_map.hashes[last]);
@@ -466,6 +476,7 @@ int sg__lh_heartbeat(sg__lh_state_t *st, const char *replica_id,
   size_t idx = idmap_insert(&st->hb_map, id, h);
   st->hb[idx].id = id;
   st->hb[idx].last_ns = now_ns;
+  st->hb[idx].best = -1;
   return 0;
 }
 
@@ -506,10 +517,13 @@ int sg__lh_join(sg__lh_state_t *st, const sg__lh_member_t *m, int64_t now_ns) {
   if (hi < 0) {
     size_t idx = idmap_insert(&st->hb_map, hb_id, h);
     st->hb[idx].id = hb_id;
+    st->hb[idx].best = -1;
     hb_id = NULL;
     hi = (long)idx;
   }
   st->hb[hi].last_ns = now_ns;
+  if (m->step > st->hb[hi].best)
+    st->hb[hi].best = m->step;
   if (pi >= 0) {
     sg__lh_member_free(&st->part[pi].m);
     st->part[pi].m = copy;
@@ -629,6 +643,30 @@ static size_t expect_missing(const sg__lh_state_t *st, int64_t now_ns,
 }
 
 /* ---- decision ------------------------------------------------------------ */
+
+/* holder_seen: when a replica at the step floor was last heard: the
+ * newest heartbeat of one that asked at the floor, or when the floor was
+ * last reached (also the last word of holders since dropped). */
+static int64_t holder_seen(const sg__lh_state_t *st) {
+  int64_t t = st->floor_seen_ns;
+  for (size_t i = 0; i < st->hb_map.n; i++)
+    if (st->hb[i].best >= st->step_floor && st->hb[i].last_ns > t)
+      t = st->hb[i].last_ns;
+  return t;
+}
+
+/* step_held: nonzero when a quorum whose members reach step `top` at most
+ * waits for a replica at the floor (quorum.h, "The step floor");
+ * `holder`: one of them asked at the floor before, and went back itself. */
+static int step_held(const sg__lh_state_t *st, int64_t top, int holder,
+                     int64_t now_ns, const sg__lh_opts_t *o) {
+  if (st->step_floor < 0 || top >= st->step_floor || holder ||
+      o->state_loss_wait_ms == 0)
+    return 0;
+  if (o->state_loss_wait_ms < 0)
+    return 1;
+  return now_ns < add_ns(holder_seen(st), ms_to_ns(o->state_loss_wait_ms));
+}
 
 /* part_healthy: participant `i` has a heartbeat younger than hb_ns. */
 static int part_healthy(const sg__lh_state_t *st, size_t i, int64_t now,
@@ -773,8 +811,6 @@ int sg__lh_decide(const sg__lh_state_t *st, int64_t now_ns,
     snprintf(out->reason, sizeof(out->reason), "Valid quorum found" META_FMT,
              META_ARGS);
   }
-#undef META_FMT
-#undef META_ARGS
 
   /* steps 3 and 6 (shrink_only filter), then the order.  One block holds
    * the member pointers, their participant indexes and the scratch. */
@@ -802,11 +838,36 @@ int sg__lh_decide(const sg__lh_state_t *st, int64_t now_ns,
       idx[n++] = i;
     }
     order_candidates(st, idx, n, slot, nc);
-    for (size_t k = 0; k < n; k++)
+    int64_t top = -1;
+    int holder = 0;
+    for (size_t k = 0; k < n; k++) {
       c[k] = &st->part[idx[k]].m;
+      if (c[k]->step > top)
+        top = c[k]->step;
+      holder |= st->hb[st->part[idx[k]].hb_idx].best >= st->step_floor;
+    }
     out->members = c;
     out->part_idx = idx;
+    /* stepguard: the members would start the job over from an older step
+     * (quorum.h, "The step floor") */
+    if (n > 0 && step_held(st, top, holder, now_ns, o)) {
+      char wait[64] = "until one is back";
+      if (o->state_loss_wait_ms > 0)
+        snprintf(wait, sizeof(wait), "up to %" PRId64 " ms after one was heard",
+                 o->state_loss_wait_ms);
+      snprintf(out->reason, sizeof(out->reason),
+               "Holding a quorum at step %" PRId64
+               ": the job reached step %" PRId64
+               " and no healthy participant holds it; waiting %s" META_FMT,
+               top, st->step_floor, wait, META_ARGS);
+      sg_free(block);
+      out->members = NULL;
+      out->part_idx = NULL;
+      return 0;
+    }
   }
+#undef META_FMT
+#undef META_ARGS
   if (n == 0) {
     sg_free((void *)out->members);
     out->members = NULL;
@@ -903,6 +964,19 @@ int sg__lh_tick(sg__lh_state_t *st, int64_t now_ns, int64_t wall_ns,
   st->prev.members = qm;
   st->has_prev = 1;
   qm = NULL;
+  if (d.n > 0) { /* the step floor follows what was issued */
+    int64_t top = -1;
+    for (size_t k = 0; k < d.n; k++)
+      if (st->prev.members[k].step > top)
+        top = st->prev.members[k].step;
+    if (top < st->step_floor) {
+      st->regressions++;
+      st->regressed_from = st->step_floor;
+      st->regressed_to = top;
+    }
+    st->step_floor = top;
+    st->floor_seen_ns = now_ns;
+  }
   st->prev_parts = 0;
   for (size_t i = 0; i < st->part_map.n; i++) {
     part_t *p = &st->part[i];
@@ -962,6 +1036,12 @@ int64_t sg__lh_next_deadline(const sg__lh_state_t *st, int64_t now_ns,
     if (t > now_ns && t < best)
       best = t;
   }
+  if (any && o->state_loss_wait_ms > 0 && st->step_floor >= 0) {
+    /* a step hold ends (harmless when none is on) */
+    int64_t t = add_ns(holder_seen(st), ms_to_ns(o->state_loss_wait_ms));
+    if (t > now_ns && t < best)
+      best = t;
+  }
   if (expect_missing(st, now_ns, hb_ns, join_ns)) {
     /* the hold ends, or an expected member falls silent */
     int64_t t = add_ns(st->expect_since_ns, hb_ns + join_ns);
@@ -1001,6 +1081,26 @@ size_t sg__lh_prune(sg__lh_state_t *st, int64_t now_ns, int64_t older_than_ms) {
 void sg__lh_set_quorum_id_floor(sg__lh_state_t *st, int64_t id) {
   if (st && id > st->quorum_id)
     st->quorum_id = id;
+}
+
+void sg__lh_set_step_floor(sg__lh_state_t *st, int64_t step, int64_t now_ns) {
+  if (st && step > st->step_floor) {
+    st->step_floor = step;
+    st->floor_seen_ns = now_ns;
+  }
+}
+
+int64_t sg__lh_step_floor(const sg__lh_state_t *st) {
+  return st ? st->step_floor : -1;
+}
+
+size_t sg__lh_step_regressions(const sg__lh_state_t *st, int64_t *from,
+                               int64_t *to) {
+  if (from)
+    *from = st ? st->regressed_from : 0;
+  if (to)
+    *to = st ? st->regressed_to : 0;
+  return st ? st->regressions : 0;
 }
 
 int64_t sg__lh_quorum_id(const sg__lh_state_t *st) {

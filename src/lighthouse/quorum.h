@@ -6,7 +6,8 @@
  *   inputs       sg__lh_heartbeat, sg__lh_join, sg__lh_leave, sg__lh_mark_dead
  *   decision     sg__lh_decide (read-only), sg__lh_tick (decide + apply)
  *   timers       sg__lh_next_deadline: when the decision could change alone
- *   upkeep       sg__lh_prune, sg__lh_set_quorum_id_floor
+ *   upkeep       sg__lh_prune, sg__lh_set_quorum_id_floor,
+ *                sg__lh_set_step_floor
  *   inspection   counts and *_at accessors for the dashboard and /metrics
  *
  * The rules are torchft's lighthouse quorum rules (docs/lighthouse.md,
@@ -53,6 +54,10 @@ typedef struct sg__lh_opts_s {
   int64_t min_replicas;         /* < 0 is treated as 0 */
   int64_t join_timeout_ms;      /* < 0 is treated as 0 */
   int64_t heartbeat_timeout_ms; /* < 0 is treated as 0 */
+  int64_t state_loss_wait_ms;   /* the step hold (sg__lh_set_step_floor):
+                                   < 0 holds until a holder is back, 0
+                                   never holds (torchft), > 0 holds this
+                                   long after a holder was last heard */
 } sg__lh_opts_t;
 
 typedef struct sg__lh_quorum_s {
@@ -213,6 +218,34 @@ void sg__lh_set_quorum_id_floor(sg__lh_state_t *st, int64_t id);
  */
 int sg__lh_expect(sg__lh_state_t *st, int64_t qid, const char *const *ids,
                   size_t n, int64_t now_ns);
+
+/*
+ * The step floor (a stepguard difference from torchft).  The floor is the
+ * highest step of a member of any quorum issued (or restored with
+ * sg__lh_set_step_floor): the job's committed state is at least there.  A
+ * quorum whose members are all below it would start the job over from
+ * their older state, silently: torchft issues it.  Here it is held while a
+ * replica that asked at the floor still heartbeats, and for
+ * state_loss_wait_ms after one was last heard (or the floor was last
+ * reached); < 0 holds it until one is back, 0 not at all.  A member that
+ * asked at the floor itself before (the same replica id: the same process,
+ * with torchft's ids) went back of its own accord, e.g. to a checkpoint,
+ * and is not held.  When a quorum below the floor is issued, the floor
+ * follows it down and the step regression is counted
+ * (sg__lh_step_regressions) for the owner to report.
+ */
+
+/* sg__lh_set_step_floor: the floor becomes max(floor, step), learned at
+ * `now_ns` (a report of a quorum issued before: the id file, a client). */
+void sg__lh_set_step_floor(sg__lh_state_t *st, int64_t step, int64_t now_ns);
+
+/* sg__lh_step_floor: the floor, -1 before any quorum or report. */
+int64_t sg__lh_step_floor(const sg__lh_state_t *st);
+
+/* sg__lh_step_regressions: quorums issued below the floor so far; *from and
+ * *to (may be NULL) get the last one's floor and step. */
+size_t sg__lh_step_regressions(const sg__lh_state_t *st, int64_t *from,
+                               int64_t *to);
 
 /* sg__lh_quorum_id: the id of the last issued quorum (or the floor); 0. */
 int64_t sg__lh_quorum_id(const sg__lh_state_t *st);

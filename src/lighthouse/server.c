@@ -138,9 +138,12 @@ static int check_wire(sg_lh_server_t *s, sg_rpc_call_t *call,
  * still reads.
  */
 #define ID_FILE_MAX (64 * 1024 * 1024)
+#define PERSIST_STEP_MS 1000 /* the step floor alone: at most this often */
 
-/* load_last_quorum: the id floor, and the members of the last quorum
- * handed to sg__lh_expect so a restart waits for them. */
+/* load_last_quorum: the id floor, the step floor, and the members of the
+ * last quorum handed to sg__lh_expect so a restart waits for them.  The
+ * file is "ID STEP" on its first line (a file from before the step floor
+ * has the ID alone), then one member id per line. */
 static int64_t load_last_quorum(sg_lh_server_t *s) {
   if (!s->o.quorum_id_file) {
     /* No file: the floor is the wall clock in microseconds.  Ids grow by
@@ -152,9 +155,19 @@ static int64_t load_last_quorum(sg_lh_server_t *s) {
   FILE *f = fopen(s->o.quorum_id_file, "r");
   if (!f)
     return 0;
-  long long id = 0;
+  long long id = 0, step = -1;
   if (fscanf(f, "%lld", &id) != 1 || id < 0)
     id = 0;
+  char first[64] = "";
+  if (id > 0 && fgets(first, sizeof(first), f) &&
+      sscanf(first, "%lld", &step) == 1 && step >= 0) {
+    sg__lh_set_step_floor(s->st, step, sg_now_ns());
+    s->persisted_step = step;
+    sg_log(SG_LOG_INFO, LOG,
+           "the job had reached step %lld: a quorum below it waits for a "
+           "replica that holds it",
+           step);
+  }
   char **ids = NULL;
   size_t n = 0, cap = 0;
   char line[MAX_ID_LEN + 2];
@@ -191,10 +204,17 @@ static int64_t load_last_quorum(sg_lh_server_t *s) {
   return id;
 }
 
-/* persist_quorum: write quorum `q` to quorum_id_file atomically (tmp +
- * rename). */
-static void persist_quorum(sg_lh_server_t *s, const sg__lh_quorum_t *q) {
-  if (!s->o.quorum_id_file || q->quorum_id == s->persisted_id)
+/* persist_quorum: write quorum `q` and the step floor to quorum_id_file
+ * atomically (tmp + rename): at every new id, and at most once a second
+ * when only the step moved (a floor a little behind still holds a job that
+ * starts over). */
+static void persist_quorum(sg_lh_server_t *s, const sg__lh_quorum_t *q,
+                           int64_t now) {
+  int64_t step = sg__lh_step_floor(s->st);
+  if (!s->o.quorum_id_file ||
+      (q->quorum_id == s->persisted_id &&
+       (step == s->persisted_step ||
+        now - s->persisted_ns < ms_to_ns(PERSIST_STEP_MS))))
     return;
   char tmp[4200];
   snprintf(tmp, sizeof(tmp), "%s.tmp", s->o.quorum_id_file);
@@ -206,13 +226,16 @@ static void persist_quorum(sg_lh_server_t *s, const sg__lh_quorum_t *q) {
     sg_log(SG_LOG_WARN, LOG, "cannot write %s: %s", tmp, strerror(errno));
     return;
   }
-  int ok = fprintf(f, "%lld\n", (long long)q->quorum_id) > 0;
+  int ok =
+      fprintf(f, "%lld %lld\n", (long long)q->quorum_id, (long long)step) > 0;
   for (size_t i = 0; ok && i < q->n; i++)
     ok = fprintf(f, "%s\n", q->members[i].replica_id) > 0;
   ok = fclose(f) == 0 && ok;
-  if (ok && rename(tmp, s->o.quorum_id_file) == 0)
+  if (ok && rename(tmp, s->o.quorum_id_file) == 0) {
     s->persisted_id = q->quorum_id;
-  else
+    s->persisted_step = step;
+    s->persisted_ns = now;
+  } else
     sg_log(SG_LOG_WARN, LOG, "cannot persist quorum id to %s",
            s->o.quorum_id_file);
 }
@@ -546,6 +569,7 @@ void sg__lh_process(sg_lh_server_t *s, int64_t event_ns, int join) {
   const sg__lh_quorum_t *q = NULL;
   char reason[512];
   int64_t before = sg__lh_quorum_id(s->st);
+  size_t regressions = sg__lh_step_regressions(s->st, NULL, NULL);
   int rc = sg__lh_tick(s->st, now, sg_wall_ns(), &s->qopts, &q, reason,
                        sizeof(reason));
   if (rc < 0) {
@@ -554,7 +578,9 @@ void sg__lh_process(sg_lh_server_t *s, int64_t event_ns, int join) {
     s->status_unlogged = 0;
     if (strcmp(reason, s->reason) != 0) {
       if (now - s->status_logged_ns >= ms_to_ns(STATUS_LOG_MS)) {
-        sg_log(SG_LOG_INFO, LOG, "Quorum status: %s", reason);
+        int held = strncmp(reason, "Holding", 7) == 0;
+        sg_log(held ? SG_LOG_WARN : SG_LOG_INFO, LOG, "Quorum status: %s",
+               reason);
         snprintf(s->reason, sizeof(s->reason), "%s", reason);
         s->status_logged_ns = now;
       } else {
@@ -563,8 +589,16 @@ void sg__lh_process(sg_lh_server_t *s, int64_t event_ns, int join) {
     }
     if (rc == 1 && q) {
       s->quorums_issued++;
+      int64_t from, to;
+      if (sg__lh_step_regressions(s->st, &from, &to) != regressions)
+        sg_log(SG_LOG_ERROR, LOG,
+               "quorum %lld starts the job over from step %lld: it had "
+               "reached step %lld, and no replica holding that came back "
+               "(state_loss_wait_ms %lld)",
+               (long long)q->quorum_id, (long long)to, (long long)from,
+               (long long)s->o.state_loss_wait_ms);
       /* before any answer: ids must not repeat after a crash */
-      persist_quorum(s, q);
+      persist_quorum(s, q, now);
       if (s->o.etcd && q->quorum_id > s->fence.confirmed_id)
         hold_quorum(s, q, event_ns);
       else if (s->o.etcd &&
@@ -910,6 +944,10 @@ void sg__lh_handle_quorum(sg_lh_server_t *s, sg_rpc_call_t *call,
     rc = sg__lh_expect(s->st, req->last_quorum_id,
                        (const char *const *)req->last_quorum_members,
                        req->n_last_quorum_members, sg_now_ns());
+  /* a restarted lighthouse (or a new leader) learns how far the job got
+   * from the members of its last quorum, as it learns their ids */
+  if (!rc && req->last_quorum_id > 0 && !sg__lh_prev_quorum(s->st))
+    sg__lh_set_step_floor(s->st, req->last_quorum_max_step, sg_now_ns());
   if (!rc)
     rc = sg__lh_join(s->st, &m, sg_now_ns());
   sg_free(wire); /* the state keeps its own copy */
@@ -1020,6 +1058,9 @@ static int snapshot(void *ud, sg__lh_status_t *out) {
   out->reason = sg_strdup(reason);
   out->max_step = -1;
   out->heartbeat_timeout_ms = s->o.heartbeat_timeout_ms;
+  out->step_floor = sg__lh_step_floor(s->st);
+  out->step_regressions =
+      sg__lh_step_regressions(s->st, &out->regressed_from, &out->regressed_to);
   const sg__lh_quorum_t *q = sg__lh_prev_quorum(s->st);
   if (!out->reason)
     goto out;
@@ -1306,6 +1347,7 @@ void sg_lh_opts_init(sg_lh_opts_t *o) {
   o->max_message = 4 << 20;
   o->etcd_prefix = "/stepguard/lighthouse";
   o->etcd_ttl_s = 2;
+  o->state_loss_wait_ms = 60000;
 }
 
 static char *dup_or_null(const char *v, int *fail) {
@@ -1381,6 +1423,8 @@ int sg_lh_server_start(const sg_lh_opts_t *o, sg_lh_server_t **out,
   s->qopts.min_replicas = o->min_replicas;
   s->qopts.join_timeout_ms = o->join_timeout_ms;
   s->qopts.heartbeat_timeout_ms = o->heartbeat_timeout_ms;
+  s->qopts.state_loss_wait_ms = o->state_loss_wait_ms;
+  s->persisted_step = -1;
   rc = sg__lh_state_new(o->max_replicas, &s->st);
   if (rc) {
     sg_err_set(err, rc, "quorum state: %s", sg_strerror(rc));

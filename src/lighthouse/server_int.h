@@ -102,6 +102,8 @@ struct sg_lh_server_s {
   char reason[512];                    /* last logged reason */
   int64_t next_prune_ns;
   int64_t persisted_id;
+  int64_t persisted_step; /* the step floor in the id file; -1: none */
+  int64_t persisted_ns;   /* when the file was last written */
   /* the heartbeat answer to members of the last quorum (lost_answer) */
   uint8_t *lost_resp; /* owned, lost_resp_len bytes; NULL: none lost */
   size_t lost_resp_len;

@@ -52,8 +52,11 @@ typedef struct sg__lh_status_s {
   char *reason;      /* owned: reason of a decision computed now */
   int has_prev;      /* nonzero when a previous quorum exists */
   int64_t prev_quorum_id;
-  int64_t prev_age_ms; /* time since the previous quorum was created */
-  int64_t max_step;    /* max step in the previous quorum, -1 if none */
+  int64_t prev_age_ms;     /* time since the previous quorum was created */
+  int64_t max_step;        /* max step in the previous quorum, -1 if none */
+  int64_t step_floor;      /* the step the job reached (quorum.h), -1: none */
+  size_t step_regressions; /* quorums issued below it since start */
+  int64_t regressed_from, regressed_to; /* the last of those */
   size_t n_members;
   sg__lh_status_member_t *members; /* owned: previous quorum's participants */
   size_t n_heartbeats;

@@ -203,6 +203,7 @@ static uint8_t *lh_quorum_encode(const sg_mgr_server_t *s,
   Torchft__LighthouseQuorumRequest q = TORCHFT__LIGHTHOUSE_QUORUM_REQUEST__INIT;
   q.requester = &m;
   q.last_quorum_id = j->last_qid;
+  q.last_quorum_max_step = j->last_max_step > 0 ? j->last_max_step : 0;
   q.n_last_quorum_members = j->n_last;
   q.last_quorum_members = j->last_members;
   *len = torchft__lighthouse_quorum_request__get_packed_size(&q);

@@ -164,6 +164,7 @@ struct sg__mgr_job_s {
   sg_deadline_t first_deadline; /* the asynchronous attempt's deadline */
   int first_unreachable;        /* ... the lighthouse did not answer at all */
   int64_t last_qid;             /* the last quorum this manager was answered */
+  int64_t last_max_step;        /* its highest member step (-1: none) */
   char **last_members;          /* owned: its members' replica ids, n_last */
   size_t n_last;
 };
@@ -197,9 +198,10 @@ struct sg_mgr_server_s {
      round_in_flight, logged_qid, q_closed).  Order: quorum_mu, then
      commit_mu or mu or a call's mu. */
   pthread_mutex_t quorum_mu;
-  int q_closed;        /* the server is stopping: no round starts, none waits */
-  int64_t last_qid;    /* the last quorum answered (0: none yet) */
-  char **last_members; /* owned: its members' replica ids */
+  int q_closed;     /* the server is stopping: no round starts, none waits */
+  int64_t last_qid; /* the last quorum answered (0: none yet) */
+  int64_t last_max_step; /* its highest member step */
+  char **last_members;   /* owned: its members' replica ids */
   size_t n_last;
 
   /* loop thread only */

@@ -399,6 +399,7 @@ static void maybe_start_round(sg_mgr_server_t *s) {
   j.last_members = sg__mgr_dup_ids(s->last_members, s->n_last);
   j.n_last = j.last_members ? s->n_last : 0;
   j.last_qid = j.last_members ? s->last_qid : 0;
+  j.last_max_step = s->last_max_step;
   for (sg__mgr_waiter_t *w = s->quorum_waiters; w; w = w->next)
     w->in_round = 1;
   for (int64_t g = 0; g < s->world_size; g++)
@@ -479,6 +480,11 @@ static void encode_results(sg__mgr_reply_t to, const sg__mgr_results_t *r,
 /* remember_quorum: keep quorum `q`'s id and members for the next rounds'
  * requests (quorum_mu held); out of memory keeps the one before. */
 static void remember_quorum(sg_mgr_server_t *s, const Torchft__Quorum *q) {
+  int64_t top = -1;
+  for (size_t i = 0; i < q->n_participants; i++)
+    if (q->participants[i]->step > top)
+      top = q->participants[i]->step;
+  s->last_max_step = top;
   if (q->quorum_id == s->last_qid && q->n_participants == s->n_last)
     return;
   char **ids =

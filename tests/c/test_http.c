@@ -56,6 +56,10 @@ static int fill_status(sg__lh_status_t *s) {
   s->prev_quorum_id = 6;
   s->prev_age_ms = 1500;
   s->max_step = 42;
+  s->step_floor = 42;
+  s->step_regressions = 2;
+  s->regressed_from = 30;
+  s->regressed_to = 0;
   s->n_members = 2;
   s->members = sg_calloc(2, sizeof(*s->members));
   s->n_heartbeats = 3;
@@ -498,6 +502,9 @@ static void test_status_json(void **state) {
   assert_non_null(strstr(j, "\"participating\":true"));
   assert_non_null(
       strstr(j, "\"last_decision_us\":250.000,\"decisions_total\":5,"));
+  assert_non_null(strstr(j, "\"step_floor\":42,\"step_regressions\":2,"
+                            "\"last_step_regression\":{\"from\":30,"
+                            "\"to\":0},"));
   assert_true(strchr(j, '\n') == j + strlen(j) - 1); /* only the last */
   sg_buf_free(&b);
 
@@ -515,6 +522,8 @@ static void test_status_json(void **state) {
   assert_non_null(strstr(j, "\"prev_quorum\":null"));
   assert_non_null(
       strstr(j, "\"last_decision_us\":null,\"decisions_total\":0,"));
+  assert_non_null(strstr(j, "\"step_regressions\":0,\"prev_quorum\""));
+  assert_null(strstr(j, "last_step_regression"));
   assert_non_null(strstr(j, "\"heartbeats\":[]"));
   sg_buf_free(&b);
 }
@@ -630,12 +639,13 @@ static void test_metrics_text(void **state) {
   assert_int_equal(sg__lh_render_metrics(&s, &b), 0);
   assert_int_equal(sg_buf_append(&b, "", 1), 0);
   const char *t = (const char *)sg_buf_head(&b);
-  /* 10 plain samples, then 4 + 3 buckets, each with +Inf, sum and count,
+  /* 11 plain samples, then 4 + 3 buckets, each with +Inf, sum and count,
    * then 6 of replicated lighthouses */
-  assert_int_equal(check_exposition(t), 10 + 4 + 3 + 3 + 3 + 6);
+  assert_int_equal(check_exposition(t), 11 + 4 + 3 + 3 + 3 + 6);
   static const char *const want[] = {
       "\n# TYPE stepguard_lighthouse_quorums_issued_total counter\n",
       "\nstepguard_lighthouse_quorums_issued_total 6\n",
+      "\nstepguard_lighthouse_step_regressions_total 2\n",
       "\nstepguard_lighthouse_quorum_id 7\n",
       "\nstepguard_lighthouse_participants 1\n",
       "\nstepguard_lighthouse_healthy_replicas 2\n",
@@ -685,7 +695,7 @@ static void test_metrics_text(void **state) {
   assert_int_equal(sg__lh_render_metrics(&s, &b), 0);
   assert_int_equal(sg_buf_append(&b, "", 1), 0);
   t = (const char *)sg_buf_head(&b);
-  assert_int_equal(check_exposition(t), 10 + 2 + 1 + 2 + 3 + 3 + 6);
+  assert_int_equal(check_exposition(t), 11 + 2 + 1 + 2 + 3 + 3 + 6);
   assert_null(strstr(t, "le=\"0.25\""));
   assert_non_null(strstr(t, "_sum NaN\n"));
   sg_buf_free(&b);
@@ -1047,7 +1057,7 @@ static void test_get_metrics(void **state) {
   assert_int_equal(r.status, 200);
   assert_true(has_header(
       &r, "Content-Type: text/plain; version=0.0.4; charset=utf-8\r\n"));
-  assert_int_equal(check_exposition(r.body), 10 + 4 + 3 + 3 + 3 + 6);
+  assert_int_equal(check_exposition(r.body), 11 + 4 + 3 + 3 + 3 + 6);
   assert_non_null(strstr(r.body, "stepguard_lighthouse_quorum_id 7\n"));
 }
 

@@ -737,6 +737,132 @@ static void test_quorum_id_floor(void **state) {
   sg__lh_state_free(st);
 }
 
+/* ---- the step floor ------------------------------------------------------
+ */
+
+#define HOLD_META                                                              \
+  " [1/1 participants healthy][1 heartbeating][shrink_only=false]"
+
+/* The job reached step 10; every replica holding it is gone, and a fresh
+ * one at step 0 would start the job over: with state_loss_wait_ms < 0 it
+ * is held for good, and released by a replica that holds the step. */
+static void test_step_floor_holds_a_quorum_that_starts_over(void **state) {
+  (void)state;
+  sg__lh_opts_t o = DEFAULT_OPTS;
+  o.state_loss_wait_ms = -1;
+  sg__lh_state_t *st = new_state(16);
+  assert_int_equal(sg__lh_step_floor(st), -1);
+  join_ex(st, "a", T0, 10, 0, 0);
+  expect_quorum(tick(st, T0, &o, NULL, 0), 1, "a");
+  assert_int_equal(sg__lh_step_floor(st), 10);
+  /* a falls silent; b joins at step 0 */
+  join_ex(st, "b", T0 + MS(6000), 0, 0, 0);
+  const char *held = "Holding a quorum at step 0: the job reached step 10 "
+                     "and no healthy participant holds it; waiting until one "
+                     "is back" HOLD_META;
+  expect_reason(st, T0 + MS(6000), &o, 0, held);
+  for (int64_t t = 7000; t < 3600000; t += 599000)
+    hb(st, "b", T0 + MS(t));
+  hb(st, "b", T0 + MS(3599999));
+  expect_reason(st, T0 + MS(3600000), &o, 0, held);
+  assert_null(tick(st, T0 + MS(3600000), &o, NULL, 0));
+  /* a replica at the floor (or past it) releases it: b heals from c */
+  join_ex(st, "c", T0 + MS(3600001), 10, 0, 0);
+  expect_quorum(tick(st, T0 + MS(3600001), &o, NULL, 0), 2, "b,c");
+  assert_int_equal(sg__lh_step_floor(st), 10);
+  assert_int_equal(sg__lh_step_regressions(st, NULL, NULL), 0);
+  sg__lh_state_free(st);
+
+  /* a replica that asked at the floor itself and goes back (to a
+   * checkpoint, say) is not held: it knows; the floor follows it */
+  st = new_state(16);
+  join_ex(st, "a", T0, 10, 0, 0);
+  expect_quorum(tick(st, T0, &o, NULL, 0), 1, "a");
+  join_ex(st, "a", T0 + MS(1), 4, 0, 0);
+  expect_quorum(tick(st, T0 + MS(1), &o, NULL, 0), 1, "a");
+  assert_int_equal(sg__lh_step_floor(st), 4);
+  assert_int_equal(sg__lh_step_regressions(st, NULL, NULL), 1);
+  sg__lh_state_free(st);
+
+  /* members behind the floor beside one at it: the usual heal, no hold */
+  st = new_state(16);
+  sg__lh_set_step_floor(st, 7, T0);
+  join_ex(st, "a", T0, 3, 0, 0);
+  join_ex(st, "b", T0, 7, 0, 0);
+  expect_quorum(tick(st, T0, &o, NULL, 0), 1, "a,b");
+  /* the floor only rises by a report */
+  sg__lh_set_step_floor(st, 2, T0);
+  assert_int_equal(sg__lh_step_floor(st), 7);
+  sg__lh_state_free(st);
+}
+
+/* A finite wait counts from the last word of a replica at the floor (its
+ * heartbeat, even after it is dropped, or the quorum that reached it);
+ * once over, the quorum is issued, the floor follows it down and the
+ * regression is counted.  0 is torchft's behaviour: no hold at all. */
+static void test_step_floor_wait_is_bounded(void **state) {
+  (void)state;
+  sg__lh_opts_t o = DEFAULT_OPTS;
+  o.state_loss_wait_ms = 10000;
+  sg__lh_state_t *st = new_state(16);
+  join_ex(st, "a", T0, 10, 0, 0);
+  expect_quorum(tick(st, T0, &o, NULL, 0), 1, "a");
+  /* a still heartbeats at +3 s, then its connection closes for good */
+  hb(st, "a", T0 + MS(3000));
+  assert_int_equal(sg__lh_mark_dead(st, "a"), 0);
+  join_ex(st, "b", T0 + MS(4000), 0, 0, 0);
+  hb(st, "b", T0 + MS(9000));
+  expect_reason(st, T0 + MS(12999), &o, 0,
+                "Holding a quorum at step 0: the job reached step 10 and no "
+                "healthy participant holds it; waiting up to 10000 ms after "
+                "one was heard" HOLD_META);
+  assert_int_equal(sg__lh_next_deadline(st, T0 + MS(12000), &o),
+                   T0 + MS(13000));
+  assert_null(tick(st, T0 + MS(12999), &o, NULL, 0));
+  expect_quorum(tick(st, T0 + MS(13000), &o, NULL, 0), 2, "b");
+  int64_t from = 0, to = 0;
+  assert_int_equal(sg__lh_step_regressions(st, &from, &to), 1);
+  assert_int_equal(from, 10);
+  assert_int_equal(to, 0);
+  assert_int_equal(sg__lh_step_floor(st), 0);
+  sg__lh_state_free(st);
+
+  /* a holder that heartbeats without asking holds the quorum past the
+   * join timeout, for as long as it is heard */
+  st = new_state(16);
+  join_ex(st, "a", T0, 10, 0, 0);
+  expect_quorum(tick(st, T0, &o, NULL, 0), 1, "a");
+  join_ex(st, "b", T0 + MS(1), 0, 0, 0);
+  for (int64_t t = 0; t <= 30000; t += 1000) {
+    hb(st, "a", T0 + MS(t));
+    hb(st, "b", T0 + MS(t));
+    assert_null(tick(st, T0 + MS(t) + 1, &o, NULL, 0));
+  }
+  sg__lh_state_free(st);
+
+  /* 0: issued at once (torchft), and still counted */
+  o.state_loss_wait_ms = 0;
+  st = new_state(16);
+  join_ex(st, "a", T0, 10, 0, 0);
+  expect_quorum(tick(st, T0, &o, NULL, 0), 1, "a");
+  join_ex(st, "b", T0 + MS(6000), 0, 0, 0);
+  expect_quorum(tick(st, T0 + MS(6000), &o, NULL, 0), 2, "b");
+  assert_int_equal(sg__lh_step_regressions(st, NULL, NULL), 1);
+  sg__lh_state_free(st);
+
+  /* a floor restored after a restart holds like one reached here */
+  o.state_loss_wait_ms = -1;
+  st = new_state(16);
+  sg__lh_set_step_floor(st, 10, T0);
+  join_ex(st, "b", T0, 0, 0, 0);
+  hb(st, "b", T0 + MS(59999));
+  assert_null(tick(st, T0 + MS(60000), &o, NULL, 0));
+  join_ex(st, "a", T0 + MS(60000), 11, 0, 0);
+  expect_quorum(tick(st, T0 + MS(60000), &o, NULL, 0), 1, "a,b");
+  assert_int_equal(sg__lh_step_floor(st), 11);
+  sg__lh_state_free(st);
+}
+
 /* After a restart the first quorum waits for the members of the last one
  * issued before it: each comes back or falls silent (heartbeat timeout
  * from the first report), within heartbeat + join timeout at most. */
@@ -1581,6 +1707,8 @@ int main(void) {
       cmocka_unit_test(test_quorum_id_bump_rules),
       cmocka_unit_test(test_quorum_id_floor),
       cmocka_unit_test(test_restart_waits_for_last_quorum_members),
+      cmocka_unit_test(test_step_floor_holds_a_quorum_that_starts_over),
+      cmocka_unit_test(test_step_floor_wait_is_bounded),
       cmocka_unit_test(test_ids_sort_in_byte_order),
       cmocka_unit_test(test_leave),
       cmocka_unit_test(test_mark_dead_and_rejoin),

@@ -395,10 +395,11 @@ def test_sigkilled_torchft_manager_is_excluded_quickly(procs, pool):
                          shrink_only=False, init_sync=True, commit_failures=0,
                          timeout=td(20), reconfigure_handle="")
         wait_until(lambda: status(s.port())["pending"] == 1, 20, "r0 pending")
-        q1 = a.quorum("A", td(20))
+        # A is at r0's step: when r0 dies, A holds the job's state
+        q1 = a.quorum("A", td(20), step=3)
         assert ids(q1) == ["A", "r0"]
         assert fm.result(timeout=30).quorum_id == q1.quorum_id
-        fa = pool.submit(a.quorum, "A", td(30))
+        fa = pool.submit(a.quorum, "A", td(30), step=3)
         wait_until(lambda: status(s.port())["pending"] == 1, 10, "A pending")
         assert not fa.done()
         t0 = time.monotonic()

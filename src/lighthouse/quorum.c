@@ -257,7 +257,7 @@ struct sg__lh_state_s {
   int64_t expect_since_ns; /* monotonic time of the first report */
   /* the step floor (quorum.h): the highest member step of a quorum */
   int64_t step_floor;    /* -1: none yet */
-  int64_t floor_seen_ns; /* when a replica at the floor was last heard */
+  int64_t floor_seen_ns; /* when a report or the id file restored it */
   size_t regressions;    /* quorums issued below the floor */
   int64_t regressed_from, regressed_to;
 };
@@ -416,9 +416,6 @@ static int part_reserve(sg__lh_state_t *st) {
  * any) is told the new index. */
 static void hb_remove(sg__lh_state_t *st, size_t idx) {
   size_t last = st->hb_map.n - 1;
-  if (st->step_floor >= 0 && st->hb[idx].best >= st->step_floor &&
-      st->hb[idx].last_ns > st->floor_seen_ns)
-    st->floor_seen_ns = st->hb[idx].last_ns; /* a holder's last word */
   if (idx != last) {
     long pi =
         idmap_find(&st->part_map, st->hb[last].id, st->hb_map.hashes[last]);
@@ -645,8 +642,8 @@ static size_t expect_missing(const sg__lh_state_t *st, int64_t now_ns,
 /* ---- decision ------------------------------------------------------------ */
 
 /* holder_seen: when a replica at the step floor was last heard: the
- * newest heartbeat of one that asked at the floor, or when the floor was
- * last reached (also the last word of holders since dropped). */
+ * newest heartbeat of one that asked at the floor and was not seen to die
+ * (sg__lh_mark_dead drops its record), or when the floor was restored. */
 static int64_t holder_seen(const sg__lh_state_t *st) {
   int64_t t = st->floor_seen_ns;
   for (size_t i = 0; i < st->hb_map.n; i++)
@@ -975,7 +972,6 @@ int sg__lh_tick(sg__lh_state_t *st, int64_t now_ns, int64_t wall_ns,
       st->regressed_to = top;
     }
     st->step_floor = top;
-    st->floor_seen_ns = now_ns;
   }
   st->prev_parts = 0;
   for (size_t i = 0; i < st->part_map.n; i++) {

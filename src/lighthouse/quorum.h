@@ -226,8 +226,10 @@ int sg__lh_expect(sg__lh_state_t *st, int64_t qid, const char *const *ids,
  * quorum whose members are all below it would start the job over from
  * their older state, silently: torchft issues it.  Here it is held while a
  * replica that asked at the floor still heartbeats, and for
- * state_loss_wait_ms after one was last heard (or the floor was last
- * reached); < 0 holds it until one is back, 0 not at all.  A member that
+ * state_loss_wait_ms after one was last heard, unless it was seen to die
+ * (sg__lh_mark_dead: its process is gone, and a restarted one has another
+ * id), or after the floor was restored; < 0 holds it until one is back
+ * whatever happened to them, 0 not at all.  A member that
  * asked at the floor itself before (the same replica id: the same process,
  * with torchft's ids) went back of its own accord, e.g. to a checkpoint,
  * and is not held.  When a quorum below the floor is issued, the floor

@@ -591,11 +591,12 @@ void sg__lh_process(sg_lh_server_t *s, int64_t event_ns, int join) {
       s->quorums_issued++;
       int64_t from, to;
       if (sg__lh_step_regressions(s->st, &from, &to) != regressions)
-        sg_log(SG_LOG_ERROR, LOG,
-               "quorum %lld starts the job over from step %lld: it had "
-               "reached step %lld, and no replica holding that came back "
+        sg_log(to == 0 ? SG_LOG_ERROR : SG_LOG_WARN, LOG,
+               "quorum %lld takes the job back from step %lld to step %lld%s: "
+               "no replica holding step %lld is left or came back "
                "(state_loss_wait_ms %lld)",
-               (long long)q->quorum_id, (long long)to, (long long)from,
+               (long long)q->quorum_id, (long long)from, (long long)to,
+               to == 0 ? ", the job starts over" : "", (long long)from,
                (long long)s->o.state_loss_wait_ms);
       /* before any answer: ids must not repeat after a crash */
       persist_quorum(s, q, now);

@@ -797,9 +797,11 @@ static void test_step_floor_holds_a_quorum_that_starts_over(void **state) {
 }
 
 /* A finite wait counts from the last word of a replica at the floor (its
- * heartbeat, even after it is dropped, or the quorum that reached it);
- * once over, the quorum is issued, the floor follows it down and the
- * regression is counted.  0 is torchft's behaviour: no hold at all. */
+ * heartbeat, while its connection stays open: cut off or hung), or from a
+ * restored floor; once over, the quorum is issued, the floor follows it
+ * down and the regression is counted.  A holder seen to die (its last
+ * connection closed: sg__lh_mark_dead) holds nothing, unless the wait is
+ * < 0.  0 is torchft's behaviour: no hold at all. */
 static void test_step_floor_wait_is_bounded(void **state) {
   (void)state;
   sg__lh_opts_t o = DEFAULT_OPTS;
@@ -807,9 +809,7 @@ static void test_step_floor_wait_is_bounded(void **state) {
   sg__lh_state_t *st = new_state(16);
   join_ex(st, "a", T0, 10, 0, 0);
   expect_quorum(tick(st, T0, &o, NULL, 0), 1, "a");
-  /* a still heartbeats at +3 s, then its connection closes for good */
-  hb(st, "a", T0 + MS(3000));
-  assert_int_equal(sg__lh_mark_dead(st, "a"), 0);
+  hb(st, "a", T0 + MS(3000)); /* then silent */
   join_ex(st, "b", T0 + MS(4000), 0, 0, 0);
   hb(st, "b", T0 + MS(9000));
   expect_reason(st, T0 + MS(12999), &o, 0,
@@ -825,6 +825,38 @@ static void test_step_floor_wait_is_bounded(void **state) {
   assert_int_equal(from, 10);
   assert_int_equal(to, 0);
   assert_int_equal(sg__lh_step_floor(st), 0);
+  sg__lh_state_free(st);
+
+  /* seen to die: nothing to wait for (a resume from a checkpoint after the
+   * whole job died is issued at once), but counted */
+  st = new_state(16);
+  join_ex(st, "a", T0, 10, 0, 0);
+  expect_quorum(tick(st, T0, &o, NULL, 0), 1, "a");
+  assert_int_equal(sg__lh_mark_dead(st, "a"), 0);
+  join_ex(st, "b", T0 + MS(1), 6, 0, 0);
+  expect_quorum(tick(st, T0 + MS(1), &o, NULL, 0), 2, "b");
+  assert_int_equal(sg__lh_step_regressions(st, &from, &to), 1);
+  assert_int_equal(to, 6);
+  sg__lh_state_free(st);
+  /* ... except with a wait < 0 */
+  o.state_loss_wait_ms = -1;
+  st = new_state(16);
+  join_ex(st, "a", T0, 10, 0, 0);
+  expect_quorum(tick(st, T0, &o, NULL, 0), 1, "a");
+  assert_int_equal(sg__lh_mark_dead(st, "a"), 0);
+  join_ex(st, "b", T0 + MS(1), 6, 0, 0);
+  assert_null(tick(st, T0 + MS(2), &o, NULL, 0));
+  sg__lh_state_free(st);
+  o.state_loss_wait_ms = 10000;
+
+  /* a restored floor holds for the wait from when it was restored */
+  st = new_state(16);
+  sg__lh_set_step_floor(st, 10, T0);
+  join_ex(st, "b", T0 + MS(1), 0, 0, 0);
+  hb(st, "b", T0 + MS(4000));
+  hb(st, "b", T0 + MS(8000));
+  assert_null(tick(st, T0 + MS(9999), &o, NULL, 0));
+  expect_quorum(tick(st, T0 + MS(10000), &o, NULL, 0), 1, "b");
   sg__lh_state_free(st);
 
   /* a holder that heartbeats without asking holds the quorum past the

@@ -15,15 +15,21 @@ Map of this file:
   configuration (``_create_pg``) and forwards collectives to it through
   three hooks (``_run_context``, ``_opts_hook``, ``_wrap_work``).
 * :class:`ProcessGroupGloo`, :class:`ProcessGroupNCCL`,
-  :class:`ProcessGroupXCCL` - the c10d backends.
+  :class:`ProcessGroupXCCL` - the c10d backends (in
+  ``process_group_c10d.py``).
 * :class:`ProcessGroupDummy` - a world of one, for tests and for DDP's
   initial broadcast.
 * :class:`ErrorSwallowingProcessGroupWrapper`,
   :class:`FakeProcessGroupWrapper`, :class:`ManagedProcessGroup` - wrappers.
 * ``ProcessGroupBaby*`` - torchft runs these in a child process; here they
   are the in-process groups under torchft's names (see
-  :class:`ProcessGroupBaby`).
+  :class:`ProcessGroupBaby`, in ``process_group_baby.py``).
+* :class:`ProcessGroupTCP` - stepguard's native collectives (in
+  ``process_group_tcp.py``).
 * :func:`create_store_client`, :func:`reconfigure_with_store`.
+
+The classes that live in the other files are names of this module too,
+loaded on first use (those files import this one for their base classes).
 
 Names, signatures and backend names are torchft's, so
 ``torchft.process_group`` code runs against this module.
@@ -31,9 +37,9 @@ Names, signatures and backend names are torchft's, so
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
-import os
 import socket
 import threading
 import time
@@ -77,7 +83,9 @@ from torch.distributed.distributed_c10d import (
 from torch.futures import Future
 
 from stepguard import _C, config
-from stepguard.futures import context_timeout, stream_timeout
+# not used here: torchft's tests patch them on this module, where
+# process_group_c10d looks them up
+from stepguard.futures import context_timeout, stream_timeout  # noqa: F401
 from stepguard.work import _DummyWork
 
 if TYPE_CHECKING:
@@ -695,6 +703,11 @@ class ProcessGroupWrapper(ProcessGroup):
                 global_ranks,
             )
             return
+        self._rebuild(store_addr, rank, world_size)
+
+    def _rebuild(self, store_addr: str, rank: int, world_size: int) -> None:
+        """Drops the current c10d group and builds the next one, meeting the
+        peers on the store at ``store_addr``."""
         self.abort(errored=False)
         store = create_store_client(store_addr, timeout=self._timeout)
         self._pg = self._create_pg(store, rank, world_size)
@@ -896,232 +909,6 @@ def _abort_c10d(pg: BaseProcessGroup) -> None:
                 backend.abort()
     except Exception as e:  # noqa: BLE001 - the group is being discarded
         logger.warning("aborting %r failed: %s", pg, e)
-
-
-def _group_name(quorum_id: Optional[int], group_rank: Optional[int],
-                group_world_size: Optional[int]) -> Optional[str]:
-    # torchft names the group only when group_rank is truthy, so group rank
-    # 0 never gets a name; every group rank gets one here.
-    if group_rank is None or not group_world_size:
-        return None
-    return f"torchft_quorum_{quorum_id}_rank_{group_rank % group_world_size}"
-
-
-class ProcessGroupGloo(ProcessGroupWrapper):
-    """A reconfigurable Gloo process group (CPU tensors; CUDA through
-    Gloo's staging).  Gloo has no reduce-scatter."""
-
-    #: torch 2.13's Gloo abort does not end an operation in flight (it
-    #: returns when the peer goes), and tearing the group down under one has
-    #: corrupted the heap: the Manager's lost-member watcher leaves it alone
-    #: (the step fails at the operation's own deadline)
-    abort_ends_operations = False
-
-    def _create_pg(self, store: Store, rank: int, world_size: int) -> BaseProcessGroup:
-        from torch.distributed import ProcessGroupGloo as BaseProcessGroupGloo
-
-        pg = BaseProcessGroup(store, rank, world_size)
-        pg._set_default_backend(BaseProcessGroup.BackendType.GLOO)
-        setup = max(self._timeout, self._setup_timeout or self._timeout)
-        backend = BaseProcessGroupGloo(store, rank, world_size, setup)
-        if setup != self._timeout:
-            backend._set_default_timeout(self._timeout)
-        backend._set_sequence_number_for_group()
-        if self._global_ranks:
-            backend.options.global_ranks_in_group = self._global_ranks
-        name = _group_name(self._quorum_id, self._group_rank, self._group_world_size)
-        if name is not None:
-            backend.options.group_name = name
-        pg._register_backend(torch.device("cpu"), BaseProcessGroup.BackendType.GLOO, backend)
-        if torch.cuda.is_available():
-            pg._register_backend(
-                torch.device("cuda"), BaseProcessGroup.BackendType.GLOO, backend
-            )
-        return pg
-
-    def getBackendName(self) -> str:
-        return "torchft-gloo"
-
-    def reduce_scatter(  # type: ignore[override]
-        self,
-        output_tensors: List[torch.Tensor],
-        input_tensors: List[List[torch.Tensor]],
-        opts: object,
-    ) -> Work:
-        """Not supported by Gloo: raises RuntimeError."""
-        raise RuntimeError("ProcessGroupGloo does not support reduce_scatter.")
-
-    def reduce_scatter_tensor_coalesced(  # type: ignore[override]
-        self,
-        output_tensors: List[torch.Tensor],
-        input_tensors: List[torch.Tensor],
-        opts: ReduceScatterOptions,
-    ) -> Work:
-        """Not supported by Gloo: raises RuntimeError."""
-        raise RuntimeError(
-            "ProcessGroupGloo does not support reduce_scatter_tensor_coalesced."
-        )
-
-
-class _WorkAcceleratorTimeout(Work):
-    """A work whose wait (and the stream work queued behind it) aborts its
-    group when it overruns the deadline."""
-
-    def __init__(self, pg: ProcessGroup, work: Work, timeout: timedelta) -> None:
-        super().__init__()
-        self._pg = pg
-        self._work = work
-        self._timeout = timeout
-
-    def _abort_later(self) -> None:
-        stream_timeout(self._pg.abort, self._timeout)
-
-    def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        with context_timeout(self._pg.abort, timeout or self._timeout):
-            self._work.wait()
-        self._abort_later()
-        return True
-
-    def get_future(self) -> Future[object]:
-        fut = self._work.get_future()
-
-        def done(_: Future[object]) -> None:
-            self._abort_later()
-
-        fut.add_done_callback(done)
-        return fut
-
-
-class _AcceleratorProcessGroup(ProcessGroupWrapper):
-    """What NCCL and XCCL share: operations run under a deadline that
-    aborts the whole group, and an abort is reported by ``errored()``."""
-
-    _env_nonblocking = ""
-    _use_abort = False
-
-    def __init__(self, timeout: timedelta = timedelta(seconds=60.0)) -> None:
-        super().__init__(timeout)
-        self._errored: Optional[Exception] = None
-        if self._env_nonblocking and config.raw(self._env_nonblocking) is None:
-            logger.warning(
-                "%s is not set, setting it to %d s",
-                self._env_nonblocking,
-                int(timeout.total_seconds()),
-            )
-            os.environ[self._env_nonblocking] = str(int(timeout.total_seconds()))
-
-    def _opts_hook(self, opts: T) -> T:
-        # The deadline is ours (abort on overrun), not the c10d watchdog's.
-        if not self._use_abort:
-            return opts
-        if hasattr(opts, "timeout"):
-            opts.timeout = AllgatherOptions().timeout  # type: ignore[attr-defined]
-        return opts
-
-    def _wrap_work(self, work: Work, opts: object) -> Work:
-        if not self._use_abort:
-            return work
-        timeout = getattr(opts, "timeout", None)
-        if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
-            timeout = self._timeout
-        return _WorkAcceleratorTimeout(self, work, timeout)
-
-    @contextmanager
-    def _run_context(self) -> Generator[None, None, None]:
-        if not self._use_abort:
-            yield
-            return
-        with context_timeout(self.abort, self._timeout):
-            yield
-
-    def abort(self, errored: bool = True) -> None:
-        if errored and config.get("TORCHFT_TRIGGER_FR_ON_ABORT") and self._rank is not None:
-            trigger_nccl_fr_trace_through_pipe(self._rank)
-        self._errored = RuntimeError("aborted")
-        super().abort(errored)
-
-
-class ProcessGroupNCCL(_AcceleratorProcessGroup):
-    """A reconfigurable NCCL process group (CUDA tensors).
-
-    With NCCL 2.25 or newer, every operation runs under the group's deadline:
-    an overrun aborts the communicator (``errored()`` then reports it, and
-    the manager discards the step) instead of waiting for c10d's watchdog.
-
-    Args:
-        timeout: deadline of the rendezvous and of every operation.
-    """
-
-    _env_nonblocking = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
-
-    def __init__(self, timeout: timedelta = timedelta(seconds=60.0)) -> None:
-        self._use_abort = bool(
-            torch.cuda.is_available()
-            and dist.is_nccl_available()
-            and torch.cuda.nccl.version() >= (2, 25)
-        )
-        super().__init__(timeout)
-
-    def _create_pg(self, store: Store, rank: int, world_size: int) -> BaseProcessGroup:
-        from torch.distributed import ProcessGroupNCCL as BaseProcessGroupNCCL
-
-        self._errored = None
-        pg = BaseProcessGroup(store, rank, world_size)
-        pg._set_default_backend(BaseProcessGroup.BackendType.NCCL)
-        opts = BaseProcessGroupNCCL.Options()
-        opts.config.blocking = False
-        if self._global_ranks:
-            opts.global_ranks_in_group = self._global_ranks
-        name = _group_name(self._quorum_id, self._group_rank, self._group_world_size)
-        if name is not None:
-            opts.group_name = name
-        backend = BaseProcessGroupNCCL(store, rank, world_size, opts)
-        device = torch.device("cuda", torch.cuda.current_device())
-        backend.eager_connect_single_device(device)
-        backend._set_sequence_number_for_group()
-        pg._register_backend(torch.device("cuda"), BaseProcessGroup.BackendType.NCCL, backend)
-        return pg
-
-    def errored(self) -> Optional[Exception]:
-        if torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()
-        return self._errored
-
-    def getBackendName(self) -> str:
-        return "torchft-nccl"
-
-
-class ProcessGroupXCCL(_AcceleratorProcessGroup):
-    """A reconfigurable XCCL process group (Intel XPU tensors), with the
-    same deadline and abort behaviour as :class:`ProcessGroupNCCL`.
-
-    Args:
-        timeout: deadline of the rendezvous and of every operation.
-    """
-
-    _env_nonblocking = "TORCH_XCCL_NONBLOCKING_TIMEOUT"
-
-    def __init__(self, timeout: timedelta = timedelta(seconds=60.0)) -> None:
-        self._use_abort = bool(torch.xpu.is_available())
-        super().__init__(timeout)
-
-    def _create_pg(self, store: Store, rank: int, world_size: int) -> BaseProcessGroup:
-        from torch.distributed import ProcessGroupXCCL as BaseProcessGroupXCCL  # type: ignore[attr-defined]
-
-        self._errored = None
-        pg = BaseProcessGroup(store, rank, world_size)
-        pg._set_default_backend(BaseProcessGroup.BackendType.XCCL)
-        backend = BaseProcessGroupXCCL(store, rank, world_size)
-        pg._register_backend(torch.device("xpu"), BaseProcessGroup.BackendType.XCCL, backend)
-        return pg
-
-    def errored(self) -> Optional[Exception]:
-        if torch.xpu.is_available():
-            torch.xpu.current_stream().synchronize()
-        return self._errored
-
-    def getBackendName(self) -> str:
-        return "torchft-xccl"
 
 
 class ProcessGroupDummy(ProcessGroup):
@@ -1377,190 +1164,58 @@ class ManagedProcessGroup(ProcessGroupWrapper):
         return self._manager._pg.getBackendName()
 
 
-class _Generation:
-    """The lifetime of one configuration of a baby group: live from the
-    ``configure`` that built its c10d group until that group is dropped
-    (replaced by the next configuration, aborted or shut down)."""
-
-    __slots__ = ("_live",)
-
-    def __init__(self) -> None:
-        self._live = True
-
-    def end(self) -> None:
-        self._live = False
-
-    def is_alive(self) -> bool:
-        """True while this configuration's group is the current one."""
-        return self._live
-
-    def closed(self) -> bool:
-        """True once this configuration's group has been dropped."""
-        return not self._live
-
-    def __repr__(self) -> str:
-        return f"_Generation(live={self._live})"
-
-
-class ProcessGroupBaby(ProcessGroupWrapper):
-    """torchft's "baby" process groups run the collective backend in a
-    child process so that a hung NCCL call can be escaped by killing the
-    child.  stepguard does not need that isolation: its groups abort hung
-    operations at their deadline.  The ``ProcessGroupBaby*`` classes are
-    therefore the in-process groups (real subclasses, not a child process)
-    under torchft's names and backend names, accepting torchft's float
-    timeout.
-
-    What a caller of torchft's baby groups sees is kept:
-
-    * a configuration that is not ready within the timeout raises
-      ``TimeoutError`` ("... timed out after <seconds> seconds");
-    * after ``shutdown()`` (until the next configuration) collectives raise
-      ``OSError("handle is closed")``;
-    * ``size()`` is the last configured world size (-1 before any);
-    * torchft's per-configuration child process, request pipe and future
-      thread (``_p``, ``_future_pipe``, ``_future_thread``) are all one
-      :class:`_Generation` here, with the ``is_alive()``/``closed()`` those
-      objects answer: each configuration gets a new one, and the previous
-      one ends when its c10d group is dropped.
-
-    Args:
-        timeout: seconds (float) or a timedelta.
-    """
-
-    # class defaults: the NCCL and XCCL babies run their backend's __init__
-    # rather than this class's
-    _generation: Optional[_Generation] = None
-    _closed = False
-
-    def __init__(self, timeout: Union[float, timedelta] = 60.0) -> None:
-        if not isinstance(timeout, timedelta):
-            timeout = timedelta(seconds=timeout)
-        super().__init__(timeout)
-
-    # torchft's names for what a configuration owns (see the class doc)
-    @property
-    def _p(self) -> Optional[_Generation]:
-        return self._generation
-
-    @property
-    def _future_pipe(self) -> Optional[_Generation]:
-        return self._generation
-
-    @property
-    def _future_thread(self) -> Optional[_Generation]:
-        return self._generation
-
-    def _end_generation(self) -> None:
-        gen = self._generation
-        if gen is not None:
-            gen.end()
-
-    def configure(
-        self,
-        store_addr: str,
-        replica_id: str,
-        rank: int,
-        world_size: int,
-        quorum_id: Optional[int] = None,
-        group_rank: Optional[int] = None,
-        group_world_size: Optional[int] = None,
-        global_ranks: Optional[List[int]] = None,
-    ) -> None:
-        self._closed = False
-        limit = self._timeout.total_seconds()
-        started = time.monotonic()
-        try:
-            super().configure(
-                store_addr,
-                replica_id,
-                rank,
-                world_size,
-                quorum_id,
-                group_rank,
-                group_world_size,
-                global_ranks,
-            )
-        except Exception as e:
-            overran = time.monotonic() - started >= limit
-            if overran or isinstance(e, TimeoutError) or (
-                isinstance(e, dist.DistStoreError) and "timeout" in str(e)
-            ):
-                raise TimeoutError(
-                    f"process group configuration timed out after {limit} seconds"
-                ) from e
-            raise
-        self._generation = _Generation()
-
-    def abort(self, errored: bool = True) -> None:  # type: ignore[override]
-        self._end_generation()
-        super().abort(errored)  # type: ignore[call-arg]
-
-    def shutdown(self) -> None:
-        self._end_generation()
-        self._closed = True
-        super().shutdown()
-
-    @property
-    def parent(self) -> BaseProcessGroup:
-        if self._pg is None and self._closed:
-            raise OSError("handle is closed")
-        return super().parent
-
-    def size(self) -> int:
-        pg = self._pg
-        if pg is not None:
-            return pg.size()
-        return self._world_size if self._world_size is not None else -1
-
-    def num_active_work(self) -> int:
-        """Operations in flight in the group (0: they run in this process
-        and are not tracked)."""
-        return 0
-
-
-class ProcessGroupBabyGloo(ProcessGroupBaby, ProcessGroupGloo):
-    """:class:`ProcessGroupGloo` under torchft's ``torchft-baby-gloo`` name
-    (in process; see :class:`ProcessGroupBaby`)."""
-
-    def getBackendName(self) -> str:
-        return "torchft-baby-gloo"
-
-
-class ProcessGroupBabyNCCL(ProcessGroupBaby, ProcessGroupNCCL):
-    """:class:`ProcessGroupNCCL` under torchft's ``torchft-baby-nccl`` name
-    (in process; see :class:`ProcessGroupBaby`)."""
-
-    def __init__(self, timeout: Union[float, timedelta] = 60.0) -> None:
-        if not isinstance(timeout, timedelta):
-            timeout = timedelta(seconds=timeout)
-        ProcessGroupNCCL.__init__(self, timeout)
-
-    def getBackendName(self) -> str:
-        return "torchft-baby-nccl"
-
-
-class ProcessGroupBabyXCCL(ProcessGroupBaby, ProcessGroupXCCL):
-    """:class:`ProcessGroupXCCL` under torchft's ``torchft-baby-xccl`` name
-    (in process; see :class:`ProcessGroupBaby`)."""
-
-    def __init__(self, timeout: Union[float, timedelta] = 60.0) -> None:
-        if not isinstance(timeout, timedelta):
-            timeout = timedelta(seconds=timeout)
-        ProcessGroupXCCL.__init__(self, timeout)
-
-    def getBackendName(self) -> str:
-        return "torchft-baby-xccl"
-
-
+# Defined in the modules split off this one, which import it for their base
+# classes: loaded on first use, so that any of them may be imported first.
+_ELSEWHERE = {
+    name: "stepguard.process_group_c10d"
+    for name in (
+        "ProcessGroupGloo",
+        "ProcessGroupNCCL",
+        "ProcessGroupXCCL",
+        "_AcceleratorProcessGroup",
+        "_WorkAcceleratorTimeout",
+        "_group_name",
+    )
+}
+_ELSEWHERE.update(
+    {
+        name: "stepguard.process_group_baby"
+        for name in (
+            "ProcessGroupBaby",
+            "ProcessGroupBabyGloo",
+            "ProcessGroupBabyNCCL",
+            "ProcessGroupBabyXCCL",
+            "_Generation",
+        )
+    }
+)
+_ELSEWHERE["ProcessGroupTCP"] = "stepguard.process_group_tcp"
 __all__.append("ProcessGroupTCP")
 
 
 def __getattr__(name: str) -> Any:
-    # ProcessGroupTCP lives in its own module, which imports this one: load
-    # it on first use so that either module may be imported first.
-    if name == "ProcessGroupTCP":
-        from stepguard.process_group_tcp import ProcessGroupTCP
+    module = _ELSEWHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
-        return ProcessGroupTCP
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(_ELSEWHERE))
+
+
+if TYPE_CHECKING:
+    from stepguard.process_group_baby import (
+        ProcessGroupBaby,
+        ProcessGroupBabyGloo,
+        ProcessGroupBabyNCCL,
+        ProcessGroupBabyXCCL,
+    )
+    from stepguard.process_group_c10d import (
+        ProcessGroupGloo,
+        ProcessGroupNCCL,
+        ProcessGroupXCCL,
+    )
+    from stepguard.process_group_tcp import ProcessGroupTCP

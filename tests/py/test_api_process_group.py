@@ -329,3 +329,41 @@ def test_register_presents_the_group_to_c10d(store) -> None:
         pg.unregister()
     finally:
         dist.destroy_process_group()
+
+
+def test_accelerator_deadline_is_looked_up_where_torchft_patches_it() -> None:
+    """torchft's tests patch ``torchft.process_group.context_timeout`` and
+    ``stream_timeout``; the NCCL/XCCL deadline, in process_group_c10d.py,
+    must call what is on process_group at the time of the call."""
+    from unittest import mock
+
+    import stepguard.process_group as pgmod
+
+    pg = ProcessGroupDummy(0, 1)
+    with mock.patch("stepguard.process_group.context_timeout") as ctx, \
+            mock.patch("stepguard.process_group.stream_timeout") as stream:
+        work = pgmod._WorkAcceleratorTimeout(pg, _DummyWork(None), TD)
+        assert work.wait()
+    ctx.assert_called_once_with(pg.abort, TD)
+    stream.assert_called_once_with(pg.abort, TD)
+
+
+@pytest.mark.parametrize(
+    "first", ["process_group", "process_group_c10d", "process_group_baby", "process_group_tcp"]
+)
+def test_split_modules_import_in_any_order(first: str) -> None:
+    """The classes split off process_group.py stay its names whichever of
+    the files a program imports first."""
+    import subprocess
+    import sys
+
+    code = (
+        f"import stepguard.{first}\n"
+        "import stepguard.process_group as p\n"
+        "from stepguard.process_group import ProcessGroupBabyGloo, ProcessGroupNCCL\n"
+        "assert ProcessGroupBabyGloo().getBackendName() == 'torchft-baby-gloo'\n"
+        "assert issubclass(ProcessGroupBabyGloo, p.ProcessGroupGloo)\n"
+        "assert {'ProcessGroupXCCL', 'ProcessGroupTCP'} <= set(dir(p))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

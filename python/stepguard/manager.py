@@ -22,11 +22,15 @@ Constructor, methods, defaults, environment variables and log records are
 torchft's (``TORCHFT_*``; every one also read as ``STEPGUARD_*``).  Where
 torchft applies an environment override only partly, this module applies it
 everywhere (see ``Manager.__init__``).
+
+Two chapters live in files of their own: the road every quorum takes
+(``_Quorum``, ``_QuorumCall``) in ``manager_quorum.py``, and the work that
+``allreduce`` returns with its callback chain (``_ManagedWork``) in
+``manager_work.py``.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import logging
 import os
@@ -38,14 +42,12 @@ import traceback
 import uuid
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from datetime import timedelta
 from enum import Enum
 from typing import (
     TYPE_CHECKING,
     Any,
     Callable,
-    ContextManager,
     Dict,
     List,
     Optional,
@@ -66,6 +68,21 @@ from stepguard import coordination as _coordination
 from stepguard import hsdp as _hsdp
 from stepguard.coordination import ManagerClient, ManagerServer, QuorumResult
 from stepguard.futures import future_timeout
+# the quorum's road and the managed work are chapters of their own; their
+# names are this module's too (torchft code imports _ManagedWork and
+# _ManagedFuture from the manager module)
+from stepguard.manager_quorum import (  # noqa: F401
+    _Quorum,
+    _QuorumCall,
+    _ThreadQuorumCall,
+)
+from stepguard.manager_work import (  # noqa: F401
+    _accelerator,
+    _ManagedFuture,
+    _ManagedWork,
+    _SimpleFuture,
+    _stream_context,
+)
 from stepguard.process_group import ReconfigureOptions
 from stepguard.work import _DummyWork
 
@@ -157,16 +174,6 @@ def _traced(name: str) -> Callable[[Callable[..., S]], Callable[..., S]]:
         return traced
 
     return decorate
-
-
-def _accelerator() -> bool:
-    return torch.accelerator.is_available()
-
-
-def _stream_context(stream: Optional[torch.Stream]) -> ContextManager[object]:
-    if stream is None:
-        return nullcontext()
-    return cast(ContextManager[object], stream)
 
 
 class Manager:
@@ -1313,141 +1320,6 @@ def _average(tensor: torch.Tensor, n: int) -> None:
         tensor.div_(n)
 
 
-class _Quorum:
-    """One step's quorum, from ``start_quorum`` to its application: the one
-    road every quorum takes.
-
-    The call is started at once through the client's start / wait pair (the
-    extension runs it on one of its workers, or hands it to the in-process
-    manager server: no Python thread).  The first ``result()`` or
-    ``configured()`` collects it and applies it.  A quorum that only records
-    the participation (the usual step) is applied right there; one that
-    reconfigures the process group or moves state is applied on the
-    manager's executor thread: ``result()`` waits for all of it,
-    ``configured()`` until the participants are known and the process group
-    is ready.  Either returns None or raises what the quorum raised, every
-    time it is called.
-    """
-
-    def __init__(
-        self,
-        manager: Manager,
-        allow_heal: bool,
-        shrink_only: bool,
-        quorum_timeout: timedelta,
-        curr_device: int,
-    ) -> None:
-        self._manager = manager
-        self._allow_heal = allow_heal
-        self._curr_device = curr_device
-        self._lock = threading.Lock()
-        self._done = False
-        self._exc: Optional[BaseException] = None
-        self._apply: Optional[concurrent.futures.Future] = None
-        self._configured = manager._configured
-        self._call = _QuorumCall.of(
-            manager._client,
-            group_rank=manager._group_rank,
-            step=manager._step,
-            checkpoint_metadata=manager._checkpoint_transport.metadata(),
-            shrink_only=shrink_only,
-            init_sync=manager._init_sync,
-            commit_failures=manager._commit_failures,
-            timeout=quorum_timeout,
-            reconfigure_handle=manager._reconfigure_handle(),
-        )
-        self._call.start()
-
-    def done(self) -> bool:
-        return self._done and (self._apply is None or self._apply.done())
-
-    def result(self) -> None:
-        self._collect()
-        if self._exc is not None:
-            raise self._exc
-        if self._apply is not None:
-            self._apply.result()
-
-    def configured(self) -> None:
-        """Waits until the quorum has configured the process group and
-        decided the participants (its recovery may still run); raises the
-        quorum's error."""
-        self._collect()
-        if self._exc is not None:
-            raise self._exc
-        apply = self._apply
-        if apply is not None:
-            self._configured.wait()
-            if apply.done():
-                apply.result()
-
-    def _collect(self) -> None:
-        if self._done:
-            return
-        with self._lock:
-            if self._done:
-                return
-            m = self._manager
-            try:
-                quorum = m._through_outages(self._call.wait, self._call.start)
-                if m._quorum_is_quiet(quorum, self._allow_heal):
-                    m._apply_quorum(quorum, self._allow_heal, -1)
-                else:
-                    self._apply = m._executor.submit(
-                        m._apply_quorum, quorum, self._allow_heal, self._curr_device
-                    )
-            except BaseException as e:  # noqa: BLE001 - raised by every result()
-                self._exc = e
-                self._configured.set()
-            finally:
-                self._done = True
-
-
-class _QuorumCall:
-    """A quorum call as a start / wait pair.  The extension's client has
-    them (``_quorum_start`` / ``_quorum_wait``); a client that is not the
-    extension's (a test's mock or wrapper, which has only the blocking
-    ``_quorum``, torchft's name) gets them from a thread of its own."""
-
-    def __init__(self, client: ManagerClient, kwargs: Dict[str, object]) -> None:
-        self._client = client
-        self._kwargs = kwargs
-
-    @staticmethod
-    def of(client: ManagerClient, **kwargs: object) -> "_QuorumCall":
-        # the class itself, not this module's name for it, which a test may
-        # have patched; and type(), not isinstance(), which a mock specced
-        # on the class passes
-        if issubclass(type(client), _coordination.ManagerClient):
-            return _QuorumCall(client, kwargs)
-        return _ThreadQuorumCall(client, kwargs)
-
-    def start(self) -> None:
-        k = self._kwargs
-        self._client._quorum_start(
-            k["group_rank"], k["step"], k["checkpoint_metadata"], k["shrink_only"],
-            k["init_sync"], k["commit_failures"], k["timeout"], k["reconfigure_handle"],
-        )
-
-    def wait(self) -> QuorumResult:
-        return self._client._quorum_wait()
-
-
-class _ThreadQuorumCall(_QuorumCall):
-    def start(self) -> None:
-        self._result: concurrent.futures.Future = concurrent.futures.Future()
-        threading.Thread(target=self._run, name="async_quorum", daemon=True).start()
-
-    def _run(self) -> None:
-        try:
-            self._result.set_result(self._client._quorum(**self._kwargs))
-        except BaseException as e:  # noqa: BLE001 - handed to wait()
-            self._result.set_exception(e)
-
-    def wait(self) -> QuorumResult:
-        return self._result.result()
-
-
 _heal_hook: Optional[Callable[[str, "Manager"], None]] = None
 
 
@@ -1492,180 +1364,3 @@ class _ManagerLogger:
 
     def exception(self, msg: str) -> None:
         self._logger.exception(f"{self.prefix()} {msg}")
-
-
-class _SimpleFuture(torch.futures.Future):
-    """A finished future holding ``value``: what each callback of a managed
-    work's chain receives."""
-
-    def __init__(self, value: object) -> None:
-        super().__init__()
-        self._value = value
-
-    def value(self) -> object:
-        return self._value
-
-    def then(self, callback: Callable[["_SimpleFuture"], S]) -> "_SimpleFuture":  # type: ignore[override]
-        return _SimpleFuture(callback(self))
-
-    def wait(self) -> object:
-        return self._value
-
-    def done(self) -> bool:
-        return True
-
-    def add_done_callback(self, callback: Callable[[torch.futures.Future], None]) -> None:
-        raise NotImplementedError("add_done_callback is not supported on _SimpleFuture")
-
-    def set_result(self, result: object) -> None:
-        raise NotImplementedError("set_result is not supported on _SimpleFuture")
-
-    def set_exception(self, result: object) -> None:
-        raise NotImplementedError("set_exception is not supported on _SimpleFuture")
-
-
-class _ManagedFuture(torch.futures.Future):
-    """One link of a managed work's callback chain.  ``then`` only records
-    the callback; the chain runs when the work is waited on."""
-
-    def __init__(self, managed_work: "weakref.ReferenceType[_ManagedWork]") -> None:
-        super().__init__()
-        self._managed_work = managed_work
-        self._next: Optional[_ManagedFuture] = None
-        self._callback: Optional[Callable[[_SimpleFuture], object]] = None
-        self._fut: Optional[torch.futures.Future[object]] = None
-
-    def then(self, callback: Callable[[torch.futures.Future], S]) -> "_ManagedFuture":  # type: ignore[override]
-        work = self._managed_work()
-        assert work is not None, "the managed work is gone"
-        assert self._next is None, "then() was already called on this future"
-        nxt = _ManagedFuture(self._managed_work)
-        nxt._callback = cast(Callable[[_SimpleFuture], object], callback)
-        self._next = nxt
-        work._tail = nxt
-        return nxt
-
-    def wait(self) -> object:
-        work = self._managed_work()
-        assert work is not None, "the managed work is gone"
-        work.wait()
-        assert self._fut is not None
-        return self._fut.wait()
-
-    def value(self) -> object:
-        raise NotImplementedError("value() is not supported on a managed future; wait() instead")
-
-    def done(self) -> bool:
-        raise NotImplementedError("done() is not supported on a managed future")
-
-    def add_done_callback(self, callback: Callable[[torch.futures.Future], None]) -> None:
-        raise NotImplementedError("add_done_callback is not supported on a managed future")
-
-    def set_result(self, result: object) -> None:
-        raise NotImplementedError("set_result is not supported on a managed future")
-
-    def set_exception(self, result: object) -> None:
-        raise NotImplementedError("set_exception is not supported on a managed future")
-
-
-class _ManagedWork(dist._Work):
-    """A process group work whose result goes through the manager: a
-    deadline and error swallowing (``wrap_future``) first, then the
-    callbacks added with ``get_future().then(...)``, run lazily on the
-    stream current at creation."""
-
-    def __init__(self, manager: Manager, work: Work, value: object) -> None:
-        super().__init__()
-        self._manager = manager
-        self._work = work
-        self._value = value
-        self._stream: Optional[torch.Stream] = (
-            torch.accelerator.current_stream() if _accelerator() else None
-        )
-        self._head = _ManagedFuture(weakref.ref(self))
-        self._tail = self._head
-        self._built = False
-
-    def _build(self) -> None:
-        """Links the recorded callbacks onto the operation's future.
-
-        As torchft's: each callback gets a future of the running value (the
-        value the work was made with, then each callback's result), not the
-        operation's own result; errors and the deadline come from
-        ``wrap_future`` around the first link (around the operation's future
-        itself when there is no callback)."""
-        if self._built:
-            return
-        self._built = True
-        stream = self._stream
-        running = [self._value]
-        head = self._head
-        head._fut = self._work.get_future()
-        if head._next is None:
-            head._fut = self._manager.wrap_future(head._fut, running[0])
-            return
-        node: _ManagedFuture = head
-        wrapped = False
-        while node._next is not None:
-            nxt = node._next
-            cb = nxt._callback
-            assert cb is not None and node._fut is not None
-
-            def run(
-                f: torch.futures.Future[object],
-                cb: Callable[[_SimpleFuture], object] = cb,
-            ) -> object:
-                with _stream_context(stream):
-                    f.wait()
-                    running[0] = cb(_SimpleFuture(running[0]))
-                    return running[0]
-
-            fut = node._fut.then(run)
-            if not wrapped:
-                fut = self._manager.wrap_future(fut, running[0])
-                wrapped = True
-            nxt._fut = fut
-            node = nxt
-
-    def _assert_same_stream(self) -> None:
-        if self._stream is not None:
-            assert self._stream == torch.accelerator.current_stream(), (
-                "a managed work must be waited on the stream it was created on"
-            )
-
-    def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        """Waits for the operation and its callbacks; False (and the step
-        marked failed) if anything went wrong."""
-        self._assert_same_stream()
-        try:
-            with _stream_context(self._stream):
-                if timeout is not None:
-                    self._work.wait(timeout)
-                else:
-                    self._work.wait()
-                self._build()
-                assert self._tail._fut is not None
-                self._tail._fut.wait()
-            return True
-        except Exception as e:  # noqa: BLE001 - a failed step, not a crash
-            self._manager._logger.exception(f"exception waiting for work: {e}")
-            self._manager.report_error(e)
-            return False
-
-    def block_current_stream(self, timeout: Optional[timedelta] = None) -> None:
-        """Makes the current stream wait for the operation and builds the
-        callback chain."""
-        self._assert_same_stream()
-        self._work.block_current_stream()
-        self._build()
-
-    def synchronize(self) -> None:
-        """Accelerator: ``block_current_stream``; else builds the chain."""
-        if self._stream is not None and torch.cuda.is_available():
-            self.block_current_stream()
-        else:
-            self._build()
-
-    def get_future(self) -> torch.futures.Future[object]:  # type: ignore[override]
-        """The tail of the callback chain (a :class:`_ManagedFuture`)."""
-        return self._tail

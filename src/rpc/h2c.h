@@ -2,9 +2,10 @@
  * h2c.h: the client side of gRPC unary calls over one HTTP/2 connection, as
  * an engine that does no I/O: fed the bytes the server sent (sg__h2c_recv),
  * it yields the bytes to send (sg__h2c_send) and tells its owner about
- * streams through a small table of operations.  client.c owns the socket,
- * the connect state machine, timers and the channel mutex around it; the
- * engine touches none of them.  fuzz/fuzz_h2c.c drives it directly.
+ * streams through a small table of operations.  The client channel
+ * (client.c; its I/O thread in client_io.c) owns the socket, the connect
+ * state machine, timers and the channel mutex around it; the engine touches
+ * none of them.  fuzz/fuzz_h2c.c drives it directly.
  *
  * The twin of h2s.h.  A stream (sg__h2c_stream_t) is owned by the caller,
  * usually embedded in its own request object; the engine links it into its

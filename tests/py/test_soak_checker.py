@@ -277,6 +277,18 @@ def test_goodput_definition():
     assert goodput.rate_from_step_times([]) is None
 
 
+def test_goodput_counts_participants_only():
+    # four groups commit every step, three take part (a hot spare): three count
+    tl = [{"event": "commit", "rank": 0, "t": 1.0 + s, "group": g, "step": s,
+           "participants": 3} for s in range(10) for g in range(4)]
+    assert goodput.committed_replica_steps(tl) == 30
+    assert goodput.committed_replica_steps(tl, 1.0, 6.0) == 15
+    kills = [{"event": "inject", "kind": "kill", "t": t} for t in (5.0, 25.0, 45.0)]
+    assert goodput.kill_window(kills + tl, 20.0) == (5.0, 65.0)
+    assert goodput.kill_window(kills, 20.0, 180.0) == (5.0, 185.0)
+    assert goodput.kill_window(tl, 20.0) is None
+
+
 def test_state_hash_is_order_free_and_bit_exact():
     import torch
 

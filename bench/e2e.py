@@ -1,11 +1,12 @@
 """End-to-end benchmark: the small Llama under periodic SIGKILLs, stepguard
-against torchft in the same run, with plain DDP as the step-time baseline.
+against torchft in the same run, with plain DDP as the fault-free reference.
 
 Every configuration runs ``examples/train_llama.py`` (same model, data and
 seed) in ``--groups`` replica groups under ``stepguard.launch``, with the
-same kill schedule (``kill:every=K,seed=S``) and lighthouse flags
-``--min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000``.  From the
-launcher's timeline it measures:
+same kill schedules (``kill:every=K,start=F,seed=S`` for each K of
+``--kill-every``, default 20 and 60 s, first kill at F = ``--first-kill``)
+and lighthouse flags ``--quorum_tick_ms 100 --join_timeout_ms 10000``.  From
+the launcher's timeline it measures:
 
 (a) SIGKILL -> the survivors' next committed step;
 (b) the steady-state step time (all replicas in the quorum, none healing),
@@ -13,18 +14,39 @@ launcher's timeline it measures:
 (c) relaunched replica start -> its first committed step (process start,
     imports, joining, healing from a peer, one step); (c') the same from
     the moment the trainer reported ``ready`` (imports, corpus and model
-    done), which is the part fault tolerance is responsible for.
+    done), which is the part fault tolerance is responsible for;
+(d) goodput (``stepguard.soak.goodput``, the definition the chaos soak
+    uses): committed replica-steps / (replicas x fault-free step rate x
+    wall time).  Wall time is the same window for every configuration:
+    from its first kill to ``--window`` seconds later, a whole number of
+    kill intervals, so start-up (imports, the first quorum) is not counted
+    as fault cost and every kill has a full interval to cost what it
+    costs.  The fault-free rate is measured in the same run: from
+    ``--settle`` seconds after every group (a hot spare too) has
+    committed and a warm spare is set up, to the first kill.  Hot spares count only
+    as participants (at most ``--groups`` commits per step).  Also: the
+    same against plain DDP's rate (what fault tolerance costs without
+    faults, included), the median over kill intervals, and the lost part
+    split into the victim's absence, the survivors' stall and the rest.
 
-Configurations: ``plain`` (torch DDP, no fault tolerance), ``torchft``
-(torchft's trainer and lighthouse), ``stepguard`` (stepguard's trainer and
-lighthouse, with ProcessGroupGloo like torchft; only when stepguard provides
-the training API), ``stepguard-tcp`` (the same with stepguard's native
-ProcessGroupTCP), and ``sg-lighthouse`` (torchft's trainer under stepguard's
-lighthouse, which isolates what the lighthouse changes).  Medians, maxima and ratios go to
-``bench/results/e2e.md``.
+Configurations (``CONFIGS``): ``plain`` (torch DDP, no fault tolerance and
+no kills, run once), ``torchft`` (torchft's trainer and lighthouse),
+``stepguard`` (stepguard's trainer and lighthouse, with ProcessGroupGloo
+like torchft; only when stepguard provides the training API),
+``stepguard-tcp`` (the same with stepguard's native ProcessGroupTCP),
+``sg-lighthouse`` (torchft's trainer under stepguard's lighthouse, which
+isolates what the lighthouse changes), ``stepguard-warm`` (``stepguard-tcp``
+with one warm spare, ``--spares 1``: docs/spares.md) and ``stepguard-hot``
+(``stepguard-tcp`` with one group more under ``FIXED_WITH_SPARES``,
+``--min-replicas`` = ``--groups``); ``torchft-hot`` is torchft's hot spares
+(``bench/spares.py`` uses the same table).  (a)-(c) go to
+``bench/results/e2e.md``, one table per schedule; (d) to
+``bench/results/e2e-goodput.md``.
 
-Run with ``.venv/bin/python bench/e2e.py`` (about five minutes on two
-CPUs), or ``--duration 60 --kill-every 15 --configs torchft,stepguard``.
+Run with ``.venv/bin/python bench/e2e.py`` (each configuration takes
+``--first-kill`` + ``--window`` + 3 s per schedule: about 35 minutes for
+``--configs plain,torchft,stepguard-tcp,stepguard-warm,stepguard-hot``), or
+``--kill-every 15 --window 60 --configs torchft,stepguard``.
 
 ``--scenarios hang,partition`` (default ``kill``) adds the survivors' stall
 after a hang (every rank of a group SIGSTOPped for ``--fault-duration``
@@ -69,28 +91,50 @@ def stepguard_has_trainer() -> bool:
     return all(hasattr(stepguard, n) for n in TRAINER_API)
 
 
-def run_config(name: str, args: argparse.Namespace, out: Path,
-               scenario: str = "kill") -> list[dict[str, Any]]:
+# name -> (trainer, lighthouse, process group, hot spares, warm spares)
+CONFIGS = {
+    "plain": ("plain", "stepguard", "gloo", False, 0),
+    "torchft": ("torchft", "torchft", "gloo", False, 0),
+    "stepguard": ("stepguard", "stepguard", "gloo", False, 0),
+    "stepguard-tcp": ("stepguard", "stepguard", "tcp", False, 0),
+    "sg-lighthouse": ("torchft", "stepguard", "gloo", False, 0),
+    "stepguard-warm": ("stepguard", "stepguard", "tcp", False, 1),
+    "stepguard-hot": ("stepguard", "stepguard", "tcp", True, 0),
+    "torchft-hot": ("torchft", "torchft", "gloo", True, 0),
+}
+
+
+def run_config(name: str, args: argparse.Namespace, out: Path, scenario: str = "kill",
+               every: float | None = None, duration: float | None = None,
+               tag: str | None = None, pg: str | None = None,
+               who: str = "e2e") -> list[dict[str, Any]]:
     """Runs one configuration under one failure scenario; returns its
-    timeline."""
-    trainer, lh, pg = {
-        "plain": ("plain", "stepguard", "gloo"),
-        "torchft": ("torchft", "torchft", "gloo"),
-        "stepguard": ("stepguard", "stepguard", "gloo"),
-        "stepguard-tcp": ("stepguard", "stepguard", "tcp"),
-        "sg-lighthouse": ("torchft", "stepguard", "gloo"),
-    }[name]
+    timeline.  A kill scenario kills one group every ``every`` seconds
+    from ``args.first_kill`` on, none in the last ``every / 2`` seconds of
+    ``duration``; ``pg`` replaces the process group of stepguard's trainer
+    (``bench/spares.py``'s ``--pg``)."""
+    trainer, lh, cpg, hot, warm = CONFIGS[name]
+    pg = pg if pg is not None and trainer == "stepguard" else cpg
     train_args = ["--device", "cpu", "--pg", pg, *args.train_args]
     failures = []
     hb = 5000
+    min_replicas = 1
     if trainer == "plain":
         train_args += ["--plain", "--steps", str(args.plain_steps)]
         groups, nproc, duration = 1, args.groups, None
     else:
         train_args += ["--impl", trainer]
-        groups, nproc, duration = args.groups, 1, args.duration
+        groups, nproc = args.groups, 1
+        duration = args.duration if duration is None else duration
+        if hot:  # one group more, at most args.groups of them take part
+            groups += 1
+            train_args += ["--world-size-mode", "fixed_with_spares",
+                           "--min-replicas", str(args.groups)]
+            min_replicas = args.groups
         if scenario == "kill":
-            spec = f"kill:every={args.kill_every}s,seed={args.seed}"
+            every = args.kill_every if every is None else every
+            spec = (f"kill:every={every:g}s,start={args.first_kill:g}s,"
+                    f"stop={duration - every / 2:g}s,seed={args.seed}")
         else:
             spec = (f"{scenario}:every={args.fault_every}s,duration={args.fault_duration}s,"
                     f"seed={args.seed}")
@@ -98,24 +142,41 @@ def run_config(name: str, args: argparse.Namespace, out: Path,
                            str(args.op_timeout)]
             hb = args.heartbeat_timeout_ms
         failures = [parse_failure_spec(spec)]
-    tag = name if scenario == "kill" else f"{name}-{scenario}"
+    tag = tag or (name if scenario == "kill" else f"{name}-{scenario}")
     cfg = LaunchConfig(
         cmd=[sys.executable, str(TRAIN), *train_args], groups=groups, nproc_per_group=nproc,
-        lighthouse_impl=lh, min_replicas=1, join_timeout_ms=10000, quorum_tick_ms=100,
-        heartbeat_timeout_ms=hb,
+        lighthouse_impl=lh, min_replicas=min_replicas, join_timeout_ms=10000,
+        quorum_tick_ms=100, heartbeat_timeout_ms=hb,
         omp_threads=args.omp_threads, duration=duration, failures=failures,
         timeline=str(out / f"{tag}.jsonl"), log_dir=str(out / f"logs-{tag}"), quiet=True,
-        max_restarts=1000,
+        max_restarts=1000, spares=warm,
     )
-    print(f"e2e: {tag}: trainer {trainer}, lighthouse {lh}, process group {pg}, "
-          f"{'%d ranks of plain DDP' % nproc if trainer == 'plain' else '%d groups' % groups}",
-          flush=True)
+    print(f"{who}: {tag}: trainer {trainer}, lighthouse {lh}, process group {pg}, "
+          f"{'%d ranks of plain DDP' % nproc if trainer == 'plain' else '%d groups' % groups}"
+          f"{', a hot spare (FIXED_WITH_SPARES)' if hot else ''}"
+          f"{', %d warm spare' % warm if warm else ''}", flush=True)
     t0 = time.monotonic()
     rc = Launcher(cfg).run()
     if rc != 0:
-        raise SystemExit(f"e2e: {tag}: launcher exited with {rc}; see {out}/logs-{tag}/")
-    print(f"e2e: {tag}: done in {time.monotonic() - t0:.0f} s", flush=True)
+        raise SystemExit(f"{who}: {tag}: launcher exited with {rc}; see {out}/logs-{tag}/")
+    print(f"{who}: {tag}: done in {time.monotonic() - t0:.0f} s", flush=True)
     return [json.loads(line) for line in (out / f"{tag}.jsonl").read_text().splitlines()]
+
+
+def hot_full(tl: list[dict[str, Any]], target: int) -> list[float]:
+    """Per kill: seconds to the first commit by a survivor of a quorum newer
+    than the victim's last one, with ``target`` participants (a hot spare
+    stepped in)."""
+    commits = [r for r in tl if r["event"] == "commit" and r.get("rank") == 0]
+    out = []
+    for k in (r for r in tl if r["event"] == "inject" and r["kind"] == "kill"):
+        mine = [c for c in commits if c["group"] == k["group"] and c["t"] <= k["t"]]
+        q = max((c.get("quorum_id") or -1 for c in mine), default=-1)
+        after = [c for c in commits if c["t"] > k["t"] and c["group"] != k["group"]
+                 and (c.get("quorum_id") or -1) > q and c.get("participants") == target]
+        if after:
+            out.append(after[0]["t"] - k["t"])
+    return sorted(out)
 
 
 def fault_stalls(tl: list[dict[str, Any]], groups: int) -> dict[str, Any]:
@@ -189,16 +250,7 @@ def measure(tl: list[dict[str, Any]], groups: int, warmup: int) -> dict[str, Any
             continue
         times.append(r["step_time"])
     steps = {r["step"] for r in tl if r["event"] == "commit"}
-    # goodput (stepguard.soak.goodput): from the first commit to the last,
-    # against the steady-state step rate of this configuration
-    commit_t = [r["t"] for r in tl if r["event"] == "commit"]
-    rate = goodput.rate_from_step_times(times)
-    gp = None
-    if rate and len(commit_t) > 1:
-        gp = goodput.goodput(goodput.committed_replica_steps(tl), groups, rate,
-                             max(commit_t) - min(commit_t))
     return {
-        "goodput": gp,
         "kills": sum(1 for r in tl if r["event"] == "inject"),
         "survivors": sorted(surv.values()),
         "rejoin": sorted(rejoin),
@@ -207,6 +259,71 @@ def measure(tl: list[dict[str, Any]], groups: int, warmup: int) -> dict[str, Any
         "committed_steps": len(steps),
         "discards": sum(1 for r in tl if r["event"] == "discard" and r.get("rank") == 0),
     }
+
+
+def measure_goodput(tl: list[dict[str, Any]], name: str, groups: int, every: float,
+                    window: float, settle: float, warmup: int) -> dict[str, Any]:
+    """Goodput (``stepguard.soak.goodput``) of one run, in the window from
+    its first kill to ``window`` seconds later, against the fault-free rate
+    of the same run: from ``settle`` seconds after the first commit of a
+    full quorum, of every group (a hot spare too) and a warm spare's setup,
+    to the first kill.  Plain DDP (no kill) is measured from its ``warmup``-th step to
+    its last, against itself.  Also splits what was lost (1 - goodput) into the victim's
+    absence (kill -> the job's next commit at full strength, one replica's
+    work), the survivors' stall (kill -> their next commit, every
+    survivor's work) and the rest (slower steps at reduced strength or
+    while a replacement sets up, discarded steps)."""
+    commits = [r for r in tl if r["event"] == "commit" and r.get("rank") == 0]
+    full = [r["t"] for r in commits if r.get("participants") == groups]
+    kills = sorted(r["t"] for r in tl if r["event"] == "inject" and r.get("kind") == "kill")
+    if CONFIGS[name][0] == "plain":
+        # one group of `groups` ranks: rank 0's commits are the steps
+        if len(full) < warmup + 2:
+            return {"rate": None, "goodput": None}
+        t0, t1 = full[warmup], full[-1]
+        rate = goodput.fault_free_rate(tl, t0, t1, 1)
+        n = goodput.committed_replica_steps(tl, t0, t1)
+        return {"rate": rate, "goodput": goodput.goodput(n, 1, rate or 0, t1 - t0),
+                "replica_steps": n, "wall_s": t1 - t0, "kills": 0}
+    win = goodput.kill_window(tl, every, window)
+    if not full or win is None:
+        return {"rate": None, "goodput": None}
+    w0, w1 = win
+    # every group (a hot spare too) has committed and a warm spare is set
+    # up: nothing but training competes for the CPUs
+    first: dict[int, float] = {}
+    for r in commits:
+        first.setdefault(r["group"], r["t"])
+    ready = [r["t"] for r in tl if r["event"] == "spare_ready" and r["t"] < w0]
+    rate = goodput.fault_free_rate(tl, max([full[0], *first.values(), *ready]) + settle, w0,
+                                   groups)
+    n = goodput.committed_replica_steps(tl, w0, w1)
+    gp = goodput.goodput(n, groups, rate or 0, window)
+    in_win = [k for k in kills if w0 <= k < w1]
+    edges = [*in_win, w1]  # each kill's interval: to the next kill, the last to w1
+    per_kill = [goodput.goodput(goodput.committed_replica_steps(tl, a, b), groups, rate or 0,
+                                b - a) for a, b in zip(edges, edges[1:])]
+    rec = [r for r in tl if r["event"] == "recovery" and w0 <= r["t"] - r["duration_s"] < w1]
+    surv: dict[int, float] = {}
+    for r in rec:
+        if r["kind"] == "survivors":
+            surv.setdefault(r["failure"], r["duration_s"])
+    if CONFIGS[name][3]:
+        back = hot_full([r for r in tl if r["event"] != "inject" or w0 <= r["t"] < w1],
+                        groups)
+    else:
+        back = sorted(r["duration_s"] for r in rec if r["kind"] == "full_strength")
+    res = {"rate": rate, "goodput": gp, "replica_steps": n, "wall_s": window,
+           "kills": len(in_win), "per_kill": sorted(g for g in per_kill if g is not None),
+           "survivors": sorted(surv.values()), "full": back,
+           "discards": sum(1 for r in tl if r["event"] == "discard" and r.get("rank") == 0
+                           and w0 <= r["t"] < w1)}
+    if rate and gp is not None:
+        possible = groups * rate * window
+        absent = sum(min(d, every) for d in back) * rate / possible
+        stall = sum(min(d, every) for d in surv.values()) * (groups - 1) * rate / possible
+        res["lost"] = {"absent": absent, "stall": stall, "rest": 1 - gp - absent - stall}
+    return res
 
 
 def med(v: list[float]) -> float | None:
@@ -226,8 +343,7 @@ def ratio(a: float | None, b: float | None) -> str:
 
 
 def table(res: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
-    cols = [c for c in ("plain", "torchft", "stepguard", "stepguard-tcp", "sg-lighthouse")
-            if c in res]
+    cols = [c for c in CONFIGS if c in res]
     fast = next((c for c in ("stepguard-tcp", "stepguard", "sg-lighthouse") if c in res), None)
     head = "| metric | " + " | ".join(cols) + (f" | torchft / {fast} |" if fast else " |")
     sep = "|---" * (len(cols) + 1 + (1 if fast else 0)) + "|"
@@ -258,7 +374,7 @@ def table(res: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
             m = med(res[c]["step_times"])
             if m is not None:
                 over.append(f"{c} {m / plain:.2f}x")
-    gps = "| goodput (stepguard.soak.goodput) | " + " | ".join(
+    gps = "| goodput (`bench/results/e2e-goodput.md`) | " + " | ".join(
         f"{res[c]['goodput']:.2f}" if res[c].get("goodput") is not None else "n/a"
         for c in cols) + (" | |" if fast else " |")
     lines = [head, sep, *rows, counts, gps]
@@ -268,18 +384,67 @@ def table(res: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def goodput_table(gres: dict[float, dict[str, dict[str, Any]]], cols: list[str],
+                  plain_rate: float | None) -> str:
+    """One block of rows per kill schedule; a column per configuration."""
+    def num(v: float | None, f: str = "{:.3f}") -> str:
+        return "n/a" if v is None else f.format(v)
+
+    lines = ["| kill every | metric | " + " | ".join(cols) + " |",
+             "|---" * (len(cols) + 2) + "|"]
+    for every, by in gres.items():
+        def row(label: str, fn) -> None:
+            lines.append(f"| {every:g} s | {label} | " + " | ".join(
+                fn(by[c]) if c in by else "n/a" for c in cols) + " |")
+
+        base = by.get("torchft", {}).get("goodput")
+        row("goodput", lambda m: num(m.get("goodput")))
+        row("goodput / torchft's", lambda m: ratio(m.get("goodput"), base))
+        row("goodput per kill interval: median (min)", lambda m: (
+            f"{med(m['per_kill']):.3f} ({min(m['per_kill']):.3f})" if m.get("per_kill")
+            else "n/a"))
+        row("goodput against plain DDP's rate", lambda m: num(
+            m["goodput"] * m["rate"] / plain_rate if plain_rate and m.get("goodput")
+            and m.get("rate") else None))
+        row("lost: victim absent / survivors' stall / rest", lambda m: (
+            " / ".join(f"{m['lost'][k]:.3f}" for k in ("absent", "stall", "rest"))
+            if m.get("lost") else "n/a"))
+        row("kill -> full strength, median (max)", lambda m: (
+            f"{fmt(med(m['full']))} ({fmt(max(m['full']))})" if m.get("full") else "n/a"))
+        row("kill -> survivors' next commit, median", lambda m: fmt(med(m.get("survivors") or [])))
+        row("fault-free rate (steps/s per replica)", lambda m: num(m.get("rate"), "{:.2f}"))
+        row("kills in window / replica-steps / discarded", lambda m: (
+            f"{m.get('kills', 0)} / {m.get('replica_steps', 'n/a')} / {m.get('discards', 0)}"))
+        row("load average (1 min), start / end", lambda m: (
+            f"{m['load'][0]:.1f} / {m['load'][1]:.1f}" if m.get("load") else "n/a"))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--groups", type=int, default=3)
-    p.add_argument("--duration", type=float, default=75.0, help="seconds per FT config")
-    p.add_argument("--kill-every", type=float, default=15.0)
+    p.add_argument("--duration", type=float, default=75.0,
+                   help="hang/partition: seconds per FT config")
+    p.add_argument("--kill-every", default="20,60",
+                   help="comma-separated: seconds between kills, one schedule each")
+    p.add_argument("--first-kill", type=float, default=35.0,
+                   help="seconds before the first kill (every trainer and spare set up)")
+    p.add_argument("--window", type=float, default=180.0,
+                   help="seconds from the first kill measured (a multiple of every "
+                   "--kill-every); each kill run lasts --first-kill + --window + 3 s")
+    p.add_argument("--settle", type=float, default=3.0,
+                   help="seconds after the first full-quorum commit before the fault-free "
+                   "rate is measured")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--plain-steps", type=int, default=40)
+    p.add_argument("--plain-steps", type=int, default=100)
     p.add_argument("--omp-threads", type=int, default=1)
     p.add_argument("--warmup", type=int, default=3, help="steps per incarnation not timed")
-    p.add_argument("--configs", default="plain,torchft,stepguard,stepguard-tcp,sg-lighthouse")
+    p.add_argument("--configs", default="plain,torchft,stepguard,stepguard-tcp,sg-lighthouse,"
+                   "stepguard-warm,stepguard-hot")
     p.add_argument("--out", default=str(ROOT / "build" / "bench-e2e"))
     p.add_argument("--results", default=str(ROOT / "bench" / "results" / "e2e.md"))
+    p.add_argument("--goodput-results",
+                   default=str(ROOT / "bench" / "results" / "e2e-goodput.md"))
     p.add_argument("--scenarios", default="kill",
                    help="comma-separated: kill (the table above), hang, partition")
     p.add_argument("--fault-every", type=float, default=30.0,
@@ -296,16 +461,24 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad:
+        p.error(f"unknown configs {bad} (from {', '.join(CONFIGS)})")
+    everys = [float(x) for x in args.kill_every.split(",") if x.strip()]
+    if any(args.window / k != int(args.window / k) for k in everys):
+        p.error("--window must be a multiple of every --kill-every")
     notes = []
     if not stepguard_has_trainer():
-        configs = [c for c in configs if c not in ("stepguard", "stepguard-tcp")]
+        configs = [c for c in configs if CONFIGS[c][0] != "stepguard"]
         notes.append("stepguard's training API (Manager, DDP, Optimizer, ProcessGroupGloo) "
                      "was not available in this build, so the stepguard columns are absent.")
         print("e2e: " + notes[-1], flush=True)
     notes.append("`stepguard` uses ProcessGroupGloo like torchft; `stepguard-tcp` uses "
                  "stepguard's native ProcessGroupTCP; `sg-lighthouse` runs torchft's "
-                 "trainer under stepguard's lighthouse.  The ratio column is torchft over "
-                 "the first of stepguard-tcp, stepguard, sg-lighthouse present.")
+                 "trainer under stepguard's lighthouse; `stepguard-warm` and `stepguard-hot` "
+                 "are `stepguard-tcp` with one warm spare (`--spares 1`) and with one hot "
+                 "spare (one group more, `FIXED_WITH_SPARES`).  The ratio column is torchft "
+                 "over the first of stepguard-tcp, stepguard, sg-lighthouse present.")
     scenarios = [x.strip() for x in args.scenarios.split(",") if x.strip()]
     faults = [x for x in scenarios if x in ("hang", "partition")]
     if "partition" in faults:
@@ -346,33 +519,70 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nwrote {args.fault_results}")
     if "kill" not in scenarios:
         return 0
-    res = {}
-    for c in configs:
-        tl = run_config(c, args, out)
-        # plain DDP reports its world size (= groups) as participants
-        res[c] = measure(tl, args.groups, args.warmup)
-        m = res[c]
-        print(f"e2e: {c}: kills {m['kills']}, survivors {fmt(med(m['survivors']))}, "
-              f"step {fmt(med(m['step_times']), 'ms')}, rejoin {fmt(med(m['rejoin']))}",
-              flush=True)
-    tbl = table(res, args)
-    header = (
-        f"# End-to-end: small Llama under SIGKILLs\n\n"
-        f"`bench/e2e.py`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-        f"{platform.machine()} with {os.cpu_count()} CPUs (shared), Python "
-        f"{platform.python_version()}.  {args.groups} replica groups x 1 rank, "
-        f"OMP_NUM_THREADS={args.omp_threads}, {args.duration:.0f} s per configuration, "
-        f"`kill:every={args.kill_every:g}s,seed={args.seed}`, lighthouse `--min_replicas 1 "
-        f"--quorum_tick_ms 100 --join_timeout_ms 10000`; plain DDP: {args.groups} ranks, "
-        f"{args.plain_steps} steps.  Medians over all kills / steady-state steps / "
-        f"relaunches.\n\n"
-    )
-    text = header + tbl + "\n" + "".join(f"\n{n}\n" for n in notes)
+    load0 = os.getloadavg()
+    duration = args.first_kill + args.window + 3.0
+    res: dict[float, dict[str, dict[str, Any]]] = {k: {} for k in everys}
+    gres: dict[float, dict[str, dict[str, Any]]] = {k: {} for k in everys}
+    for every in everys:
+        for c in configs:
+            if c == "plain" and every != everys[0]:
+                res[every][c], gres[every][c] = res[everys[0]][c], gres[everys[0]][c]
+                continue  # no kills: once is enough
+            la = os.getloadavg()[0]
+            tl = run_config(c, args, out, every=every, duration=duration,
+                            tag=c if c == "plain" else f"{c}-k{every:g}")
+            # plain DDP reports its world size (= groups) as participants
+            res[every][c] = m = measure(tl, args.groups, args.warmup)
+            gres[every][c] = g = measure_goodput(tl, c, args.groups, every, args.window,
+                                                 args.settle, args.warmup)
+            g["load"] = (la, os.getloadavg()[0])
+            m["goodput"] = g["goodput"]
+            print(f"e2e: {c}, kill every {every:g} s: kills {m['kills']}, survivors "
+                  f"{fmt(med(m['survivors']))}, step {fmt(med(m['step_times']), 'ms')}, "
+                  f"rejoin {fmt(med(m['rejoin']))}, goodput "
+                  f"{'n/a' if g['goodput'] is None else '%.3f' % g['goodput']}", flush=True)
+    load1 = os.getloadavg()
+    when = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
+    setup = (f"{platform.machine()} with {os.cpu_count()} CPUs (shared), Python "
+             f"{platform.python_version()}.  {args.groups} replica groups x 1 rank, "
+             f"OMP_NUM_THREADS={args.omp_threads}, `kill:every=K,start={args.first_kill:g}s,"
+             f"seed={args.seed}` for K in {', '.join('%g s' % k for k in everys)}, each run "
+             f"{duration:.0f} s, lighthouse `--quorum_tick_ms 100 --join_timeout_ms 10000`; "
+             f"plain DDP: {args.groups} ranks, {args.plain_steps} steps.  Load average "
+             f"(1, 5, 15 min) at the start: {load0[0]:.2f}, {load0[1]:.2f}, {load0[2]:.2f}; "
+             f"at the end: {load1[0]:.2f}, {load1[1]:.2f}, {load1[2]:.2f} (other jobs share "
+             f"the machine).")
+    tbls = [f"## Kill every {k:g} s\n\n{table(res[k], args)}" for k in everys]
+    text = (f"# End-to-end: small Llama under SIGKILLs\n\n`bench/e2e.py`, {when}, {setup}  "
+            f"Medians over the kills / steady-state steps / relaunches.\n\n"
+            + "\n\n".join(tbls) + "\n" + "".join(f"\n{n}\n" for n in notes))
+    plain_rate = gres[everys[0]].get("plain", {}).get("rate")
+    gcols = [c for c in CONFIGS if c in configs]
+    gtbl = goodput_table(gres, gcols, plain_rate)
+    gtext = (
+        f"# End-to-end goodput under SIGKILLs\n\n`bench/e2e.py`, {when}, {setup}\n\n"
+        f"Goodput (`stepguard.soak.goodput`) = committed replica-steps / (replicas x "
+        f"fault-free step rate x wall time).  Wall time: the same window for every "
+        f"configuration, from its first kill to {args.window:g} s later (a whole number of "
+        f"kill intervals).  Fault-free rate: the same run's, from {args.settle:g} s after "
+        f"every group (a hot spare too) has committed and a warm spare is set up, to the "
+        f"first kill.  "
+        f"Hot spares: {args.groups} of the {args.groups + 1} groups take part, so at most "
+        f"{args.groups} commits count per step.  'Against plain DDP's rate' puts plain "
+        f"DDP's rate in the denominator instead (the cost of fault tolerance without "
+        f"faults included).  Lost = 1 - goodput, split into the victim's absence (kill -> "
+        f"the job's next commit at full strength, one replica), the survivors' stall "
+        f"(kill -> their next commit, every survivor) and the rest (slower or discarded "
+        f"steps while a replacement sets up, the heal step).\n\n{gtbl}\n"
+        + "".join(f"\n{n}\n" for n in notes))
     print()
-    print(tbl)
-    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.results).write_text(text)
-    print(f"\nwrote {args.results}")
+    print("\n\n".join(tbls))
+    print()
+    print(gtbl)
+    for path, body in ((args.results, text), (args.goodput_results, gtext)):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(body)
+        print(f"\nwrote {path}")
     return 0
 
 

@@ -34,7 +34,6 @@ use: the table counts the takeovers that found it still setting up.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -43,66 +42,19 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAIN = ROOT / "examples" / "train_llama.py"
 sys.path.insert(0, str(ROOT / "bench"))
 
-from e2e import fmt, med, ratio  # noqa: E402
+from e2e import CONFIGS as E2E, fmt, hot_full, med, ratio  # noqa: E402
+from e2e import run_config as e2e_run  # noqa: E402
 
-from stepguard.launch import LaunchConfig, Launcher, parse_failure_spec  # noqa: E402
-
-# name -> (trainer, lighthouse, hot spares, warm spares)
-CONFIGS = {
-    "torchft": ("torchft", "torchft", False, 0),
-    "stepguard": ("stepguard", "stepguard", False, 0),
-    "stepguard-warm": ("stepguard", "stepguard", False, 1),
-    "stepguard-hot": ("stepguard", "stepguard", True, 0),
-    "torchft-hot": ("torchft", "torchft", True, 0),
-}
+# the configurations compared here (their table: bench/e2e.py's CONFIGS)
+CONFIGS = {n: E2E[n] for n in ("torchft", "stepguard", "stepguard-warm", "stepguard-hot",
+                               "torchft-hot")}
 
 
 def run_config(name: str, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
-    trainer, lh, hot, warm = CONFIGS[name]
-    pg = args.pg if trainer == "stepguard" else "gloo"
-    train_args = ["--device", "cpu", "--impl", trainer, "--pg", pg, *args.train_args]
-    groups, min_replicas = args.groups, 1
-    if hot:
-        groups += 1
-        train_args += ["--world-size-mode", "fixed_with_spares",
-                       "--min-replicas", str(args.groups)]
-        min_replicas = args.groups
-    cfg = LaunchConfig(
-        cmd=[sys.executable, str(TRAIN), *train_args], groups=groups, nproc_per_group=1,
-        lighthouse_impl=lh, min_replicas=min_replicas, join_timeout_ms=10000,
-        quorum_tick_ms=100, omp_threads=args.omp_threads, duration=args.duration,
-        failures=[parse_failure_spec(f"kill:every={args.kill_every}s,start={args.first_kill}s,"
-                                    f"seed={args.seed}")],
-        timeline=str(out / f"{name}.jsonl"), log_dir=str(out / f"logs-{name}"),
-        quiet=True, max_restarts=1000, spares=warm,
-    )
-    print(f"spares: {name}: trainer {trainer}, lighthouse {lh}, process group {pg}, "
-          f"{groups} groups, {'hot spare (FIXED_WITH_SPARES)' if hot else ''}"
-          f"{'%d warm spare' % warm if warm else ''}", flush=True)
-    t0 = time.monotonic()
-    rc = Launcher(cfg).run()
-    if rc != 0:
-        raise SystemExit(f"spares: {name}: launcher exited with {rc}; see {out}/logs-{name}/")
-    print(f"spares: {name}: done in {time.monotonic() - t0:.0f} s", flush=True)
-    return [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
-
-
-def hot_full(tl: list[dict[str, Any]], target: int) -> list[float]:
-    """Per kill: seconds to the first commit by a survivor of a quorum newer
-    than the victim's last one, with ``target`` participants."""
-    commits = [r for r in tl if r["event"] == "commit" and r.get("rank") == 0]
-    out = []
-    for k in (r for r in tl if r["event"] == "inject" and r["kind"] == "kill"):
-        mine = [c for c in commits if c["group"] == k["group"] and c["t"] <= k["t"]]
-        q = max((c.get("quorum_id") or -1 for c in mine), default=-1)
-        after = [c for c in commits if c["t"] > k["t"] and c["group"] != k["group"]
-                 and (c.get("quorum_id") or -1) > q and c.get("participants") == target]
-        if after:
-            out.append(after[0]["t"] - k["t"])
-    return sorted(out)
+    return e2e_run(name, args, out, every=args.kill_every, duration=args.duration,
+                   tag=name, pg=args.pg, who="spares")
 
 
 def measure(name: str, tl: list[dict[str, Any]], groups: int) -> dict[str, Any]:
@@ -111,7 +63,7 @@ def measure(name: str, tl: list[dict[str, Any]], groups: int) -> dict[str, Any]:
     for r in rec:
         if r["kind"] == "survivors":
             surv.setdefault(r["failure"], r["duration_s"])
-    if CONFIGS[name][2]:
+    if CONFIGS[name][3]:
         full = hot_full(tl, groups)
     else:
         full = sorted(r["duration_s"] for r in rec if r["kind"] == "full_strength")

@@ -8,7 +8,7 @@ seconds, then writes ``demo-out/``:
                    number of participating replicas over time;
 ``summary.txt``    failures, recoveries, committed and discarded steps,
                    kill -> survivors' next commit, relaunch -> first
-                   commit, and whether all replicas ended with
+                   commit, goodput, and whether all replicas ended with
                    bit-identical parameters (``summary.json`` too);
 ``timeline.jsonl`` every launch, exit, injection, quorum change, commit
                    and recovery (see stepguard.launch);
@@ -35,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from stepguard.launch import LaunchConfig, Launcher, parse_failure_spec  # noqa: E402
+from stepguard.soak import goodput  # noqa: E402
 
 TRAINER_API = ("Manager", "DistributedDataParallel", "Optimizer", "ProcessGroupGloo")
 
@@ -159,8 +160,24 @@ def _compare_rank(out: Path, groups: int, rank: int) -> tuple[bool, str]:
     return True, f"{groups} replicas at step {ref['step']}, {len(ref['params'])} tensors"
 
 
+def demo_goodput(tl: list[dict[str, Any]], groups: int,
+                 every: float) -> tuple[float | None, float | None]:
+    """(goodput, fault-free rate) by ``stepguard.soak.goodput``: replica-steps
+    committed from the first kill to as many kill intervals later as there
+    were kills, against the rate of the median step of a full quorum (the
+    demo has no fault-free stretch before its first kill to measure it in)."""
+    win = goodput.kill_window(tl, every)
+    rate = goodput.rate_from_step_times(
+        [r["step_time"] for r in tl if r["event"] == "commit" and r.get("rank") == 0
+         and r.get("participants") == groups and not r.get("healed") and "step_time" in r])
+    if win is None or rate is None:
+        return None, rate
+    n = goodput.committed_replica_steps(tl, *win)
+    return goodput.goodput(n, groups, rate, win[1] - win[0]), rate
+
+
 def summarize(tl: list[dict[str, Any]], groups: int, identical: tuple[bool, str],
-              impl: str, lighthouse: str) -> dict[str, Any]:
+              impl: str, lighthouse: str, every: float = 20.0) -> dict[str, Any]:
     kills = [r for r in tl if r["event"] == "inject"]
     surv = {}
     for r in tl:
@@ -173,6 +190,7 @@ def summarize(tl: list[dict[str, Any]], groups: int, identical: tuple[bool, str]
     discards = [r for r in tl if r["event"] == "discard" and r.get("rank") == 0]
     steps = {r["step"] for r in commits}
     s = list(surv.values())
+    gp, rate = demo_goodput(tl, groups, every)
     return {
         "impl": impl,
         "lighthouse": lighthouse,
@@ -189,6 +207,9 @@ def summarize(tl: list[dict[str, Any]], groups: int, identical: tuple[bool, str]
         "relaunch_to_first_commit_median_s": statistics.median(rejoin) if rejoin else None,
         "ready_to_first_commit_median_s": statistics.median(join) if join else None,
         "final_step": max(steps) + 1 if steps else 0,
+        "goodput": gp,
+        "fault_free_rate": rate,
+        "kill_every_s": every,
         "replicas_identical": identical[0],
         "replicas_detail": identical[1],
     }
@@ -211,6 +232,11 @@ def summary_text(s: dict[str, Any]) -> str:
         f"relaunched replica start -> healed and committed: median "
         f"{secs(s['relaunch_to_first_commit_median_s'])}; from the end of its setup "
         f"(imports, data, model): {secs(s['ready_to_first_commit_median_s'])}",
+        "goodput: n/a" if s.get("goodput") is None else
+        f"goodput: {s['goodput']:.3f} (committed replica-steps / ({s['groups']} replicas x "
+        f"{s['fault_free_rate']:.2f} steps/s x wall time), from the first kill over "
+        f"{s['failures_injected']} kill intervals of {s['kill_every_s']:g} s; "
+        f"see docs/demo.md)",
     ]
     if s["replicas_identical"]:
         lines.append(f"replicas identical: yes ({s['replicas_detail']})")
@@ -369,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     tl = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
     identical = compare_params(params, args.groups, args.ranks)
-    s = summarize(tl, args.groups, identical, f"{impl} with the {pg} process group", lh_impl)
+    s = summarize(tl, args.groups, identical, f"{impl} with the {pg} process group", lh_impl,
+                  args.kill_every)
     s["wall_s"] = round(time.monotonic() - t0, 1)
     text = summary_text(s)
     (out / "summary.txt").write_text(text + "\n")

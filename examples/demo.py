@@ -236,7 +236,7 @@ def summary_text(s: dict[str, Any]) -> str:
         f"goodput: {s['goodput']:.3f} (committed replica-steps / ({s['groups']} replicas x "
         f"{s['fault_free_rate']:.2f} steps/s x wall time), from the first kill over "
         f"{s['failures_injected']} kill intervals of {s['kill_every_s']:g} s; "
-        f"see docs/demo.md)",
+        f"docs/soak.md, Goodput)",
     ]
     if s["replicas_identical"]:
         lines.append(f"replicas identical: yes ({s['replicas_detail']})")

@@ -317,7 +317,9 @@ def measure_goodput(tl: list[dict[str, Any]], name: str, groups: int, every: flo
            "kills": len(in_win), "per_kill": sorted(g for g in per_kill if g is not None),
            "survivors": sorted(surv.values()), "full": back,
            "discards": sum(1 for r in tl if r["event"] == "discard" and r.get("rank") == 0
-                           and w0 <= r["t"] < w1)}
+                           and w0 <= r["t"] < w1),
+           "takeovers": [bool(r.get("ready")) for r in tl
+                         if r["event"] == "takeover" and w0 <= r["t"] < w1]}
     if rate and gp is not None:
         possible = groups * rate * window
         absent = sum(min(d, every) for d in back) * rate / possible
@@ -412,6 +414,9 @@ def goodput_table(gres: dict[float, dict[str, dict[str, Any]]], cols: list[str],
         row("kill -> full strength, median (max)", lambda m: (
             f"{fmt(med(m['full']))} ({fmt(max(m['full']))})" if m.get("full") else "n/a"))
         row("kill -> survivors' next commit, median", lambda m: fmt(med(m.get("survivors") or [])))
+        row("warm: takeovers (spare still setting up)", lambda m: (
+            f"{len(m['takeovers'])} ({m['takeovers'].count(False)})" if m.get("takeovers")
+            else "n/a"))
         row("fault-free rate (steps/s per replica)", lambda m: num(m.get("rate"), "{:.2f}"))
         row("kills in window / replica-steps / discarded", lambda m: (
             f"{m.get('kills', 0)} / {m.get('replica_steps', 'n/a')} / {m.get('discards', 0)}"))
@@ -427,14 +432,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="hang/partition: seconds per FT config")
     p.add_argument("--kill-every", default="20,60",
                    help="comma-separated: seconds between kills, one schedule each")
-    p.add_argument("--first-kill", type=float, default=35.0,
+    p.add_argument("--first-kill", type=float, default=40.0,
                    help="seconds before the first kill (every trainer and spare set up)")
     p.add_argument("--window", type=float, default=180.0,
                    help="seconds from the first kill measured (a multiple of every "
                    "--kill-every); each kill run lasts --first-kill + --window + 3 s")
     p.add_argument("--settle", type=float, default=3.0,
-                   help="seconds after the first full-quorum commit before the fault-free "
-                   "rate is measured")
+                   help="seconds after every group committed (and a warm spare is set "
+                   "up) before the fault-free rate is measured")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--plain-steps", type=int, default=100)
     p.add_argument("--omp-threads", type=int, default=1)
@@ -443,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
                    "stepguard-warm,stepguard-hot")
     p.add_argument("--out", default=str(ROOT / "build" / "bench-e2e"))
     p.add_argument("--results", default=str(ROOT / "bench" / "results" / "e2e.md"))
+    p.add_argument("--reuse", action="store_true",
+                   help="kill runs: measure the timelines an earlier run left in --out "
+                   "(with their load averages) instead of running them again")
     p.add_argument("--goodput-results",
                    default=str(ROOT / "bench" / "results" / "e2e-goodput.md"))
     p.add_argument("--scenarios", default="kill",
@@ -528,14 +536,21 @@ def main(argv: list[str] | None = None) -> int:
             if c == "plain" and every != everys[0]:
                 res[every][c], gres[every][c] = res[everys[0]][c], gres[everys[0]][c]
                 continue  # no kills: once is enough
-            la = os.getloadavg()[0]
-            tl = run_config(c, args, out, every=every, duration=duration,
-                            tag=c if c == "plain" else f"{c}-k{every:g}")
+            tag = c if c == "plain" else f"{c}-k{every:g}"
+            load = out / f"{tag}.load.json"
+            if args.reuse and load.exists():  # measure the timeline of an earlier run
+                tl = [json.loads(x) for x in (out / f"{tag}.jsonl").read_text().splitlines()]
+                la, lb = json.loads(load.read_text())
+            else:
+                la = os.getloadavg()[0]
+                tl = run_config(c, args, out, every=every, duration=duration, tag=tag)
+                lb = os.getloadavg()[0]
+                load.write_text(json.dumps([la, lb]))
             # plain DDP reports its world size (= groups) as participants
             res[every][c] = m = measure(tl, args.groups, args.warmup)
             gres[every][c] = g = measure_goodput(tl, c, args.groups, every, args.window,
                                                  args.settle, args.warmup)
-            g["load"] = (la, os.getloadavg()[0])
+            g["load"] = (la, lb)
             m["goodput"] = g["goodput"]
             print(f"e2e: {c}, kill every {every:g} s: kills {m['kills']}, survivors "
                   f"{fmt(med(m['survivors']))}, step {fmt(med(m['step_times']), 'ms')}, "

@@ -21,10 +21,14 @@ the launcher's timeline it measures:
     from its first kill to ``--window`` seconds later, a whole number of
     kill intervals, so start-up (imports, the first quorum) is not counted
     as fault cost and every kill has a full interval to cost what it
-    costs.  The fault-free rate is measured in the same run: from
-    ``--settle`` seconds after every group (a hot spare too) has
-    committed and a warm spare is set up, to the first kill.  Hot spares count only
-    as participants (at most ``--groups`` commits per step).  Also: the
+    costs.  The fault-free rate is measured in the same window
+    (``goodput.steady_rate``): one replica's steps per second over the
+    gaps between consecutive commits of a full quorum while no process
+    (a relaunch, a warm spare) sets up.  Taken there rather than before
+    the first kill because the shared machine's load drifts within a run
+    (a rate taken before the kills put one window at 1.5).  Hot spares
+    count only as participants (at most ``--groups`` commits per step).
+    Also: the
     same against plain DDP's rate (what fault tolerance costs without
     faults, included), the median over kill intervals, and the lost part
     split into the victim's absence, the survivors' stall and the rest.
@@ -262,26 +266,30 @@ def measure(tl: list[dict[str, Any]], groups: int, warmup: int) -> dict[str, Any
 
 
 def measure_goodput(tl: list[dict[str, Any]], name: str, groups: int, every: float,
-                    window: float, settle: float, warmup: int) -> dict[str, Any]:
+                    window: float, warmup: int) -> dict[str, Any]:
     """Goodput (``stepguard.soak.goodput``) of one run, in the window from
     its first kill to ``window`` seconds later, against the fault-free rate
-    of the same run: from ``settle`` seconds after the first commit of a
-    full quorum, of every group (a hot spare too) and a warm spare's setup,
-    to the first kill.  Plain DDP (no kill) is measured from its ``warmup``-th step to
-    its last, against itself.  Also splits what was lost (1 - goodput) into the victim's
-    absence (kill -> the job's next commit at full strength, one replica's
-    work), the survivors' stall (kill -> their next commit, every
-    survivor's work) and the rest (slower steps at reduced strength or
-    while a replacement sets up, discarded steps)."""
+    of the same window (``goodput.steady_rate``: its full-quorum steps
+    while no process sets up; the machine's load drifts, so a rate taken
+    before the kills would not hold for the window).  Per kill interval
+    (a kill to the next), the same against that interval's own rate, where
+    it has fault-free steps.  Plain DDP (no kill) is measured from its
+    ``warmup``-th step to its last, against itself.  Also splits what was
+    lost (1 - goodput) into the victim's absence (kill -> the job's next
+    commit at full strength, one replica's work), the survivors' stall
+    (kill -> their next commit, every survivor's work) and the rest
+    (slower steps while a replacement sets up, the heal step, discarded
+    steps)."""
     commits = [r for r in tl if r["event"] == "commit" and r.get("rank") == 0]
     full = [r["t"] for r in commits if r.get("participants") == groups]
     kills = sorted(r["t"] for r in tl if r["event"] == "inject" and r.get("kind") == "kill")
+    busy = goodput.setup_spans(tl)
     if CONFIGS[name][0] == "plain":
         # one group of `groups` ranks: rank 0's commits are the steps
         if len(full) < warmup + 2:
             return {"rate": None, "goodput": None}
         t0, t1 = full[warmup], full[-1]
-        rate = goodput.fault_free_rate(tl, t0, t1, 1)
+        rate = goodput.steady_rate(tl, groups, t0, t1, busy)
         n = goodput.committed_replica_steps(tl, t0, t1)
         return {"rate": rate, "goodput": goodput.goodput(n, 1, rate or 0, t1 - t0),
                 "replica_steps": n, "wall_s": t1 - t0, "kills": 0}
@@ -289,20 +297,14 @@ def measure_goodput(tl: list[dict[str, Any]], name: str, groups: int, every: flo
     if not full or win is None:
         return {"rate": None, "goodput": None}
     w0, w1 = win
-    # every group (a hot spare too) has committed and a warm spare is set
-    # up: nothing but training competes for the CPUs
-    first: dict[int, float] = {}
-    for r in commits:
-        first.setdefault(r["group"], r["t"])
-    ready = [r["t"] for r in tl if r["event"] == "spare_ready" and r["t"] < w0]
-    rate = goodput.fault_free_rate(tl, max([full[0], *first.values(), *ready]) + settle, w0,
-                                   groups)
+    rate = goodput.steady_rate(tl, groups, w0, w1, busy)
     n = goodput.committed_replica_steps(tl, w0, w1)
     gp = goodput.goodput(n, groups, rate or 0, window)
     in_win = [k for k in kills if w0 <= k < w1]
     edges = [*in_win, w1]  # each kill's interval: to the next kill, the last to w1
-    per_kill = [goodput.goodput(goodput.committed_replica_steps(tl, a, b), groups, rate or 0,
-                                b - a) for a, b in zip(edges, edges[1:])]
+    per_kill = [goodput.goodput(goodput.committed_replica_steps(tl, a, b), groups,
+                                goodput.steady_rate(tl, groups, a, b, busy) or 0, b - a)
+                for a, b in zip(edges, edges[1:])]
     rec = [r for r in tl if r["event"] == "recovery" and w0 <= r["t"] - r["duration_s"] < w1]
     surv: dict[int, float] = {}
     for r in rec:
@@ -437,9 +439,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=float, default=180.0,
                    help="seconds from the first kill measured (a multiple of every "
                    "--kill-every); each kill run lasts --first-kill + --window + 3 s")
-    p.add_argument("--settle", type=float, default=3.0,
-                   help="seconds after every group committed (and a warm spare is set "
-                   "up) before the fault-free rate is measured")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--plain-steps", type=int, default=100)
     p.add_argument("--omp-threads", type=int, default=1)
@@ -549,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
             # plain DDP reports its world size (= groups) as participants
             res[every][c] = m = measure(tl, args.groups, args.warmup)
             gres[every][c] = g = measure_goodput(tl, c, args.groups, every, args.window,
-                                                 args.settle, args.warmup)
+                                                 args.warmup)
             g["load"] = (la, lb)
             m["goodput"] = g["goodput"]
             print(f"e2e: {c}, kill every {every:g} s: kills {m['kills']}, survivors "
@@ -579,9 +578,9 @@ def main(argv: list[str] | None = None) -> int:
         f"Goodput (`stepguard.soak.goodput`) = committed replica-steps / (replicas x "
         f"fault-free step rate x wall time).  Wall time: the same window for every "
         f"configuration, from its first kill to {args.window:g} s later (a whole number of "
-        f"kill intervals).  Fault-free rate: the same run's, from {args.settle:g} s after "
-        f"every group (a hot spare too) has committed and a warm spare is set up, to the "
-        f"first kill.  "
+        f"kill intervals).  Fault-free rate: the same window's, over the gaps between "
+        f"consecutive commits of a full quorum while no process (a relaunch, a warm spare) "
+        f"sets up (`goodput.steady_rate`); per kill interval, that interval's own.  "
         f"Hot spares: {args.groups} of the {args.groups + 1} groups take part, so at most "
         f"{args.groups} commits count per step.  'Against plain DDP's rate' puts plain "
         f"DDP's rate in the denominator instead (the cost of fault tolerance without "

@@ -164,14 +164,14 @@ def demo_goodput(tl: list[dict[str, Any]], groups: int,
                  every: float) -> tuple[float | None, float | None]:
     """(goodput, fault-free rate) by ``stepguard.soak.goodput``: replica-steps
     committed from the first kill to as many kill intervals later as there
-    were kills, against the rate of the median step of a full quorum (the
-    demo has no fault-free stretch before its first kill to measure it in)."""
+    were kills, against the rate of the full-quorum steps in that window
+    while no replica was setting up."""
     win = goodput.kill_window(tl, every)
-    rate = goodput.rate_from_step_times(
-        [r["step_time"] for r in tl if r["event"] == "commit" and r.get("rank") == 0
-         and r.get("participants") == groups and not r.get("healed") and "step_time" in r])
-    if win is None or rate is None:
-        return None, rate
+    if win is None:
+        return None, None
+    rate = goodput.steady_rate(tl, groups, *win, busy=goodput.setup_spans(tl))
+    if rate is None:
+        return None, None
     n = goodput.committed_replica_steps(tl, *win)
     return goodput.goodput(n, groups, rate, win[1] - win[0]), rate
 

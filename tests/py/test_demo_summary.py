@@ -12,9 +12,9 @@ import demo  # noqa: E402
 
 
 def timeline(lost: int) -> list[dict]:
-    """Three groups, a step every 0.5 s (0.5 s step time) from t=0 to 60 s,
-    kills at 10 s and 30 s; group 1 commits nothing in the first ``lost``
-    steps after each kill."""
+    """Three groups, a step every 0.5 s from t=0 to 60 s, kills of group 1
+    at 10 s and 30 s; its next incarnation commits nothing in the first
+    ``lost`` steps after each kill."""
     tl = [{"event": "inject", "kind": "kill", "t": t, "elapsed": t, "group": 1, "pid": 1}
           for t in (10.0, 30.0)]
     for step in range(120):
@@ -22,8 +22,9 @@ def timeline(lost: int) -> list[dict]:
         for g in range(3):
             if g == 1 and any(k <= t < k + lost * 0.5 for k in (10.0, 30.0)):
                 continue
+            inc = sum(1 for k in (10.0, 30.0) if g == 1 and t >= k)  # relaunched
             tl.append({"event": "commit", "t": t, "elapsed": t, "group": g, "rank": 0,
-                       "incarnation": 0, "step": step, "loss": 1.0, "participants": 3,
+                       "incarnation": inc, "step": step, "loss": 1.0, "participants": 3,
                        "healed": False, "step_time": 0.5})
     return sorted(tl, key=lambda r: r["t"])
 

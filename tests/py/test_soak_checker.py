@@ -384,3 +384,28 @@ def test_side_by_side_lists_both_runs_on_the_kinds_they_share():
     assert not any("lighthouse" in line for line in lines)  # torchft has no such fault
     assert any(line.startswith("faults injected") and line.split()[-2:] == ["27", "20"]
                for line in lines)
+
+
+def test_goodput_steady_rate_skips_faults_and_setups():
+    # two groups, a step every 0.5 s; group 1 relaunched at 10 s (ready at
+    # 14 s, steps again from 15 s); the steps in 10..15 s are 1.0 s apart
+    tl = [{"event": "launch", "t": 0.0, "group": g, "incarnation": 0} for g in (0, 1)]
+    tl += [{"event": "ready", "t": 0.5, "group": g, "incarnation": 0} for g in (0, 1)]
+    tl += [{"event": "restart", "t": 10.0, "group": 1, "incarnation": 1},
+           {"event": "ready", "t": 14.0, "group": 1, "incarnation": 1}]
+    t = 1.0
+    while t < 30.0:
+        slow = 10.0 <= t < 15.0
+        for g in (0, 1):
+            if g == 1 and slow:
+                continue
+            tl.append({"event": "commit", "rank": 0, "t": t, "group": g,
+                       "incarnation": int(g == 1 and t >= 10.0), "step": int(t * 2),
+                       "participants": 1 if slow else 2, "healed": g == 1 and t == 15.0})
+        t += 1.0 if slow else 0.5
+    assert goodput.setup_spans(tl) == [(0.0, 0.5), (0.0, 0.5), (10.0, 14.0)]
+    assert goodput.steady_rate(tl, 2) == pytest.approx(2.0)
+    assert goodput.steady_rate(tl, 2, busy=[(0.0, 30.0)]) is None
+    assert goodput.steady_rate(tl, 2, busy=goodput.setup_spans(tl)) == pytest.approx(2.0)
+    assert goodput.steady_rate(tl, 2, 20.0, 25.0) == pytest.approx(2.0)
+    assert goodput.steady_rate(tl, 1) == pytest.approx(1.0)  # the short-handed stretch

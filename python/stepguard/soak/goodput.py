@@ -1,4 +1,4 @@
-"""Goodput: the one definition (the soak and ``bench/e2e.py`` use it).
+"""Goodput: the one definition (the soak, ``bench/e2e.py`` and the demo use it).
 
     goodput = committed replica-steps
               / (replicas x fault-free step rate x wall time)
@@ -12,6 +12,9 @@ replica that only healed in that step adds nothing.  The *fault-free step
 rate* is measured in the same run, on the same machine (steps per second of
 one replica while every replica trains and nothing is injected), so 1.0
 means the faults cost nothing and 0.5 that half the possible work was done.
+The soak measures it in its fault-free phase; ``bench/e2e.py`` and the demo
+with ``steady_rate`` in the window itself (the full-quorum steps while no
+process sets up), since the load of a shared machine drifts.
 
 The *wall time* is a window fixed by the fault schedule, not by when a
 configuration happened to start or stop: the soak takes its fault phase,
@@ -27,7 +30,7 @@ import statistics
 from typing import Any, Iterable
 
 __all__ = ["committed_replica_steps", "fault_free_rate", "goodput", "kill_window",
-           "rate_from_step_times"]
+           "rate_from_step_times", "setup_spans", "steady_rate"]
 
 
 def goodput(replica_steps: int, replicas: int, rate: float, wall_s: float) -> float | None:
@@ -86,3 +89,70 @@ def kill_window(timeline: Iterable[dict[str, Any]], every: float,
     if not kills:
         return None
     return kills[0], kills[0] + (window if window is not None else len(kills) * every)
+
+
+def setup_spans(timeline: Iterable[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(start, end) of every process setting up while others train: a
+    launch or restart until its ``ready`` (or first step), a warm spare's
+    start until ``spare_ready`` (or, when it took over first, until its
+    group's ``ready`` or first step).  Open ones end at the last record."""
+    tl = sorted(timeline, key=lambda r: r["t"])
+    if not tl:
+        return []
+    done: dict[tuple[Any, Any], float] = {}
+    spare_done: dict[Any, float] = {}
+    spare_group: dict[Any, tuple[Any, Any]] = {}
+    for r in tl:
+        ev = r.get("event")
+        key = (r.get("group"), r.get("incarnation"))
+        if ev in ("ready", "commit", "discard") and r.get("group") is not None:
+            done.setdefault(key, r["t"])
+        elif ev == "spare_ready":
+            spare_done.setdefault(r.get("spare"), r["t"])
+        elif ev == "takeover":
+            spare_group.setdefault(r.get("spare"), key)
+    end = tl[-1]["t"]
+    spans = []
+    for r in tl:
+        ev = r.get("event")
+        if ev in ("launch", "restart"):
+            stop = done.get((r.get("group"), r.get("incarnation")), end)
+        elif ev == "spare_start":
+            s = r.get("spare")
+            stop = spare_done.get(s, done.get(spare_group.get(s, (None, None)), end))
+        else:
+            continue
+        spans.append((r["t"], max(r["t"], stop)))
+    return spans
+
+
+def steady_rate(timeline: Iterable[dict[str, Any]], replicas: int, t0: float | None = None,
+                t1: float | None = None,
+                busy: Iterable[tuple[float, float]] = ()) -> float | None:
+    """The fault-free step rate from a run's own fault-free steps: over the
+    gaps between consecutive step records of one incarnation of a replica
+    group (group rank 0) that are both commits of a full quorum
+    (``participants == replicas``), the later one not healed, inside
+    ``[t0, t1]`` and overlapping no ``busy`` span (``setup_spans``: a
+    process setting up on the same CPUs), the number of gaps over their
+    total length.  It samples the same stretch of time as the faults, so
+    a change in the machine's load moves both alike."""
+    spans = list(busy)
+    last: dict[tuple[Any, Any], dict[str, Any]] = {}
+    n, total = 0, 0.0
+    for r in sorted(timeline, key=lambda r: r["t"]):
+        if r.get("event") not in ("commit", "discard") or r.get("rank", 0) != 0:
+            continue
+        key = (r.get("group"), r.get("incarnation"))
+        prev, last[key] = last.get(key), r
+        if prev is None or r["event"] != "commit" or prev["event"] != "commit" \
+                or r.get("healed") or prev.get("participants") != replicas \
+                or r.get("participants") != replicas:
+            continue
+        a, b = prev["t"], r["t"]
+        if (t0 is not None and a < t0) or (t1 is not None and b > t1) \
+                or any(s < b and a < e for s, e in spans):
+            continue
+        n += 1
+        total += b - a
+    return n / total if n and total > 0 else None

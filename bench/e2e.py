@@ -556,6 +556,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"rejoin {fmt(med(m['rejoin']))}, goodput "
                   f"{'n/a' if g['goodput'] is None else '%.3f' % g['goodput']}", flush=True)
     load1 = os.getloadavg()
+    run_load = out / "run.load.json"  # the whole run's, for --reuse
+    if args.reuse and run_load.exists():
+        load0, load1 = json.loads(run_load.read_text())
+    else:
+        run_load.write_text(json.dumps([load0, load1]))
     when = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
     setup = (f"{platform.machine()} with {os.cpu_count()} CPUs (shared), Python "
              f"{platform.python_version()}.  {args.groups} replica groups x 1 rank, "

@@ -22,7 +22,7 @@ the launcher's timeline it measures:
     kill intervals, so start-up (imports, the first quorum) is not counted
     as fault cost and every kill has a full interval to cost what it
     costs.  The fault-free rate is measured in the same window
-    (``goodput.steady_rate``): one replica's steps per second over the
+    (``goodput.window_rate``): one replica's steps per second over the
     gaps between consecutive commits of a full quorum while no process
     (a relaunch, a warm spare) sets up.  Taken there rather than before
     the first kill because the shared machine's load drifts within a run
@@ -269,7 +269,7 @@ def measure_goodput(tl: list[dict[str, Any]], name: str, groups: int, every: flo
                     window: float, warmup: int) -> dict[str, Any]:
     """Goodput (``stepguard.soak.goodput``) of one run, in the window from
     its first kill to ``window`` seconds later, against the fault-free rate
-    of the same window (``goodput.steady_rate``: its full-quorum steps
+    of the same window (``goodput.window_rate``: its full-quorum steps
     while no process sets up; the machine's load drifts, so a rate taken
     before the kills would not hold for the window).  Per kill interval
     (a kill to the next), the same against that interval's own rate, where
@@ -297,7 +297,7 @@ def measure_goodput(tl: list[dict[str, Any]], name: str, groups: int, every: flo
     if not full or win is None:
         return {"rate": None, "goodput": None}
     w0, w1 = win
-    rate = goodput.steady_rate(tl, groups, w0, w1, busy)
+    rate = goodput.window_rate(tl, groups, w0, w1)
     n = goodput.committed_replica_steps(tl, w0, w1)
     gp = goodput.goodput(n, groups, rate or 0, window)
     in_win = [k for k in kills if w0 <= k < w1]
@@ -585,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         f"configuration, from its first kill to {args.window:g} s later (a whole number of "
         f"kill intervals).  Fault-free rate: the same window's, over the gaps between "
         f"consecutive commits of a full quorum while no process (a relaunch, a warm spare) "
-        f"sets up (`goodput.steady_rate`); per kill interval, that interval's own.  "
+        f"sets up (`goodput.window_rate`); per kill interval, that interval's own.  "
         f"Hot spares: {args.groups} of the {args.groups + 1} groups take part, so at most "
         f"{args.groups} commits count per step.  'Against plain DDP's rate' puts plain "
         f"DDP's rate in the denominator instead (the cost of fault tolerance without "

@@ -164,12 +164,13 @@ def demo_goodput(tl: list[dict[str, Any]], groups: int,
                  every: float) -> tuple[float | None, float | None]:
     """(goodput, fault-free rate) by ``stepguard.soak.goodput``: replica-steps
     committed from the first kill to as many kill intervals later as there
-    were kills, against the rate of the full-quorum steps in that window
-    while no replica was setting up."""
+    were kills, against the rate of the full-quorum steps while no replica
+    was setting up: in that window, or where a relaunch was setting up at
+    every kill (a loaded machine), in the whole run (its quiet end)."""
     win = goodput.kill_window(tl, every)
     if win is None:
         return None, None
-    rate = goodput.steady_rate(tl, groups, *win, busy=goodput.setup_spans(tl))
+    rate = goodput.window_rate(tl, groups, *win)
     if rate is None:
         return None, None
     n = goodput.committed_replica_steps(tl, *win)

@@ -41,3 +41,22 @@ def test_demo_summary_prints_goodput():
     s = demo.summarize([r for r in timeline(0) if r["event"] != "inject"], 3, (True, "same"),
                        "stepguard", "stepguard", 20.0)
     assert s["goodput"] is None and "goodput: n/a" in demo.summary_text(s)
+
+
+def test_demo_goodput_rate_from_the_quiet_end():
+    # group 1 is away from 10 s to 51 s (a relaunch slower than the kills):
+    # no full-quorum step in the window, so the rate comes from the steps
+    # before and after it (the demo's quiet end)
+    tl = []
+    for r in timeline(0):
+        if r["event"] == "commit" and 10.0 <= r["t"] < 51.0:
+            if r["group"] == 1:
+                continue
+            r = {**r, "participants": 2}
+        tl.append(r)
+    tl += [{"event": "restart", "t": 30.0, "group": 1, "incarnation": 2},
+           {"event": "ready", "t": 50.0, "group": 1, "incarnation": 2}]
+    tl.sort(key=lambda r: r["t"])
+    s = demo.summarize(tl, 3, (True, "same"), "stepguard", "stepguard", 20.0)
+    assert s["fault_free_rate"] == pytest.approx(2.0)
+    assert s["goodput"] == pytest.approx(160 / 240)

@@ -13,7 +13,7 @@ rate* is measured in the same run, on the same machine (steps per second of
 one replica while every replica trains and nothing is injected), so 1.0
 means the faults cost nothing and 0.5 that half the possible work was done.
 The soak measures it in its fault-free phase; ``bench/e2e.py`` and the demo
-with ``steady_rate`` in the window itself (the full-quorum steps while no
+with ``window_rate`` in the window itself (the full-quorum steps while no
 process sets up), since the load of a shared machine drifts.
 
 The *wall time* is a window fixed by the fault schedule, not by when a
@@ -30,7 +30,7 @@ import statistics
 from typing import Any, Iterable
 
 __all__ = ["committed_replica_steps", "fault_free_rate", "goodput", "kill_window",
-           "rate_from_step_times", "setup_spans", "steady_rate"]
+           "rate_from_step_times", "setup_spans", "steady_rate", "window_rate"]
 
 
 def goodput(replica_steps: int, replicas: int, rate: float, wall_s: float) -> float | None:
@@ -156,3 +156,14 @@ def steady_rate(timeline: Iterable[dict[str, Any]], replicas: int, t0: float | N
         n += 1
         total += b - a
     return n / total if n and total > 0 else None
+
+
+def window_rate(timeline: Iterable[dict[str, Any]], replicas: int, t0: float,
+                t1: float) -> float | None:
+    """The fault-free rate for a window ``[t0, t1)`` of faults: ``steady_rate``
+    in the window, or where it has no fault-free step (a replacement still
+    setting up at every kill), in the whole run (its start and end without
+    kills), processes setting up left out either way."""
+    tl = list(timeline)
+    busy = setup_spans(tl)
+    return steady_rate(tl, replicas, t0, t1, busy) or steady_rate(tl, replicas, busy=busy)

@@ -97,7 +97,9 @@ class Progress:
                 print(f"--- end of {rec['log']} ---\n{rec['tail'].rstrip()}\n---", flush=True)
         elif ev in ("launch", "restart"):
             self.running.add(rec["group"])
-        elif ev == "recovery":
+        elif ev == "recovery" and rec["kind"] in ("survivors", "rejoin"):
+            # (full_strength, the same first commit timed from the kill, is
+            # in the timeline and the summary's goodput, not printed twice)
             if rec["kind"] == "rejoin":
                 self.rejoins += 1
             who = "survivors committed" if rec["kind"] == "survivors" else \

@@ -30,6 +30,7 @@ from stepguard.process_group import (
     FakeProcessGroupWrapper,
     ProcessGroupDummy,
     ProcessGroupGloo,
+    ProcessGroupNCCL,
 )
 from stepguard.work import _DummyWork
 
@@ -348,6 +349,55 @@ def test_managed_work_chain_runs_lazily_in_order(lighthouse) -> None:
         assert m.errored() is not None
         # torch wraps a callback's exception in a RuntimeError naming it.
         assert "ZeroDivisionError" in str(m.errored().original_exception)  # type: ignore[union-attr]
+    finally:
+        m.shutdown(wait=False)
+        lh1.shutdown()
+
+
+def test_managed_work_on_cuda_keeps_its_stream() -> None:
+    """On a GPU (NCCL, a world of one) a managed work belongs to the stream
+    current when it was made: its callbacks run on that stream, not on the
+    waiter's; waiting from another stream is refused; block_current_stream
+    and synchronize order that stream after the operation."""
+    if not torch.cuda.is_available():
+        reason = "no CUDA device: _ManagedWork's streams need one (scripts/gpu-check runs it)"
+        print(f"SKIP: {reason}")
+        pytest.skip(reason)
+    lh1 = LighthouseServer("127.0.0.1:0", 1, join_timeout_ms=50)
+    r = Replica(lh1, 0, pg=ProcessGroupNCCL(timeout=TD), min_replica_size=1)
+    m = r.manager
+    try:
+        m.start_quorum()
+        side = torch.cuda.Stream()
+        seen: List[int] = []
+
+        def record(f: object) -> object:
+            seen.append(torch.cuda.current_stream().cuda_stream)
+            return f.value() * 2  # type: ignore[attr-defined]
+
+        with torch.cuda.stream(side):
+            t = torch.full((1 << 16,), 3.0, device="cuda")
+            work = m.allreduce(t)  # AVG: a callback of the manager's own first
+            fut = work.get_future().then(record)
+        assert torch.cuda.current_stream().cuda_stream != side.cuda_stream
+        with pytest.raises(AssertionError, match="stream it was created on"):
+            work.wait()
+        assert seen == []
+        with torch.cuda.stream(side):
+            assert work.wait() is True
+        assert seen == [side.cuda_stream]
+        side.synchronize()
+        assert torch.equal(fut._fut.value(), torch.full((1 << 16,), 6.0, device="cuda"))  # type: ignore[attr-defined]
+        for how in ("block_current_stream", "synchronize"):
+            with torch.cuda.stream(side):
+                u = torch.full((1 << 16,), 5.0, device="cuda")
+                w = m.allreduce(u, reduce_op=ReduceOp.SUM)
+                getattr(w, how)()
+                v = u * 2  # queued on `side` behind the allreduce
+            side.synchronize()
+            assert torch.equal(v, torch.full((1 << 16,), 10.0, device="cuda")), how
+        assert m.errored() is None
+        assert m.should_commit()
     finally:
         m.shutdown(wait=False)
         lh1.shutdown()

@@ -17,6 +17,7 @@ from torch.distributed.distributed_c10d import (
     AllreduceOptions,
     AllToAllOptions,
     BroadcastOptions,
+    ReduceScatterOptions,
 )
 
 from stepguard.process_group import (
@@ -309,6 +310,51 @@ def test_nccl_abort_marks_errored() -> None:
     assert pg.errored() is None
     pg.abort()
     assert isinstance(pg.errored(), RuntimeError)
+
+
+def require_cuda(what: str) -> None:
+    """Skips (with the reason printed) where no CUDA device exists;
+    scripts/gpu-check runs these tests on a GPU."""
+    if not torch.cuda.is_available():
+        reason = f"no CUDA device: {what} needs one (scripts/gpu-check runs it on a GPU)"
+        print(f"SKIP: {reason}")
+        pytest.skip(reason)
+
+
+def test_nccl_world_of_one_collectives_abort_and_reconfigure(store) -> None:
+    """ProcessGroupNCCL on one GPU at world size 1: each collective gives a
+    world of one's result on CUDA tensors (through the deadline wrapper when
+    NCCL is 2.25 or newer); abort() reports the group errored and drops its
+    communicator; configure() makes it usable again, twice over."""
+    require_cuda("ProcessGroupNCCL")
+    dev = torch.device("cuda")
+    pg = ProcessGroupNCCL(timeout=TD)
+    try:
+        for q in (1, 2):
+            pg.configure(f"127.0.0.1:{store.port}/nccl/{q}", "0", 0, 1, quorum_id=q)
+            assert pg.errored() is None and pg.size() == 1
+            t = torch.arange(4, dtype=torch.float32, device=dev) + q
+            pg.allreduce([t], sum_opts()).wait()
+            outs = [[torch.zeros(4, device=dev)]]
+            pg.allgather(outs, [t], AllgatherOptions()).wait()
+            b = torch.full((3,), 7.0, device=dev)
+            pg.broadcast_one(b, 0).wait()
+            a2a = torch.zeros(4, device=dev)
+            pg.alltoall_base(a2a, t, [], [], AllToAllOptions()).wait()
+            rs = torch.zeros(4, device=dev)
+            pg.reduce_scatter([rs], [[t]], ReduceScatterOptions()).wait()
+            pg.barrier().wait()
+            torch.cuda.synchronize()
+            want = [float(i + q) for i in range(4)]
+            assert t.tolist() == want
+            assert outs[0][0].tolist() == want and a2a.tolist() == want
+            assert rs.tolist() == want and b.tolist() == [7.0] * 3
+            pg.abort()
+            assert isinstance(pg.errored(), RuntimeError)
+            with pytest.raises(AssertionError, match="not initialized"):
+                pg.allreduce([t], sum_opts())
+    finally:
+        pg.shutdown()
 
 
 def test_register_presents_the_group_to_c10d(store) -> None:

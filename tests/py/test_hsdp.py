@@ -15,7 +15,10 @@ is one test):
     2      group         http      gloo     localsgd bf16      -       async
     2      20 heals      native    gloo     hsdp     fp32      helper  async
 
-``make test-hsdp-matrix`` runs the full product of the cheap axes.
+``make test-hsdp-matrix`` runs the full product of the cheap axes.  On a
+GPU, one more: two groups of one rank each on CUDA (NCCL inside, bf16,
+Gloo across), a group killed and healed (scripts/gpu-check; it skips
+without a GPU).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from train_harness import _kill, job_factory, wait_for, zygote  # noqa: F401  (fixtures)
+from train_harness import _kill, job_factory, require_cuda, wait_for, zygote  # noqa: F401
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("STEPGUARD_TRAIN_IMPL", "stepguard") != "stepguard",
@@ -160,6 +163,25 @@ def test_localsgd_over_fsdp2_http_bf16(job_factory):
     kill_restart(job, "hsdp_1")
     wait_for(lambda: healed_and_committed(job, "hsdp_1"), 90, "hsdp_1 to heal", job)
     finish(job, 5)
+
+
+def test_cuda_one_rank_groups_heal_sharded_state(job_factory):
+    """FT-HSDP on one GPU: two replica groups of one rank each (FSDP2 over a
+    1-rank CUDA mesh, NCCL inside, bf16 parameters, Gloo across); the
+    survivor sleeps in its forward pass while a killed group's replacement
+    heals its CUDA shards from it: never read mid-forward, and identical
+    after.  Skips without a GPU (scripts/gpu-check runs it on one)."""
+    require_cuda("FT-HSDP on CUDA")
+    job = hsdp_job(job_factory)
+    job.start_group("hsdp_0", 1, "--steps", str(LONG), "--device", "cuda",
+                    "--mixed-precision", "--forward-sleep", "0.3")
+    job.start_group("hsdp_1", 1, "--steps", str(LONG), "--device", "cuda",
+                    "--mixed-precision")
+    wait_for(lambda: job.all_committed(3), 90, "both groups to commit step 3", job)
+    kill_restart(job, "hsdp_1")
+    wait_for(lambda: healed_and_committed(job, "hsdp_1"), 90, "hsdp_1 to heal", job)
+    finish(job, 6)
+    assert job.events("hsdp_1", g=0, ev="loaded")
 
 
 HEALS = int(os.environ.get("STEPGUARD_HSDP_HEALS", "20"))

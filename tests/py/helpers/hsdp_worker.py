@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--pause-at", default="",
                     help="a heal hook point: fetch, fetched, serve, loaded")
     ap.add_argument("--forward-sleep", type=float, default=0.0)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the model, its shards and the batches on the GPU, "
+                    "NCCL inside the group (one rank per group on one GPU)")
     ap.add_argument("--width", type=int, default=32)
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--batch", type=int, default=16)
@@ -93,13 +96,13 @@ def full_hash(torch, model, opt) -> str:
 
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(full(p.detach()).float().contiguous().numpy().tobytes())
+        h.update(full(p.detach()).float().cpu().contiguous().numpy().tobytes())
     state = opt.state_dict()["state"]
     for idx in sorted(state):
         for key in sorted(state[idx]):
             v = state[idx][key]
             if isinstance(v, torch.Tensor):
-                h.update(full(v).float().contiguous().numpy().tobytes())
+                h.update(full(v).float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -129,14 +132,17 @@ def main(argv: list[str] | None = None) -> int:
     store, port = group_store(a, rank)
     # the group's own default process group, for FSDP inside the group
     client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"fsdp/{a.incarnation}", client),
+    if a.device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if a.device == "cuda" else "gloo",
+                            store=dist.PrefixStore(f"fsdp/{a.incarnation}", client),
                             rank=rank, world_size=ws,
                             # longer than a cross-group operation can keep a
                             # group mate away (its timeout, and a quorum)
                             timeout=timedelta(seconds=3 * a.timeout + 30))
-    mesh = init_device_mesh("cpu", (ws,))
+    mesh = init_device_mesh(a.device, (ws,))
 
-    model = Model.build(torch, a.width, a.layers)
+    model = Model.build(torch, a.width, a.layers).to(a.device)
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if a.mixed_precision else MixedPrecisionPolicy())
     for layer in model:
@@ -245,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                                             + manager.current_step() * 7 + local)
         x = torch.randn(a.batch, 8, generator=gen)
         y = torch.randn(a.batch, 4, generator=gen)
+        x, y = x.to(a.device), y.to(a.device)
         opt.zero_grad()  # the quorum starts (hsdp)
         loss = torch.nn.functional.mse_loss(model(x).float(), y)
         loss.backward()  # reduce-scatter in the group, allreduce across

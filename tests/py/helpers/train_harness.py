@@ -5,7 +5,10 @@ the per-step JSON events the workers (tests/py/helpers/train_worker.py) write.
 The implementation under test is ``$STEPGUARD_TRAIN_IMPL`` (``stepguard``,
 the default, or ``torchft``, which runs the same scenarios against the
 real torchft to prove they are right); the lighthouse is ours unless
-``$STEPGUARD_TRAIN_LIGHTHOUSE=torchft``.
+``$STEPGUARD_TRAIN_LIGHTHOUSE=torchft``.  ``$STEPGUARD_TEST_DEVICE=cuda``
+puts train_worker.py's models and batches on the GPU (scripts/gpu-check);
+the modules that call require_api() then skip where torch sees no CUDA
+device.
 """
 
 from __future__ import annotations
@@ -29,6 +32,34 @@ WORKER = str(Path(__file__).with_name("train_worker.py"))
 ZYGOTE = str(Path(__file__).with_name("train_zygote.py"))
 IMPL = os.environ.get("STEPGUARD_TRAIN_IMPL", "stepguard")
 LIGHTHOUSE = os.environ.get("STEPGUARD_TRAIN_LIGHTHOUSE", "ours")
+DEVICE = os.environ.get("STEPGUARD_TEST_DEVICE", "cpu")
+_cuda_missing: list[str] = []
+
+
+def cuda_missing() -> str:
+    """Why torch cannot use a CUDA device here ("" where it can), asked once
+    in a child process, as the test process never imports torch."""
+    if not _cuda_missing:
+        code = ("import torch\n"
+                "print('' if torch.cuda.is_available() else\n"
+                "      f'torch {torch.__version__} sees no CUDA device')\n")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=300)
+        if r.returncode != 0:
+            err = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+            _cuda_missing.append(f"torch failed: {err}")
+        else:
+            _cuda_missing.append((r.stdout.strip().splitlines() or [""])[-1])
+    return _cuda_missing[0]
+
+
+def require_cuda(what: str, allow_module_level: bool = False) -> None:
+    """Skips, the reason printed, where no CUDA device exists."""
+    why = cuda_missing()
+    if why:
+        reason = f"no CUDA device: {what} ({why})"
+        print(f"SKIP: {reason}")
+        pytest.skip(reason, allow_module_level=allow_module_level)
 
 
 def impl_missing(*attr_paths: str) -> list[str]:
@@ -78,6 +109,8 @@ def require_api() -> None:
     if missing:
         pytest.skip(f"{IMPL} does not have the training API yet: no {', '.join(missing)}",
                     allow_module_level=True)
+    if DEVICE == "cuda":
+        require_cuda("STEPGUARD_TEST_DEVICE=cuda", allow_module_level=True)
 
 
 def wait_for(pred: Callable[[], object], timeout: float, what: str,
@@ -97,6 +130,10 @@ def wait_for(pred: Callable[[], object], timeout: float, what: str,
 def worker_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # the zygote forks the trainers after importing torch and stepguard, which
+    # ask torch.cuda.is_available(): asked through NVML, that does not
+    # initialise CUDA in the zygote, which would break it in every fork
+    env.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     helpers_dir = str(Path(__file__).parent)  # the workers import each other
     env["PYTHONPATH"] = helpers_dir + os.pathsep + env.get("PYTHONPATH", "")
     return env

@@ -52,7 +52,7 @@ def replica_index(replica_id: str) -> int:
 def param_hash(model) -> str:
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().contiguous().numpy().tobytes())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -107,6 +107,7 @@ def make_model(a: argparse.Namespace):
         # a parameter that never gets a gradient
         model.register_module("unused", torch.nn.Linear(3, 3))
         model.unused.forward = lambda x: x  # type: ignore[method-assign]
+    model.to(getattr(a, "device", "cpu"))
     inner_opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     return model, inner_opt
 
@@ -159,6 +160,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "(0: off; default: the group's own)")
     ap.add_argument("--quorum-timeout", type=float, default=30.0)
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--device", default=os.environ.get("STEPGUARD_TEST_DEVICE", "cpu"),
+                    help="where the model and batches live (default: "
+                    "$STEPGUARD_TEST_DEVICE, else cpu; scripts/gpu-check runs "
+                    "scenarios with cuda)")
     ap.add_argument("--same-init", action="store_true",
                     help="same initial weights in every replica group")
     ap.add_argument("--buckets", action="store_true",
@@ -319,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                 (rindex * 1000 + group_rank) * 100003 + manager.current_step())
             x = torch.randn(16, 8, generator=gen)
             y = torch.randn(16, 4, generator=gen)
+        x, y = x.to(a.device), y.to(a.device)
         opt.zero_grad()  # starts the quorum
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         if 0 <= a.mid_at <= manager.current_step():

@@ -8,7 +8,7 @@ FUZZ    := build/fuzz
 FUZZ_SECONDS ?= 30
 CFILES   = $(shell git ls-files '*.c' '*.h' '*.cpp')
 
-.PHONY: all bootstrap build test test-c test-py test-long test-hsdp-matrix test-torchft demo demo-hsdp demo-lighthouse soak soak-short bench sanitize fuzz format format-check clean
+.PHONY: all bootstrap build test test-c test-py test-long test-hsdp-matrix test-torchft gpu-check gpu-prepare demo demo-hsdp demo-lighthouse soak soak-short bench sanitize fuzz format format-check clean
 
 all: build
 
@@ -49,6 +49,15 @@ test-hsdp-matrix: build
 # docs/training-api.md says where it stands and what is left out
 test-torchft: build
 	scripts/torchft-suite
+
+# the CUDA paths on one GPU (docs/gpu.md): builds the extension from the
+# packages that gpu-prepare gathers in .gpu/ and runs the CUDA checks; where
+# no GPU can be used it prints "SKIP: no GPU: <reason>" and builds nothing
+gpu-check:
+	scripts/gpu-check
+
+gpu-prepare:
+	scripts/gpu-prepare
 
 # the main job: three replica groups train a small Llama for about three
 # minutes while one is killed every ~20 s; writes demo-out/

@@ -131,10 +131,14 @@ def test_environment_store_and_lighthouse(tmp_path: Path) -> None:
     """Two groups of two ranks get torchrun's and torchft's variables, one
     store per group, the same OMP_NUM_THREADS, and the started lighthouse."""
     cfg = _config(tmp_path, groups=2, nproc_per_group=2, lighthouse=None,
-                  omp_threads=3, env={"FAKE_STEPS": "3"})
+                  omp_threads=3, env={"FAKE_STEPS": "3"}, state_loss_wait_ms=-1)
     seen_ports: list[int] = []
+    lh_argv: list[str] = []
 
     def on_event(rec: dict) -> None:
+        if rec["event"] == "lighthouse":
+            with open(f"/proc/{rec['pid']}/cmdline", "rb") as f:
+                lh_argv.extend(a.decode() for a in f.read().split(b"\0"))
         # While the group runs, its store must accept connections.
         if rec["event"] == "hello":
             port = int(rec["env"]["MASTER_PORT"])
@@ -147,6 +151,8 @@ def test_environment_store_and_lighthouse(tmp_path: Path) -> None:
     lh = _of(tl, "lighthouse")
     assert len(lh) == 1 and lh[0]["impl"] == "stepguard"
     assert _wait_gone([lh[0]["pid"]], 10) == []
+    i = lh_argv.index("--state_loss_wait_ms")  # the option reached it
+    assert lh_argv[i + 1] == "-1", lh_argv
     hellos = _of(tl, "hello")
     assert len(hellos) == 4, hellos
     ports = {}

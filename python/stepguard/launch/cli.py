@@ -37,6 +37,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quorum-tick-ms", "--quorum_tick_ms", type=int, default=100)
     p.add_argument("--heartbeat-timeout-ms", "--heartbeat_timeout_ms", type=int,
                    default=5000)
+    p.add_argument("--state-loss-wait-ms", "--state_loss_wait_ms", type=int,
+                   default=None, metavar="MS",
+                   help="how long the lighthouse holds a quorum behind the step the "
+                   "job reached for a silent replica holding it (default 60000; -1: "
+                   "until one is back; 0: not at all; docs/lighthouse.md)")
     p.add_argument("--omp-threads", type=int, default=None,
                    help="OMP_NUM_THREADS for every rank (default: CPUs / ranks)")
     p.add_argument("--max-restarts", type=int, default=100,
@@ -109,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         timeline=args.timeline, log_dir=args.log_dir, stop_file=args.stop_file,
         master_addr=args.master_addr, quiet=args.quiet, term_grace=args.term_grace,
         netns=args.netns, links=links, spares=args.spares,
+        state_loss_wait_ms=args.state_loss_wait_ms,
     )
     if cfg.netns or links or any(f.kind in ("partition", "link") for f in failures):
         why = netns_unavailable()

@@ -88,6 +88,8 @@ class LaunchConfig:
     spares: int = 0
     # The lighthouse it starts keeps its quorum ids here (stepguard's).
     quorum_id_file: str | None = None
+    # Its --state_loss_wait_ms (stepguard's; None: the lighthouse's 60 s).
+    state_loss_wait_ms: int | None = None
     # Where kill_source / kill_after_heal arm fault points (hook_point).
     hook_dir: str | None = None
     # Never inject into the last group holding the job's state (running,
@@ -355,6 +357,8 @@ class Launcher:
                       "--hostname", host]
         if c.quorum_id_file and c.lighthouse_impl == "stepguard" and c.lighthouses == 1:
             flags += ["--quorum_id_file", c.quorum_id_file]
+        if c.state_loss_wait_ms is not None and c.lighthouse_impl == "stepguard":
+            flags += ["--state_loss_wait_ms", str(c.state_loss_wait_ms)]
         self._lh_flags, self._lh_host = flags, host
         addrs = [self._start_one_lighthouse(i, host, flags)
                  for i in range(c.lighthouses)]

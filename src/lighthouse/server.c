@@ -23,7 +23,6 @@
  *
  * A quorum response is encoded once and shared by every waiter.
  */
-#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -49,24 +48,10 @@
 #include "stepguard/rpc_client.h"
 #include "torchft.pb-c.h"
 
-#define MAX_ID_LEN 1024    /* replica ids and addresses */
 #define MAX_DATA_LEN 65536 /* QuorumMember.data, each reconfigure handle */
 #define MAX_HANDLES 65536  /* reconfigure handles per member (group ranks) */
-#define KILL_TIMEOUT_MS 10000
 #define STATUS_LOG_MS 100  /* at most one "Quorum status" line per 100 ms */
 #define QUORUM_LOG_MS 1000 /* a quorum of unchanged id: one line per second */
-
-static const double lat_le_s[] = {0.0005, 0.001, 0.005, 0.01, 0.05, 0.1,
-                                  0.5,    1,     5,     10,   30,   60};
-_Static_assert(sizeof(lat_le_s) / sizeof(lat_le_s[0]) == N_LAT, "N_LAT");
-
-/* Decision time: from the event that completes a quorum (a request handed
- * over by the gRPC layer, a heartbeat, a cancel, a disconnect, a timer) to
- * its answer encoded; fine enough below 1 ms for a p99 there. */
-static const double dec_le_s[] = {0.00005, 0.0001, 0.00025, 0.0005, 0.001,
-                                  0.0025,  0.005,  0.01,    0.025,  0.05,
-                                  0.1,     0.25,   0.5,     1};
-_Static_assert(sizeof(dec_le_s) / sizeof(dec_le_s[0]) == N_DEC, "N_DEC");
 
 /* ---- helpers ------------------------------------------------------------- */
 
@@ -130,116 +115,6 @@ static int check_wire(sg_lh_server_t *s, sg_rpc_call_t *call,
  * stay in the member's encoding made at join, so they reach every peer. */
 #define MAX_UNKNOWN 64
 
-/* ---- quorum id persistence ----------------------------------------------- */
-
-/*
- * The id file holds the last issued quorum: its id on the first line, then
- * one member replica id a line.  A file of the id alone (older versions)
- * still reads.
- */
-#define ID_FILE_MAX (64 * 1024 * 1024)
-#define PERSIST_STEP_MS 1000 /* the step floor alone: at most this often */
-
-/* load_last_quorum: the id floor, the step floor, and the members of the
- * last quorum handed to sg__lh_expect so a restart waits for them.  The
- * file is "ID STEP" on its first line (a file from before the step floor
- * has the ID alone), then one member id per line. */
-static int64_t load_last_quorum(sg_lh_server_t *s) {
-  if (!s->o.quorum_id_file) {
-    /* No file: the floor is the wall clock in microseconds.  Ids grow by
-     * one per quorum, and a quorum takes far longer than a microsecond, so
-     * they stay below the clock: a restarted lighthouse starts above every
-     * id its predecessor issued, however soon it restarts. */
-    return sg_wall_ns() / 1000;
-  }
-  FILE *f = fopen(s->o.quorum_id_file, "r");
-  if (!f)
-    return 0;
-  long long id = 0, step = -1;
-  if (fscanf(f, "%lld", &id) != 1 || id < 0)
-    id = 0;
-  char first[64] = "";
-  if (id > 0 && fgets(first, sizeof(first), f) &&
-      sscanf(first, "%lld", &step) == 1 && step >= 0) {
-    sg__lh_set_step_floor(s->st, step, sg_now_ns());
-    s->persisted_step = step;
-    sg_log(SG_LOG_INFO, LOG,
-           "the job had reached step %lld: a quorum below it waits for a "
-           "replica that holds it",
-           step);
-  }
-  char **ids = NULL;
-  size_t n = 0, cap = 0;
-  char line[MAX_ID_LEN + 2];
-  int nomem = 0;
-  while (id > 0 && !nomem && fgets(line, sizeof(line), f)) {
-    size_t len = strcspn(line, "\r\n");
-    line[len] = '\0';
-    if (len == 0)
-      continue;
-    if (n == cap) {
-      size_t ncap = cap ? cap * 2 : 16;
-      if (ncap > s->o.max_replicas)
-        ncap = s->o.max_replicas;
-      char **grown = ncap > cap ? sg_realloc(ids, ncap * sizeof(*ids)) : NULL;
-      if (!grown)
-        break; /* more members than this lighthouse accepts */
-      ids = grown;
-      cap = ncap;
-    }
-    ids[n] = sg_strdup(line);
-    nomem = !ids[n];
-    n += !nomem;
-  }
-  fclose(f);
-  if (n > 0 && !nomem &&
-      sg__lh_expect(s->st, id, (const char *const *)ids, n, sg_now_ns()) == 0)
-    sg_log(SG_LOG_INFO, LOG,
-           "last quorum %lld had %zu members: waiting for them (or their "
-           "silence) before the first quorum",
-           id, n);
-  for (size_t i = 0; i < n; i++)
-    sg_free(ids[i]);
-  sg_free(ids);
-  return id;
-}
-
-/* persist_quorum: write quorum `q` and the step floor to quorum_id_file
- * atomically (tmp + rename): at every new id, and at most once a second
- * when only the step moved (a floor a little behind still holds a job that
- * starts over). */
-static void persist_quorum(sg_lh_server_t *s, const sg__lh_quorum_t *q,
-                           int64_t now) {
-  int64_t step = sg__lh_step_floor(s->st);
-  if (!s->o.quorum_id_file ||
-      (q->quorum_id == s->persisted_id &&
-       (step == s->persisted_step ||
-        now - s->persisted_ns < ms_to_ns(PERSIST_STEP_MS))))
-    return;
-  char tmp[4200];
-  snprintf(tmp, sizeof(tmp), "%s.tmp", s->o.quorum_id_file);
-  FILE *f = NULL;
-  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd >= 0 && !(f = fdopen(fd, "w")))
-    close(fd);
-  if (!f) {
-    sg_log(SG_LOG_WARN, LOG, "cannot write %s: %s", tmp, strerror(errno));
-    return;
-  }
-  int ok =
-      fprintf(f, "%lld %lld\n", (long long)q->quorum_id, (long long)step) > 0;
-  for (size_t i = 0; ok && i < q->n; i++)
-    ok = fprintf(f, "%s\n", q->members[i].replica_id) > 0;
-  ok = fclose(f) == 0 && ok;
-  if (ok && rename(tmp, s->o.quorum_id_file) == 0) {
-    s->persisted_id = q->quorum_id;
-    s->persisted_step = step;
-    s->persisted_ns = now;
-  } else
-    sg_log(SG_LOG_WARN, LOG, "cannot persist quorum id to %s",
-           s->o.quorum_id_file);
-}
-
 /* ---- pending calls ---------------------------------------------------------
  */
 
@@ -264,26 +139,6 @@ static int pending_has(const sg_lh_server_t *s, const char *id) {
 }
 
 static void pending_free(struct pending *p) { sg_free(p); }
-
-static void observe_latency(sg_lh_server_t *s, int64_t start_ns) {
-  double secs = (double)(sg_now_ns() - start_ns) / 1e9;
-  for (size_t i = 0; i < N_LAT; i++)
-    if (secs <= lat_le_s[i])
-      s->lat_counts[i]++;
-  s->lat_sum_s += secs;
-  s->lat_count++;
-}
-
-/* observe_decision: one quorum took `ns` from its event to its encoding. */
-static void observe_decision(sg_lh_server_t *s, int64_t ns) {
-  double secs = (double)ns / 1e9;
-  for (size_t i = 0; i < N_DEC; i++)
-    if (secs <= dec_le_s[i])
-      s->dec_counts[i]++;
-  s->dec_sum_s += secs;
-  s->dec_count++;
-  s->dec_last_ns = ns;
-}
 
 /* ---- the decision ----------------------------------------------------------
  */
@@ -349,7 +204,7 @@ static void deliver(sg_lh_server_t *s, sg_rpc_blob_t *blob, int held) {
     struct pending *next = p->next;
     if (sg__lh_is_member(s->st, p->replica_id)) {
       pending_unlink(s, p);
-      observe_latency(s, p->start_ns);
+      sg__lh_observe_latency(s, p->start_ns);
       if (blob)
         sg_rpc_call_respond_blob(p->call, blob);
       else
@@ -366,7 +221,7 @@ static void deliver(sg_lh_server_t *s, sg_rpc_blob_t *blob, int held) {
 static void answer_quorum(sg_lh_server_t *s, const sg__lh_quorum_t *q,
                           int64_t event_ns) {
   sg_rpc_blob_t *blob = sg__lh_answer_encode(q);
-  observe_decision(s, sg_now_ns() - event_ns);
+  sg__lh_observe_decision(s, sg_now_ns() - event_ns);
   deliver(s, blob, 0);
   if (blob)
     sg_rpc_blob_unref(blob);
@@ -401,7 +256,7 @@ static void hold_quorum(sg_lh_server_t *s, const sg__lh_quorum_t *q,
     rc = sg__lh_record_encode(q->quorum_id, ids, q->n, &rec);
   sg_free(ids);
   sg_rpc_blob_t *blob = rc ? NULL : sg__lh_answer_encode(q);
-  observe_decision(s, sg_now_ns() - event_ns);
+  sg__lh_observe_decision(s, sg_now_ns() - event_ns);
   if (!blob) {
     sg_log(SG_LOG_ERROR, LOG, "quorum %lld: cannot encode its record: %s",
            (long long)q->quorum_id, sg_strerror(rc ? rc : SG_ENOMEM));
@@ -599,7 +454,7 @@ void sg__lh_process(sg_lh_server_t *s, int64_t event_ns, int join) {
                to == 0 ? ", the job starts over" : "", (long long)from,
                (long long)s->o.state_loss_wait_ms);
       /* before any answer: ids must not repeat after a crash */
-      persist_quorum(s, q, now);
+      sg__lh_idfile_persist(s, q, now);
       if (s->o.etcd && q->quorum_id > s->fence.confirmed_id)
         hold_quorum(s, q, event_ns);
       else if (s->o.etcd &&
@@ -1043,189 +898,6 @@ static void on_http1(void *ud, int fd) {
     sg_sock_close(fd);
 }
 
-static int snapshot(void *ud, sg__lh_status_t *out) {
-  sg_lh_server_t *s = ud;
-  int rc = SG_ENOMEM;
-  memset(out, 0, sizeof(*out));
-  pthread_mutex_lock(&s->mu);
-  int64_t now = sg_now_ns();
-  sg__lh_decision_t d;
-  char reason[512] = "";
-  if (sg__lh_decide(s->st, now, &s->qopts, &d) == 0) {
-    snprintf(reason, sizeof(reason), "%s", d.reason);
-    sg__lh_decision_free(&d);
-  }
-  out->quorum_id = sg__lh_quorum_id(s->st);
-  out->reason = sg_strdup(reason);
-  out->max_step = -1;
-  out->heartbeat_timeout_ms = s->o.heartbeat_timeout_ms;
-  out->step_floor = sg__lh_step_floor(s->st);
-  out->step_regressions =
-      sg__lh_step_regressions(s->st, &out->regressed_from, &out->regressed_to);
-  const sg__lh_quorum_t *q = sg__lh_prev_quorum(s->st);
-  if (!out->reason)
-    goto out;
-  if (q) {
-    out->has_prev = 1;
-    out->prev_quorum_id = q->quorum_id;
-    out->prev_age_ms = (sg_wall_ns() - q->created_wall_ns) / 1000000;
-    out->members = sg_calloc(q->n ? q->n : 1, sizeof(*out->members));
-    if (!out->members)
-      goto out;
-    for (size_t i = 0; i < q->n; i++) {
-      const sg__lh_member_t *m = &q->members[i];
-      sg__lh_status_member_t *o = &out->members[i];
-      o->replica_id = sg_strdup(m->replica_id);
-      o->address = sg_strdup(m->address);
-      o->store_address = sg_strdup(m->store_address);
-      out->n_members = i + 1;
-      if (!o->replica_id || !o->address || !o->store_address)
-        goto out;
-      o->step = m->step;
-      o->world_size = m->world_size;
-      o->commit_failures = m->commit_failures;
-      o->shrink_only = m->shrink_only;
-      if (m->step > out->max_step)
-        out->max_step = m->step;
-    }
-  }
-  size_t nh = sg__lh_heartbeat_count(s->st);
-  out->heartbeats = sg_calloc(nh ? nh : 1, sizeof(*out->heartbeats));
-  if (!out->heartbeats)
-    goto out;
-  for (size_t i = 0; i < nh; i++) {
-    const char *id;
-    int64_t last;
-    if (sg__lh_heartbeat_at(s->st, i, &id, &last) != 0)
-      break;
-    sg__lh_status_hb_t *h = &out->heartbeats[out->n_heartbeats];
-    h->replica_id = sg_strdup(id);
-    if (!h->replica_id)
-      goto out;
-    out->n_heartbeats++;
-    h->age_ms = (now - last) / 1000000;
-    h->expired = now - last >= ms_to_ns(s->o.heartbeat_timeout_ms);
-    out->healthy_replicas += !h->expired;
-    struct live *l = sg_map_get(&s->live, id);
-    h->connected = l && l->nconns > 0;
-    h->participating = sg__lh_is_participant(s->st, id);
-  }
-  out->lat_bucket_counts = sg_calloc(N_LAT, sizeof(uint64_t));
-  if (!out->lat_bucket_counts)
-    goto out;
-  memcpy(out->lat_bucket_counts, s->lat_counts, sizeof(s->lat_counts));
-  out->n_lat_buckets = N_LAT;
-  out->lat_bucket_le_s = lat_le_s;
-  out->lat_sum_s = s->lat_sum_s;
-  out->lat_count = s->lat_count;
-  out->decision.counts = sg_calloc(N_DEC, sizeof(uint64_t));
-  if (!out->decision.counts)
-    goto out;
-  memcpy(out->decision.counts, s->dec_counts, sizeof(s->dec_counts));
-  out->decision.n_buckets = N_DEC;
-  out->decision.le_s = dec_le_s;
-  out->decision.sum_s = s->dec_sum_s;
-  out->decision.count = s->dec_count;
-  out->decision_last_ns = s->dec_last_ns;
-  out->n_pending = s->n_pending;
-  out->pruned_total = sg__lh_pruned_total(s->st);
-  out->quorums_issued = s->quorums_issued;
-  out->heartbeats_total = s->heartbeats_total;
-  out->disconnects_total = s->disconnects_total;
-  out->quorum_requests_total = s->quorum_requests_total;
-  out->rejected_total = s->rejected_total;
-  out->participants = sg__lh_participant_count(s->st);
-  out->connections = s->conns.len;
-  out->role = sg__lh_role_name(s->fence.role);
-  if (s->o.etcd && s->fence.role == SG__LH_ROLE_LEADER && !s->fence.ready)
-    out->role = "candidate";
-  out->term = s->term;
-  out->lease_ttl_s = s->o.etcd ? s->lease_ttl_s : 0;
-  out->lease_left_ms = s->fence.role == SG__LH_ROLE_LEADER
-                           ? (s->fence.lease_deadline - now) / 1000000
-                           : -1;
-  out->elections_won = s->elections_won;
-  out->etcd_errors = s->etcd_errors;
-  out->fenced_total = s->fenced_total;
-  out->proxied_total = s->proxied_total;
-  out->now_ns = now;
-  out->history = sg_malloc(sizeof(*out->history));
-  if (!out->history)
-    goto out;
-  sg__lh_history_expire(s->hist, now);
-  memcpy(out->history, s->hist, sizeof(*s->hist)); /* flat: a full copy */
-  if (s->o.etcd && s->leader_addr && !(out->leader = sg_strdup(s->leader_addr)))
-    goto out;
-  rc = 0;
-out:
-  pthread_mutex_unlock(&s->mu);
-  if (rc) {
-    sg__lh_status_free(out);
-    memset(out, 0, sizeof(*out));
-  }
-  return rc;
-}
-
-/* kill: send torchft.ManagerService/Kill to a member of the last quorum.
- * Runs on the HTTP thread and blocks it for at most KILL_TIMEOUT_MS. */
-static int kill_replica(void *ud, const char *replica_id, char *err,
-                        size_t errlen) {
-  sg_lh_server_t *s = ud;
-  char *addr = NULL;
-  sg_rpc_channel_t *ch = NULL;
-  uint8_t *resp = NULL;
-  size_t resp_len = 0;
-  int status = -1;
-  sg_err_t e;
-  sg_err_clear(&e);
-  pthread_mutex_lock(&s->mu);
-  const sg__lh_quorum_t *q = sg__lh_prev_quorum(s->st);
-  for (size_t i = 0; q && i < q->n && !addr; i++)
-    if (strcmp(q->members[i].replica_id, replica_id) == 0)
-      addr = sg_strdup(q->members[i].address);
-  pthread_mutex_unlock(&s->mu);
-  int rc = 0;
-  if (!addr) {
-    snprintf(err, errlen, "failed to find replica %s", replica_id);
-    return SG_ENOTFOUND;
-  }
-  sg_rpc_channel_opts_t co = {0};
-  co.target = addr;
-  co.connect_timeout_ms = KILL_TIMEOUT_MS;
-  /* the job's one token: a manager started with it refuses a Kill without */
-  co.auth_token = s->o.auth_token;
-  rc = sg_rpc_channel_new(&co, &ch, &e);
-  if (rc)
-    goto out;
-  Torchft__KillRequest kr = TORCHFT__KILL_REQUEST__INIT;
-  kr.msg = "killed from dashboard";
-  uint8_t buf[64];
-  size_t n = torchft__kill_request__pack(&kr, buf);
-  rc = sg_rpc_channel_call(ch, "/torchft.ManagerService/Kill", buf, n,
-                           sg_deadline_in_ms(KILL_TIMEOUT_MS), &resp, &resp_len,
-                           &status, &e);
-  /* A killed manager may die before it answers: a reset after the request
-   * went out still means the kill was delivered. */
-  if (rc == SG_ECONNRESET)
-    rc = 0;
-out:
-  if (rc)
-    snprintf(err, errlen, "%s", e.msg[0] ? e.msg : sg_strerror(rc));
-  if (!rc) {
-    sg_log(SG_LOG_INFO, LOG, "killed replica %s at %s from the dashboard",
-           replica_id, addr);
-    pthread_mutex_lock(&s->mu);
-    sg__lh_history_down(s->hist, sg_now_ns(), replica_id,
-                        "killed from the dashboard");
-    pthread_mutex_unlock(&s->mu);
-  }
-  sg_free(resp);
-  if (ch)
-    sg_rpc_channel_free(ch);
-  sg_free(addr);
-  return rc;
-}
-
 /* ---- loop thread and lifecycle
  * ------------------------------------------------ */
 
@@ -1437,7 +1109,7 @@ int sg_lh_server_start(const sg_lh_opts_t *o, sg_lh_server_t **out,
     goto fail;
   }
   sg__lh_history_init(s->hist, 0);
-  int64_t floor = load_last_quorum(s);
+  int64_t floor = sg__lh_idfile_load(s);
   sg__lh_set_quorum_id_floor(s->st, floor);
   s->persisted_id = floor;
   if (s->o.etcd && (rc = sg__lh_leader_start(s, err)) != 0)
@@ -1448,8 +1120,8 @@ int sg_lh_server_start(const sg_lh_opts_t *o, sg_lh_server_t **out,
   ho.auth_token = s->o.auth_token;
   ho.max_connections = 256;
   ho.timeout_s = 10;
-  ho.snapshot = snapshot;
-  ho.kill = kill_replica;
+  ho.snapshot = sg__lh_snapshot;
+  ho.kill = sg__lh_kill_replica;
   ho.ud = s;
   rc = sg__lh_http_new(&ho, &s->http, err);
   if (rc)

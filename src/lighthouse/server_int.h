@@ -1,10 +1,13 @@
 /*
- * server_int.h: the lighthouse server's state, shared by its three files.
+ * server_int.h: the lighthouse server's state, shared by its files.
  *
- *   server.c  the loop: liveness, Quorum and Heartbeat calls, decisions,
- *             status and the HTTP/1.1 side, start and stop
- *   proxy.c   a follower forwards calls to the leader (--etcd)
- *   leader.c  the etcd thread: lease, election, fenced quorum records
+ *   server.c   the loop: liveness, Quorum and Heartbeat calls, decisions,
+ *              start and stop
+ *   observe.c  histograms, the status snapshot and the dashboard's Kill
+ *              (the HTTP/1.1 side's callbacks)
+ *   idfile.c   the --quorum_id_file: quorum ids and the step floor
+ *   proxy.c    a follower forwards calls to the leader (--etcd)
+ *   leader.c   the etcd thread: lease, election, fenced quorum records
  *
  * Everything in sg_lh_server_t is guarded by `mu` unless its comment says
  * otherwise; every function below but sg__lh_leader_main and
@@ -23,6 +26,7 @@
 #include "lighthouse/http.h"
 #include "lighthouse/lease.h"
 #include "lighthouse/quorum.h"
+#include "lighthouse/status.h"
 #include "stepguard/base.h"
 #include "stepguard/lighthouse.h"
 #include "stepguard/rpc.h"
@@ -69,9 +73,10 @@ struct conn {
 /* Connections by id modulo: a replica's next request finds its connection
  * and itself known there without a formatted key and three lookups. */
 #define CONN_CACHE 64
+#define MAX_ID_LEN 1024 /* replica ids and addresses */
 
-#define N_LAT 12 /* lat_le_s, server.c */
-#define N_DEC 14 /* dec_le_s, server.c */
+#define N_LAT 12 /* lat_le_s, observe.c */
+#define N_DEC 14 /* dec_le_s, observe.c */
 
 struct sg_lh_server_s {
   /* options (strings owned) */
@@ -184,6 +189,22 @@ void sg__lh_proxy_answer(uv_async_t *a);
 /* On the etcd thread: keep proxy_ch going to `want` (mu held, released
  * while dialing). */
 void sg__lh_proxy_sync(sg_lh_server_t *s, const char *want);
+
+/* idfile.c: the --quorum_id_file (none: the wall-clock floor).  Load
+ * returns the id floor and hands the step floor and the last quorum's
+ * members to the quorum state; persist writes quorum `q` at a new id, and
+ * at most once a second when only the step floor moved. */
+int64_t sg__lh_idfile_load(sg_lh_server_t *s);
+void sg__lh_idfile_persist(sg_lh_server_t *s, const sg__lh_quorum_t *q,
+                           int64_t now);
+
+/* observe.c: the histograms (mu held), and the HTTP side's callbacks
+ * (sg__lh_http_opts_t: they take mu themselves) */
+void sg__lh_observe_latency(sg_lh_server_t *s, int64_t start_ns);
+void sg__lh_observe_decision(sg_lh_server_t *s, int64_t ns);
+int sg__lh_snapshot(void *ud, sg__lh_status_t *out);
+int sg__lh_kill_replica(void *ud, const char *replica_id, char *err,
+                        size_t errlen);
 
 /* leader.c */
 int sg__lh_leader_start(sg_lh_server_t *s, sg_err_t *err); /* before serving */

@@ -799,6 +799,54 @@ static void test_auth_token_required(void **state) {
   lh_group_stop(&g, lh);
 }
 
+/* A manager reports the highest step of its last quorum with its requests
+ * (field 102): a restarted lighthouse without an id file learns the step
+ * the job reached from it and holds a quorum of replicas behind it until
+ * one that holds it is back. */
+static void test_restarted_lighthouse_learns_the_step_floor(void **state) {
+  (void)state;
+  sg_lh_server_t *lh = lh_start(0, 1, 100, 500);
+  int port = sg_lh_server_port(lh);
+  char lh_addr[64];
+  snprintf(lh_addr, sizeof(lh_addr), "http://127.0.0.1:%d", port);
+  group_t gs[2];
+  group_start(&gs[0], "a", lh_addr, "storeA:1");
+  group_start(&gs[1], "b", lh_addr, "storeB:1");
+  struct qreq q[4];
+  const int64_t steps[2][2] = {{10, 10}, {0, 0}}; /* b heals from a */
+  run_round(gs, 2, steps, 0, q);
+  assert_int_equal(q[2].r.max_step, 10);
+  q_free(q, 4);
+  /* a dies, and the lighthouse restarts without an id file */
+  group_stop(&gs[0]);
+  sg_lh_server_stop(lh);
+  lh = lh_start(port, 1, 100, 500);
+  for (int r = 0; r < 2; r++) {
+    q_init(&q[r], &gs[1], r, 0);
+    q[r].timeout_ms = 3000;
+    q_start(&q[r]);
+  }
+  for (int r = 0; r < 2; r++) {
+    q_join(&q[r]);
+    assert_true(q[r].rc < 0); /* held: b alone would start over */
+  }
+  q_free(q, 2);
+  /* c holds step 10: b heals from it */
+  group_t c;
+  group_start(&c, "c", lh_addr, "storeC:1");
+  group_t both[2] = {gs[1], c};
+  const int64_t steps2[2][2] = {{0, 0}, {10, 10}};
+  run_round(both, 2, steps2, 0, q);
+  for (int i = 0; i < 4; i++)
+    assert_int_equal(q[i].r.max_step, 10);
+  assert_true(q[0].r.heal);
+  assert_false(q[2].r.heal);
+  q_free(q, 4);
+  group_stop(&c);
+  group_stop(&gs[1]);
+  sg_lh_server_stop(lh);
+}
+
 static void test_lighthouse_down_then_back(void **state) {
   (void)state;
   sg_lh_server_t *lh = lh_start(0, 1, 100, 1000);
@@ -2159,6 +2207,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_invalid_options),
       cmocka_unit_test(test_two_groups_quorum_commit_metadata),
+      cmocka_unit_test(test_restarted_lighthouse_learns_the_step_floor),
       cmocka_unit_test(test_reconfigure_handles),
       cmocka_unit_test(test_advertised_host),
       cmocka_unit_test(test_metadata_of_silent_rank_not_found),

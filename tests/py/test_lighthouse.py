@@ -396,6 +396,20 @@ def _held(port: int) -> bool:
                                              "the job reached step 10")
 
 
+@contextmanager
+def _beating(address: str, replica_id: str):
+    """Heartbeats for `replica_id` every 100 ms while the block runs."""
+    stop = threading.Event()
+    t = threading.Thread(target=_beat, daemon=True, args=(
+        LighthouseClient(address, td(10), auth_token=""), replica_id, stop))
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(timeout=10)
+
+
 def test_a_quorum_that_would_start_the_job_over_waits_for_its_state(tmp_path, pool):
     """Every replica holding step 10 is gone; a fresh one at step 0 would
     start the job over.  It waits, also across a restart (the id file keeps
@@ -403,53 +417,39 @@ def test_a_quorum_that_would_start_the_job_over_waits_for_its_state(tmp_path, po
     f = tmp_path / "qid"
     kw = dict(quorum_id_file=str(f), heartbeat_timeout_ms=300, join_timeout_ms=50,
               state_loss_wait_ms=-1)
-    stop = threading.Event()
-    try:
-        with server(**kw) as s:
-            assert ids(client(s).quorum("a", td(10), step=10)) == ["a"]
-            assert status(s.port())["step_floor"] == 10
-            beat = pool.submit(_beat, client(s), "b", stop)
+    with server(**kw) as s:
+        assert ids(client(s).quorum("a", td(10), step=10)) == ["a"]
+        assert status(s.port())["step_floor"] == 10
+        with _beating(addr(s), "b"):
             fb = pool.submit(client(s).quorum, "b", td(30), step=0)
             wait_until(lambda: _held(s.port()), 10, "the hold")
             time.sleep(1.0)  # far past the heartbeat and join timeouts
             assert not fb.done() and _held(s.port())
-            stop.set()
-            beat.result(timeout=10)
-        with pytest.raises(RuntimeError):
-            fb.result(timeout=30)  # the shutdown ended its call
-        first = f.read_text().splitlines()[0].split()
-        assert first[1] == "10", f.read_text()
-        stop.clear()
-        with server(**kw) as s:
-            st = status(s.port())
-            assert st["step_floor"] == 10 and st["step_regressions"] == 0
-            beat = pool.submit(_beat, client(s), "b", stop)
+    with pytest.raises(RuntimeError):
+        fb.result(timeout=30)  # the shutdown ended its call
+    first = f.read_text().splitlines()[0].split()
+    assert first[1] == "10", f.read_text()
+    with server(**kw) as s:
+        st = status(s.port())
+        assert st["step_floor"] == 10 and st["step_regressions"] == 0
+        with _beating(addr(s), "b"):
             fb = pool.submit(client(s).quorum, "b", td(30), step=0)
             wait_until(lambda: _held(s.port()), 10, "the hold after a restart")
             q = client(s).quorum("c", td(30), step=10)
             assert ids(q) == ids(fb.result(timeout=30)) == ["b", "c"]
-            assert status(s.port())["step_regressions"] == 0
-            stop.set()
-            beat.result(timeout=10)
-    finally:
-        stop.set()
+        assert status(s.port())["step_regressions"] == 0
 
 
-def test_a_bounded_wait_starts_the_job_over_loudly(procs, pool):
-    lh = start_ours(procs, "--min_replicas", "1", "--heartbeat_timeout_ms", "300",
-                    "--join_timeout_ms", "50", "--state_loss_wait_ms", "1500")
+def test_a_bounded_wait_starts_the_job_over_loudly(procs):
+    flags = ("--min_replicas", "1", "--heartbeat_timeout_ms", "300",
+             "--join_timeout_ms", "50")
+    lh = start_ours(procs, *flags, "--state_loss_wait_ms", "1500")
     # a's connection stays open (c is kept): it is silent, not seen to die
     c = LighthouseClient(lh.addr, td(10), auth_token="")
     assert ids(c.quorum("a", td(10), step=10)) == ["a"]
-    stop = threading.Event()
-    beat = pool.submit(_beat, LighthouseClient(lh.addr, td(10), auth_token=""), "b",
-                       stop)
-    try:
+    with _beating(lh.addr, "b"):
         q = LighthouseClient(lh.addr, td(10), auth_token="").quorum("b", td(60),
                                                                      step=0)
-    finally:
-        stop.set()
-        beat.result(timeout=10)
     assert ids(q) == ["b"]
     lh.wait_line(r"WARN.*Quorum status: Holding a quorum at step 0: the job "
                  r"reached step 10", 10)
@@ -461,22 +461,17 @@ def test_a_bounded_wait_starts_the_job_over_loudly(procs, pool):
     _, _, body = http_get(lh.port, "/metrics")
     assert re.search(rb"^stepguard_lighthouse_step_regressions_total 1$", body, re.M)
     # torchft's behaviour on request: no hold at all
-    lh0 = start_ours(procs, "--min_replicas", "1", "--heartbeat_timeout_ms", "300",
-                     "--join_timeout_ms", "50", "--state_loss_wait_ms", "0")
-    LighthouseClient(lh0.addr, td(10), auth_token="").quorum("a", td(10), step=10)
-    stop.clear()
-    beat = pool.submit(_beat, LighthouseClient(lh0.addr, td(10), auth_token=""), "b",
-                       stop)
-    try:
+    lh0 = start_ours(procs, *flags, "--state_loss_wait_ms", "0")
+    c0 = LighthouseClient(lh0.addr, td(10), auth_token="")
+    c0.quorum("a", td(10), step=10)
+    with _beating(lh0.addr, "b"):
         q = LighthouseClient(lh0.addr, td(10), auth_token="").quorum("b", td(30),
                                                                       step=0)
-    finally:
-        stop.set()
-        beat.result(timeout=10)
     assert ids(q) == ["b"]
     assert status(lh0.port)["step_regressions"] == 1
     assert "Holding" not in lh0.output()
     c.close()
+    c0.close()
 
 
 # ---- HTTP ---------------------------------------------------------------

@@ -26,7 +26,7 @@ from typing import Any
 from stepguard.launch import LaunchConfig, Launcher
 from stepguard.launch.netns import netns_unavailable
 from stepguard.soak import checker, goodput
-from stepguard.soak.schedule import KINDS, SoakParams, make_schedule
+from stepguard.soak.schedule import KINDS, Pacer, SoakParams, make_schedule
 
 # torchft's trainer has no heal hook (the armed kinds) and does not
 # survive a lighthouse restart (its quorum call fails, and it exits)
@@ -85,7 +85,7 @@ class _Driver:
         self.next_sample = 0.0
         self.pids: set[int] = set()
         self.entries: list[dict[str, Any]] = []
-        self.fired: set[str] = set()
+        self.pacer = Pacer(self.schedule)
 
     def on_event(self, r: dict[str, Any]) -> None:
         if r["event"] == "commit":
@@ -96,6 +96,10 @@ class _Driver:
             self.pids.update(r.get("pids", []))
         if r["event"] == "lighthouse" and r.get("pid"):
             self.pids.add(r["pid"])
+        if r["event"] == "inject" and r.get("tag"):
+            self.pacer.injected(r["tag"])
+        if r["event"] == "inject_skipped" and r.get("tag") and "faults0" in self.t:
+            self.pacer.skipped(r["tag"], r["t"] - self.t["faults0"])
 
     def sample(self, launcher: Launcher) -> None:
         now = time.time()
@@ -127,20 +131,15 @@ class _Driver:
                      f"over {a.minutes:g} min")
         elif self.phase == "faults":
             at = now - self.t["faults0"]
-            while self.schedule and self.schedule[0].at <= at:
-                e = self.schedule[0]
-                # A fault that could only hit the last holder of the state
-                # would be skipped: wait for enough groups back, up to 15 s
-                # (60 s for a kind not injected yet: every kind once first).
-                patience = 15.0 if e.kind in self.fired else 60.0
-                if _holders(launcher) < _NEEDS.get(e.kind, 2) and at - e.at < patience:
-                    break
-                self.fired.add(e.kind)
-                self.schedule.pop(0)
+            # one entry at a time, when enough groups hold the state, a kind
+            # skipped before it was ever injected again (schedule.Pacer)
+            nxt = self.pacer.next(at, _holders(launcher))
+            if nxt is not None:
+                tag, e = nxt
                 for i, spec in enumerate(e.specs):
-                    spec.tag = f"{e.kind}#{len(self.entries)}" + (f".{i}" if i else "")
+                    spec.tag = tag + (f".{i}" if i else "")
                     launcher.inject(spec)
-                self.entries.append({"kind": e.kind, "t": now, "at": e.at})
+                self.entries.append({"kind": e.kind, "t": now, "at": e.at, "retry": e.retry})
             if at >= a.minutes * 60.0:
                 launcher.stop_injecting()
                 self.phase, self.t["tail0"] = "tail", now
@@ -162,14 +161,12 @@ class _Driver:
         print(f"[soak] {msg}", flush=True)
 
 
-# groups holding the state an entry needs before it fires (one more than
-# it may take down); the rest wait
-_NEEDS = {"double": 3, "lighthouse": 0, "lighthouse_no_id_file": 0}
-
-
 def _holders(launcher: Launcher) -> int:
+    """Groups holding the job's state, as the launcher's spare_last_holder
+    rule counts them (a group hit in the last second is not one)."""
+    now = time.monotonic()
     return sum(1 for g in launcher.groups if g.state == "running" and g.first_commit_seen
-               and not g.stopped and not g.hung)
+               and not g.stopped and not g.hung and now - g.hit_at > 1.0)
 
 
 def _leftovers(pids: set[int], launcher_pid: int) -> dict[str, list[Any]]:
@@ -332,13 +329,14 @@ def main(argv: list[str] | None = None) -> int:
     kinds = a.kinds.split(",") if a.kinds else None
     if a.impl == "torchft" and kinds is None:
         kinds = list(TORCHFT_KINDS)
-    schedule = make_schedule(a.seed, a.minutes * 60.0, a.gap, params, kinds)
+    try:
+        schedule = make_schedule(a.seed, a.minutes * 60.0, a.gap, params, kinds)
+    except ValueError as e:
+        print(f"soak: {e}", file=sys.stderr)
+        return 2
     (out / "schedule.json").write_text(json.dumps(
         [{"at": e.at, "kind": e.kind, "specs": [vars(s) for s in e.specs]} for e in schedule],
         indent=1) + "\n")
-    missing = set(kinds or KINDS) - {e.kind for e in schedule}
-    if missing:
-        print(f"soak: the schedule has no {sorted(missing)} (lengthen --minutes)", flush=True)
     cmd = [sys.executable, str(_TRAINER), "--log-dir", str(out / "steps"),
            "--timeout", str(params.op_timeout), "--quorum-timeout", "90", "--impl", a.impl]
     cfg = LaunchConfig(

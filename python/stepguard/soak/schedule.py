@@ -15,12 +15,12 @@ launcher shapes links) is one more entry there.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from stepguard.launch.spec import FailureSpec
 
-__all__ = ["KINDS", "Entry", "SoakParams", "make_schedule"]
+__all__ = ["KINDS", "NEEDS", "Entry", "Pacer", "SoakParams", "make_schedule"]
 
 
 @dataclass
@@ -107,6 +107,7 @@ class Entry:
     at: float  # seconds after the fault phase began
     kind: str
     specs: list[FailureSpec] = field(default_factory=list)
+    retry: bool = False  # queued again: its kind's first fault was skipped
 
 
 def make_schedule(seed: int, duration_s: float, gap_s: float,
@@ -114,12 +115,18 @@ def make_schedule(seed: int, duration_s: float, gap_s: float,
                   kinds: list[str] | None = None) -> list[Entry]:
     """Entries about every ``gap_s`` (uniform in [0.7, 1.3] x gap) over
     ``duration_s``: first every kind once in a seeded order, then kinds
-    drawn uniformly.  The same arguments give the same schedule."""
+    drawn uniformly.  The same arguments give the same schedule.
+
+    Raises ValueError when ``duration_s`` cannot hold every kind once even
+    at the longest gaps: a schedule always has every kind."""
     p = params or SoakParams()
     names = list(kinds or KINDS)
     unknown = [n for n in names if n not in KINDS]
     if unknown:
         raise ValueError(f"unknown soak fault kinds {unknown} (known: {', '.join(KINDS)})")
+    if len(names) * gap_s * 1.3 >= duration_s:
+        raise ValueError(f"{duration_s:g} s of faults every ~{gap_s:g} s cannot hold each of "
+                         f"the {len(names)} kinds once: lengthen it or shorten the gap")
     rng = random.Random(seed)
     first = names[:]
     rng.shuffle(first)
@@ -130,3 +137,92 @@ def make_schedule(seed: int, duration_s: float, gap_s: float,
         out.append(Entry(at=round(t, 3), kind=name, specs=KINDS[name](rng, p)))
         t += gap_s * rng.uniform(0.7, 1.3)
     return out
+
+
+# Groups holding the state an entry needs before it fires (one more than it
+# may take down; none for the lighthouse kinds).
+NEEDS = {"double": 3, "lighthouse": 0, "lighthouse_no_id_file": 0}
+
+
+class Pacer:
+    """Which entry of a schedule to inject now.
+
+    The schedule gives every kind once first, but a schedule alone does not
+    make a run inject every kind: an entry waits while too few groups hold
+    the state (see :data:`NEEDS`), so entries behind it come due together,
+    and the launcher skips a fault that finds only the last holder of the
+    state to hit (or an armed point nobody reaches).  So:
+
+    - at most one entry at a time, ``spacing_s`` apart: entries that came
+      due together would otherwise be queued before the launcher has seen
+      what the first one took down, and be skipped;
+    - an entry waits for ``NEEDS`` holders, ``patience_new_s`` at most for
+      a kind not injected yet, ``patience_s`` after;
+    - a kind whose fault was skipped before it was ever injected is queued
+      again, to be the next entry (``max_retries`` times at most; a retry
+      of a kind injected meanwhile is dropped).
+
+    The runner reports what the launcher did through :meth:`injected` and
+    :meth:`skipped`.  Times are seconds since the fault phase began.
+    """
+
+    def __init__(self, schedule: list[Entry], spacing_s: float = 2.0,
+                 patience_s: float = 15.0, patience_new_s: float = 60.0,
+                 max_retries: int = 3) -> None:
+        self.queue = list(schedule)
+        self.spacing_s = spacing_s
+        self.patience_s = patience_s
+        self.patience_new_s = patience_new_s
+        self.max_retries = max_retries
+        self.done: set[str] = set()  # kinds injected at least once
+        self.retries: dict[str, int] = {}
+        self.last_at: float | None = None
+        self._by_tag: dict[str, Entry] = {}
+        self._n = 0
+
+    def next(self, at: float, holders: int) -> tuple[str, Entry] | None:
+        """The entry to inject at ``at`` with ``holders`` groups holding the
+        state, and its tag (``<kind>#<n>``; a spec's tag adds ``.i``), or
+        None."""
+        while self.queue and self.queue[0].retry and self.queue[0].kind in self.done:
+            self.queue.pop(0)
+        if not self.queue or self.queue[0].at > at:
+            return None
+        if self.last_at is not None and at - self.last_at < self.spacing_s:
+            return None
+        e = self.queue[0]
+        patience = self.patience_s if e.kind in self.done else self.patience_new_s
+        if holders < NEEDS.get(e.kind, 2) and at - e.at < patience:
+            return None
+        self.queue.pop(0)
+        self.last_at = at
+        tag = f"{e.kind}#{self._n}"
+        self._n += 1
+        self._by_tag[tag] = e
+        return tag, e
+
+    @staticmethod
+    def _entry_tag(tag: str) -> str | None:
+        """``kind#n`` of a spec's tag (``kind#n.i``), None for a fault the
+        launcher added (an armed kind's heal trigger)."""
+        if ":" in tag:
+            return None
+        return tag.split(".", 1)[0]
+
+    def injected(self, tag: str) -> None:
+        t = self._entry_tag(tag)
+        if t is not None and t in self._by_tag:
+            self.done.add(self._by_tag[t].kind)
+
+    def skipped(self, tag: str, at: float) -> None:
+        t = self._entry_tag(tag)
+        e = self._by_tag.get(t) if t is not None else None
+        if e is None or e.kind in self.done:
+            return
+        n = self.retries.get(e.kind, 0)
+        if n >= self.max_retries or any(q.retry and q.kind == e.kind for q in self.queue):
+            return
+        self.retries[e.kind] = n + 1
+        self.queue.insert(0, Entry(at=at, kind=e.kind, specs=[replace(s, tag=None)
+                                                              for s in e.specs],
+                                   retry=True))

@@ -26,8 +26,10 @@ while True:
     stop = stop_step()
     if stop is not None and step >= stop:
         sys.exit(0)
-    time.sleep(0.05)
-    if os.environ.get("FAKE_HOOK") and step >= 3:
+    time.sleep(0.2 if os.environ.get("FAKE_SLOW_GROUP") == os.environ["REPLICA_GROUP_ID"]
+               else 0.05)
+    if os.environ.get("FAKE_HOOK") and step >= 3 and os.environ.get(
+            "FAKE_HOOK_GROUP", os.environ["REPLICA_GROUP_ID"]) == os.environ["REPLICA_GROUP_ID"]:
         hook_point(os.environ["FAKE_HOOK"], wait_s=20, step=step)
     report("step", step=step, committed=True, quorum_id=1, participants=1)
     step += 1
@@ -201,6 +203,49 @@ def test_the_last_group_holding_the_state_is_spared(tmp_path: Path) -> None:
     hooks = _of(tl, "hook", point="serve")
     assert len(hooks) >= 2 and len({h["step"] for h in hooks}) >= 2  # it went on
     assert not _of(tl, "hook_timeout") and not _of(tl, "exit", returncode=-9)
+
+
+def test_a_group_behind_does_not_hold_the_state_for_the_last_holder(tmp_path: Path) -> None:
+    """A group that has not committed the steps another has (here a slow
+    one, restarted from step 0; in the soak, one that discarded the step the
+    source committed, then healed from it) cannot give that state back: a
+    recovery source reaching its armed point is let go while the only other
+    group is behind it, and no kill hits it.  (Seed 1's short soak: the
+    heal trigger killed one holder, the other discarded that step and
+    healed from the third, and the strike at that source left no replica
+    holding the job's state: the job started over.)"""
+    seen = {"killed": False, "armed": False, "hooks_after": 0}
+    behind_commits: list[int] = []
+
+    def on_event(rec: dict) -> None:
+        if rec["event"] == "commit" and rec["group"] == 0 and rec["step"] >= 20 \
+                and not seen["killed"]:
+            seen["killed"] = True
+            launcher.inject(parse_failure_spec("kill:start=0s,rank=all,group=1"))
+        if rec["event"] == "restart" and rec["group"] == 1 and not seen["armed"]:
+            seen["armed"] = True  # a group is starting: no heal trigger
+            launcher.inject(parse_failure_spec("kill_source:start=0s,duration=30s"))
+        if rec["event"] == "commit" and rec["group"] == 1 and rec["incarnation"] == 1:
+            behind_commits.append(rec["step"])
+        if rec["event"] == "hook" and len(behind_commits) >= 3:
+            seen["hooks_after"] += 1
+            if seen["hooks_after"] >= 3 and not launcher._finishing:
+                launcher.finish(step=0)
+        if rec["event"] == "inject" and rec["kind"] == "kill_source" \
+                and not launcher._finishing:
+            launcher.finish(step=0)
+
+    cfg = _config(tmp_path, groups=2, hook_dir=str(tmp_path / "hooks"),
+                  spare_last_holder=True,
+                  env={"FAKE_HOOK": "serve", "FAKE_HOOK_GROUP": "0", "FAKE_SLOW_GROUP": "1"})
+    launcher = Launcher(cfg, on_event=on_event)
+    assert launcher.run() == 0
+    tl = _timeline(tmp_path / "tl.jsonl")
+    assert not _of(tl, "inject", kind="kill_source"), "struck the last holder"
+    assert not _of(tl, "inject_skipped", kind="kill")  # the group kill was not spared
+    assert seen["hooks_after"] >= 3  # the source reached the point, behind_commits later
+    assert len(_of(tl, "exit", group=0, returncode=-9)) == 0
+    assert not _of(tl, "hook_timeout")
 
 
 def test_an_armed_point_reached_after_injections_stopped_is_let_go(tmp_path: Path) -> None:

@@ -93,8 +93,9 @@ class LaunchConfig:
     # Where kill_source / kill_after_heal arm fault points (hook_point).
     hook_dir: str | None = None
     # Never inject into the last group holding the job's state (running,
-    # committed in this incarnation, not hung, not just hit): a fault load
-    # that kills every replica of the state is not one to survive.
+    # committed in this incarnation, not hung, not just hit, and no other
+    # such group has committed its last committed step): a fault load that
+    # kills every replica of the state is not one to survive.
     spare_last_holder: bool = False
 
 
@@ -137,6 +138,7 @@ class _Group:
         self.failed_starts = 0  # consecutive incarnations that crashed early
         self.bad_rank = 0  # the rank whose exit ended the last incarnation
         self.first_commit_seen = False
+        self.last_step = -1  # rank 0's last committed step in this incarnation
         self.last_quorum: tuple[Any, Any] | None = None
         self.stopped = False  # hang injection in effect
         self.partitioned = False  # partition injection in effect
@@ -452,6 +454,7 @@ class Launcher:
         g.store = self._new_store(g)
         g.workers = []
         g.first_commit_seen = False
+        g.last_step = -1
         g.ready_at = None
         # An incarnation started inside a partition cannot reach the others:
         # its failure is the injection's, not its own.
@@ -689,6 +692,8 @@ class Launcher:
                          step=rec.get("step"))
         if not committed:
             return
+        if isinstance(rec.get("step"), int):
+            g.last_step = rec["step"]
         for h in [h for h in self._pending_heals if h["group"] == gid and t > h["t"]]:
             self._pending_heals.remove(h)
             self._record("recovery", t=t, kind=h.get("kind", "partition_heal"),
@@ -750,7 +755,11 @@ class Launcher:
         return inj.rng.choice(cands) if cands else None
 
     def _last_holder(self, g: _Group) -> bool:
-        """Whether ``g`` holds the state and no other group does."""
+        """Whether ``g`` holds the state and no other group holds as much:
+        another holds it only if it has committed ``g``'s last committed
+        step too.  A group behind (one that discarded the step ``g``
+        committed, or a healer: the peer a recovery source serves) cannot
+        give the state back."""
         now = time.monotonic()
 
         def holds(h: _Group) -> bool:
@@ -759,7 +768,8 @@ class Launcher:
             return (h.state == "running" and h.first_commit_seen and not h.stopped
                     and not h.hung and now - h.hit_at > 1.0)
 
-        return holds(g) and not any(holds(h) for h in self.groups if h is not g)
+        return holds(g) and not any(holds(h) and h.last_step >= g.last_step
+                                    for h in self.groups if h is not g)
 
     def _inject(self, inj: _Injector) -> None:
         outer, self._tag = self._tag, inj.spec.tag

@@ -137,3 +137,32 @@ def test_the_driver_injects_every_kind_though_the_launcher_skipped_one(tmp_path:
     assert kinds == set(KINDS), set(KINDS) - kinds
     assert la.refused == 1
     assert [e for e in drv.entries if e["retry"]]
+
+
+def test_a_skipped_entry_of_a_kind_injected_before_is_queued_again_once():
+    p = Pacer(_entries("hang", "hang", "kill_source", "kill_source", "partition"),
+              spacing_s=0.0)
+    t0, _ = p.next(0.0, holders=3)
+    p.injected(t0)
+    t1, _ = p.next(1.0, holders=3)
+    p.skipped(t1, at=1.1, reason="no running group to hit")
+    t2, e2 = p.next(1.1, holders=3)
+    assert e2.kind == "hang" and e2.retry == "again"
+    p.skipped(t2, at=1.2)  # once only
+    t3, e3 = p.next(2.0, holders=3)
+    assert e3.kind == "kill_source" and e3.retry is None
+    p.injected(t3)
+    t4, _ = p.next(3.0, holders=3)
+    # the point is still armed by the one before: it is struck yet
+    p.skipped(t4, at=3.1, reason="already armed")
+    assert p.next(4.0, holders=3)[1].kind == "partition"
+    assert not p.queue
+
+
+def test_a_short_run_has_enough_entries_for_its_minimum_of_faults():
+    """The short run's gap leaves room for a few skipped entries above the
+    minimum of faults it must inject."""
+    a = runner.parse_args(["--short"])
+    for seed in range(50):
+        n = len(make_schedule(seed, a.minutes * 60, a.gap))
+        assert n >= runner.SHORT_MIN_FAULTS + 2, (seed, n)

@@ -32,6 +32,9 @@ from stepguard.soak.schedule import KINDS, Pacer, SoakParams, make_schedule
 # survive a lighthouse restart (its quorum call fails, and it exits)
 TORCHFT_KINDS = ("kill_group", "kill_rank", "hang", "partition", "double")
 
+# what --short must reach (its gap gives about 24 entries; some are skipped)
+SHORT_MIN_FAULTS = 20
+
 _ROOT = Path(__file__).resolve().parents[3]
 _TRAINER = _ROOT / "examples" / "soak_train.py"
 
@@ -41,11 +44,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, default=50.0,
                    help="length of the fault phase (default 50: about 230 faults)")
     p.add_argument("--short", action="store_true",
-                   help="the CI size: 4 minutes of faults every ~11 s, under 8 minutes "
+                   help="the CI size: 4 minutes of faults every ~10 s, under 8 minutes "
                    "in all")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--gap", type=float, default=None,
-                   help="mean seconds between faults (default 13, short 11)")
+                   help="mean seconds between faults (default 13, short 10)")
     p.add_argument("--groups", type=int, default=3)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--baseline", type=float, default=None,
@@ -63,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.short:
         a.minutes = min(a.minutes, 4.0)
     if a.gap is None:
-        a.gap = 11.0 if a.short else 13.0
+        a.gap = 10.0 if a.short else 13.0
     if a.baseline is None:
         a.baseline = 20.0 if a.short else 30.0
     return a
@@ -99,7 +102,7 @@ class _Driver:
         if r["event"] == "inject" and r.get("tag"):
             self.pacer.injected(r["tag"])
         if r["event"] == "inject_skipped" and r.get("tag") and "faults0" in self.t:
-            self.pacer.skipped(r["tag"], r["t"] - self.t["faults0"])
+            self.pacer.skipped(r["tag"], r["t"] - self.t["faults0"], str(r.get("reason", "")))
 
     def sample(self, launcher: Launcher) -> None:
         now = time.time()
@@ -364,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = report(out, a, drv, h, vs, rc)
     if a.short and summary["kinds_not_injected"]:
         print("soak: the short run must inject every kind at least once", flush=True)
+        return 1
+    if a.short and summary["faults"] < SHORT_MIN_FAULTS:
+        print(f"soak: the short run must inject at least {SHORT_MIN_FAULTS} faults", flush=True)
         return 1
     if a.compare_with:
         other = Path(a.compare_with) / "summary.json"

@@ -107,7 +107,10 @@ class Entry:
     at: float  # seconds after the fault phase began
     kind: str
     specs: list[FailureSpec] = field(default_factory=list)
-    retry: bool = False  # queued again: its kind's first fault was skipped
+    # queued again after the launcher skipped it: "missing" (its kind was
+    # never injected), "again" (once, for a kind injected before)
+    retry: str | None = None
+    origin: str | None = None  # the tag of the entry a retry repeats
 
 
 def make_schedule(seed: int, duration_s: float, gap_s: float,
@@ -160,7 +163,10 @@ class Pacer:
       a kind not injected yet, ``patience_s`` after;
     - a kind whose fault was skipped before it was ever injected is queued
       again, to be the next entry (``max_retries`` times at most; a retry
-      of a kind injected meanwhile is dropped).
+      of a kind injected meanwhile is dropped);
+    - any other skipped entry is queued again once (not one skipped because
+      its fault point was still armed by the same kind: that one is struck
+      yet), so that skips do not thin the run out.
 
     The runner reports what the launcher did through :meth:`injected` and
     :meth:`skipped`.  Times are seconds since the fault phase began.
@@ -178,13 +184,15 @@ class Pacer:
         self.retries: dict[str, int] = {}
         self.last_at: float | None = None
         self._by_tag: dict[str, Entry] = {}
+        self._landed: set[str] = set()  # entries with a fault injected
         self._n = 0
 
     def next(self, at: float, holders: int) -> tuple[str, Entry] | None:
         """The entry to inject at ``at`` with ``holders`` groups holding the
         state, and its tag (``<kind>#<n>``; a spec's tag adds ``.i``), or
         None."""
-        while self.queue and self.queue[0].retry and self.queue[0].kind in self.done:
+        while self.queue and self.queue[0].retry == "missing" \
+                and self.queue[0].kind in self.done:
             self.queue.pop(0)
         if not self.queue or self.queue[0].at > at:
             return None
@@ -213,16 +221,28 @@ class Pacer:
         t = self._entry_tag(tag)
         if t is not None and t in self._by_tag:
             self.done.add(self._by_tag[t].kind)
+            self._landed.add(t)
+            # part of the entry landed (one fault of a double): no retry
+            self.queue = [q for q in self.queue if q.origin != t]
 
-    def skipped(self, tag: str, at: float) -> None:
+    def skipped(self, tag: str, at: float, reason: str = "") -> None:
+        """The launcher skipped the fault of ``tag`` at ``at``, for
+        ``reason`` (the ``inject_skipped`` record's)."""
         t = self._entry_tag(tag)
         e = self._by_tag.get(t) if t is not None else None
-        if e is None or e.kind in self.done:
+        if e is None or t in self._landed:
             return
-        n = self.retries.get(e.kind, 0)
-        if n >= self.max_retries or any(q.retry and q.kind == e.kind for q in self.queue):
-            return
-        self.retries[e.kind] = n + 1
+        if e.kind in self.done:
+            if e.retry is not None or "already armed" in reason:
+                return
+            retry = "again"
+        else:
+            n = self.retries.get(e.kind, 0)
+            if n >= self.max_retries or any(q.retry == "missing" and q.kind == e.kind
+                                            for q in self.queue):
+                return
+            self.retries[e.kind] = n + 1
+            retry = "missing"
         self.queue.insert(0, Entry(at=at, kind=e.kind, specs=[replace(s, tag=None)
                                                               for s in e.specs],
-                                   retry=True))
+                                   retry=retry, origin=t))

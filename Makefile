@@ -76,14 +76,16 @@ demo-lighthouse: build
 
 # the chaos soak: replica groups of two ranks under a seeded mix of faults
 # for SOAK_MINUTES (default 50: over 200 faults), then the history checker;
-# writes soak-out/ (docs/soak.md).  soak-short is the CI size (under 8 min).
+# writes SOAK_OUT (default soak-out/; docs/soak.md).  soak-short is the CI
+# size (under 8 min, >= 20 faults, every kind).
 SOAK_MINUTES ?= 50
 SOAK_SEED ?= 1
+SOAK_OUT ?= soak-out
 soak: build
-	$(PY) -m stepguard.soak --minutes $(SOAK_MINUTES) --seed $(SOAK_SEED)
+	$(PY) -m stepguard.soak --minutes $(SOAK_MINUTES) --seed $(SOAK_SEED) --out $(SOAK_OUT)
 
 soak-short: build
-	$(PY) -m stepguard.soak --short --seed $(SOAK_SEED)
+	$(PY) -m stepguard.soak --short --seed $(SOAK_SEED) --out $(SOAK_OUT)
 
 # every benchmark, each against its competitor in the same run (torchft,
 # torch Gloo, the loopback limit); each writes bench/results/

@@ -248,6 +248,36 @@ def test_a_group_behind_does_not_hold_the_state_for_the_last_holder(tmp_path: Pa
     assert not _of(tl, "hook_timeout")
 
 
+def test_a_group_back_from_a_hang_holds_the_state_again(tmp_path: Path) -> None:
+    """A group hung and resumed that commits steps again (since the vote
+    cutoff a hang no longer ends a group) counts as a holder once more, and
+    only a group at the other's step does.  (A group once hung used to
+    count as no holder for the rest of its incarnation, so the soak skipped
+    faults and let struck sources go.)  The launcher's rule, fed commits."""
+    launcher = Launcher(_config(tmp_path, groups=2, spare_last_holder=True))
+    g0, g1 = launcher.groups
+    for g in (g0, g1):
+        g.state, g.first_commit_seen, g.incarnation, g.last_step = "running", True, 0, 10
+
+    def commit(g, step: int) -> None:
+        launcher._worker_event({"event": "step", "group": g.gid, "rank": 0,
+                                "incarnation": 0, "step": step, "committed": True})
+
+    assert not launcher._last_holder(g0)
+    g1.hung, g1.stopped = True, True  # SIGSTOPped
+    assert launcher._last_holder(g0)
+    g1.stopped = False  # SIGCONT
+    for step in (11, 12):
+        commit(g0, step)
+        commit(g1, step)
+        assert launcher._last_holder(g0), step
+    commit(g0, 13)
+    commit(g1, 13)  # its third since SIGCONT
+    assert not g1.hung and not launcher._last_holder(g0)
+    commit(g0, 14)  # g1 has not committed step 14 yet
+    assert launcher._last_holder(g0) and not launcher._last_holder(g1)
+
+
 def test_an_armed_point_reached_after_injections_stopped_is_let_go(tmp_path: Path) -> None:
     state = {"armed": False}
 

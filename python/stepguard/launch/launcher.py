@@ -93,13 +93,17 @@ class LaunchConfig:
     # Where kill_source / kill_after_heal arm fault points (hook_point).
     hook_dir: str | None = None
     # Never inject into the last group holding the job's state (running,
-    # committed in this incarnation, not hung, not just hit, and no other
+    # committed in this incarnation, not hung (or back from its hang: 3
+    # steps committed after SIGCONT), not just hit, and no other
     # such group has committed its last committed step): a fault load that
     # kills every replica of the state is not one to survive.
     spare_last_holder: bool = False
 
 
 _PR_SET_PDEATHSIG = 1
+# steps a group hung and resumed (SIGCONT) commits before it counts as a
+# holder of the state again (spare_last_holder)
+_BACK_AFTER_HANG = 3
 
 
 def _die_with_parent() -> None:
@@ -144,7 +148,10 @@ class _Group:
         self.partitioned = False  # partition injection in effect
         self.link_window = False  # link injection in effect
         self.hit_at = -1e9  # monotonic time of the last injection picking it
-        self.hung = False  # this incarnation was hung (it may not outlive it)
+        # hung in this incarnation, and not yet back: until it has committed
+        # _BACK_AFTER_HANG steps after SIGCONT it may not outlive the hang
+        self.hung = False
+        self.commits_since_cont = 0
 
 
 class _Injector:
@@ -694,6 +701,10 @@ class Launcher:
             return
         if isinstance(rec.get("step"), int):
             g.last_step = rec["step"]
+        if g.hung and not g.stopped:
+            g.commits_since_cont += 1
+            if g.commits_since_cont >= _BACK_AFTER_HANG:
+                g.hung = False  # it survived the hang: a holder again
         for h in [h for h in self._pending_heals if h["group"] == gid and t > h["t"]]:
             self._pending_heals.remove(h)
             self._record("recovery", t=t, kind=h.get("kind", "partition_heal"),
@@ -841,6 +852,7 @@ class Launcher:
                     self._signal_group(g, signal.SIGKILL)
                     self._record("hang_end", failure=fid, group=g.gid, action="kill")
                 else:
+                    g.commits_since_cont = 0
                     self._signal_group(g, signal.SIGCONT)
                     self._record("hang_end", failure=fid, group=g.gid, action="cont")
 

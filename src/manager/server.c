@@ -1475,6 +1475,13 @@ int sg_mgr_server_wait_lost(sg_mgr_server_t *s, int64_t after_qid,
 void sg_mgr_server_stop(sg_mgr_server_t *s) {
   if (!s)
     return;
+  /* A forked child (a DataLoader worker) may drop its copy of a server, for
+   * one when its garbage collector frees a cycle the parent had not yet
+   * freed: the threads to stop and join are the parent's and do not exist
+   * here, and the mutex may have been held at fork().  The memory is left
+   * alone (joining them crashed both workers). */
+  if (sg_sock_fork_count() != s->forks)
+    return;
   pthread_mutex_lock(&s->mu);
   s->stopping = 1;
   pthread_cond_broadcast(&s->cv);

@@ -2088,6 +2088,30 @@ static void test_vote_late_mark_cleared_by_quorum(void **state) {
   lh_group_stop(&g, lh);
 }
 
+/* A forked child (a DataLoader worker) may drop its copy of a server, as its
+ * garbage collector does with a cycle the parent had not freed yet: that
+ * must neither crash nor hang (the threads to join are the parent's), and
+ * the parent's server goes on. */
+static void test_server_stop_in_forked_child(void **state) {
+  (void)state;
+  group_t g;
+  sg_lh_server_t *lh = lh_group_start(&g, 2);
+  both_vote_yes(&g, 0, 1);
+  pid_t pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0) {
+    alarm(20); /* a hang fails the test instead of blocking it */
+    sg_mgr_server_stop(g.srv);
+    _exit(0);
+  }
+  int status = 0;
+  assert_int_equal(waitpid(pid, &status, 0), pid);
+  assert_true(WIFEXITED(status));
+  assert_int_equal(WEXITSTATUS(status), 0);
+  both_vote_yes(&g, 0, 2);
+  lh_group_stop(&g, lh);
+}
+
 /* A forked child that finds a call its parent started leaves it alone and
  * does not hang; the parent's call still completes. */
 static void test_local_call_in_forked_child(void **state) {
@@ -2243,6 +2267,7 @@ int main(void) {
       cmocka_unit_test(test_vote_rank_in_quorum_not_held),
       cmocka_unit_test(test_vote_late_mark_cleared_by_quorum),
       cmocka_unit_test(test_local_call_in_forked_child),
+      cmocka_unit_test(test_server_stop_in_forked_child),
       cmocka_unit_test(test_local_stop_fails_waiting_call),
       cmocka_unit_test(test_local_allocation_failures),
   };

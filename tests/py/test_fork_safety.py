@@ -76,3 +76,49 @@ def test_trainer_death_closes_connection_despite_forked_worker(procs) -> None:
 
 def test_control_plain_socket_is_held_open_by_worker(procs) -> None:
     assert not _run(procs, "python", 1.0)
+
+
+CYCLE = r"""
+import gc, os
+import torch
+from stepguard import _C
+
+lh = _C.LighthouseServer("127.0.0.1:0", 1)
+gc.disable()  # the cycle below stays garbage, not yet freed, at fork()
+
+
+class Cycle:
+    pass
+
+
+c = Cycle()
+c.me = c
+c.srv = _C.ManagerServer("fork", lh.address(), None, "127.0.0.1:0", None, 1, 0.1, 5.0, 0)
+del c
+
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        gc.collect()  # what a worker's garbage collector does sooner or later
+        return i
+
+
+got = sorted(int(x) for x in torch.utils.data.DataLoader(
+    Data(), num_workers=2, multiprocessing_context="fork"))
+print("ok" if got == list(range(8)) else f"wrong {got}", flush=True)
+os._exit(0)
+"""
+
+
+def test_a_manager_server_freed_in_a_forked_worker_does_not_crash_it(procs) -> None:
+    """A trainer's ManagerServer in a reference cycle its garbage collector
+    has not freed yet when a DataLoader forks its workers: each worker's
+    collector frees its copy, which must not stop the parent's threads
+    (joining threads that do not exist in the child crashed both workers
+    with SIGSEGV)."""
+    p = procs.spawn(CYCLE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0 and out.strip() == "ok", (out, err[-3000:])

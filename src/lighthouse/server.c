@@ -1115,6 +1115,7 @@ int sg_lh_server_start(const sg_lh_opts_t *o, sg_lh_server_t **out,
   if (s->o.etcd && (rc = sg__lh_leader_start(s, err)) != 0)
     goto fail;
   s->next_prune_ns = sg_now_ns() + ms_to_ns(o->prune_after_ms / 10 + 1);
+  s->forks = sg_sock_fork_count();
 
   sg__lh_http_opts_t ho = {0};
   ho.auth_token = s->o.auth_token;
@@ -1224,6 +1225,12 @@ const char *sg_lh_server_address(const sg_lh_server_t *s) {
 
 void sg_lh_server_stop(sg_lh_server_t *s) {
   if (!s)
+    return;
+  /* A forked child (a DataLoader worker's garbage collector) may drop its
+   * copy: the loop and etcd threads are the parent's, and the mutex may
+   * have been held at fork(); the memory is left alone, as the manager
+   * server does. */
+  if (sg_sock_fork_count() != s->forks)
     return;
   if (s->etcd_started) { /* before the loop: it posts to etcd_async */
     pthread_mutex_lock(&s->mu);

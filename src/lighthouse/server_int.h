@@ -121,6 +121,7 @@ struct sg_lh_server_s {
   sg__etcd_t *etcd; /* used by the etcd thread only (and by start) */
   pthread_t etcd_thread;
   int etcd_started;
+  unsigned forks;         /* sg_sock_fork_count() where the server started */
   pthread_cond_t etcd_cv; /* wakes the etcd thread: a record, or stop */
   uv_async_t etcd_async;  /* wakes the loop: promoted, demoted, confirmed */
   int etcd_stop;

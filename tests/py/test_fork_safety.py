@@ -94,6 +94,7 @@ class Cycle:
 c = Cycle()
 c.me = c
 c.srv = _C.ManagerServer("fork", lh.address(), None, "127.0.0.1:0", None, 1, 0.1, 5.0, 0)
+c.lh = _C.LighthouseServer("127.0.0.1:0", 1)
 del c
 
 
@@ -122,3 +123,5 @@ def test_a_manager_server_freed_in_a_forked_worker_does_not_crash_it(procs) -> N
     p = procs.spawn(CYCLE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0 and out.strip() == "ok", (out, err[-3000:])
+    # ... nor a LighthouseServer's (its loop is the parent's)
+    assert "event loop closed with handles open" not in err, err[-3000:]

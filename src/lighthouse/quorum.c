@@ -1019,12 +1019,14 @@ int64_t sg__lh_next_deadline(const sg__lh_state_t *st, int64_t now_ns,
       best = t;
   }
   int any = 0;
-  int64_t first = 0;
+  int64_t first = 0, top = -1;
   for (size_t i = 0; i < st->part_map.n; i++) {
     if (!part_healthy(st, i, now_ns, hb_ns))
       continue;
     if (!any || st->part[i].joined_ns < first)
       first = st->part[i].joined_ns;
+    if (st->part[i].m.step > top)
+      top = st->part[i].m.step;
     any = 1;
   }
   if (any) {
@@ -1032,8 +1034,9 @@ int64_t sg__lh_next_deadline(const sg__lh_state_t *st, int64_t now_ns,
     if (t > now_ns && t < best)
       best = t;
   }
-  if (any && o->state_loss_wait_ms > 0 && st->step_floor >= 0) {
-    /* a step hold ends (harmless when none is on) */
+  if (any && top < st->step_floor && o->state_loss_wait_ms > 0) {
+    /* a step hold may be on: it ends (the walk over the heartbeats only
+     * then, not on every decision of a job at its floor) */
     int64_t t = add_ns(holder_seen(st), ms_to_ns(o->state_loss_wait_ms));
     if (t > now_ns && t < best)
       best = t;

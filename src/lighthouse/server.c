@@ -144,6 +144,53 @@ static void pending_free(struct pending *p) { sg_free(p); }
  */
 
 /*
+ * A quorum held for the step floor (quorum.h) can outlast a caller's
+ * deadline: the lighthouse waits up to state_loss_wait_ms, a manager's
+ * round a quorum timeout.  A call that simply expired would count against
+ * the caller's quorum_retries and end its trainer, so (stepguard) a held
+ * call is answered UNAVAILABLE shortly before its deadline instead: a
+ * manager takes that as an outage and asks again until its outage timeout,
+ * and the trainer waits out the hold.  The margin is a quarter of the
+ * call's time, at most HELD_MARGIN_MS.
+ */
+#define HELD_MARGIN_MS 1000
+
+/* held_answer_at: when a call held for the step floor is answered. */
+static int64_t held_answer_at(const struct pending *p) {
+  int64_t deadline = sg_rpc_call_deadline(p->call);
+  int64_t margin = (deadline - p->start_ns) / 4;
+  if (margin > ms_to_ns(HELD_MARGIN_MS))
+    margin = ms_to_ns(HELD_MARGIN_MS);
+  return deadline - margin;
+}
+
+/* answer_held: answer the held calls that are due (see held_answer_at);
+ * return the earliest answer time of those still waiting. */
+static int64_t answer_held(sg_lh_server_t *s, int64_t now, const char *reason) {
+  int64_t next = INT64_MAX;
+  struct pending *p = s->pending;
+  while (p) {
+    struct pending *next_p = p->next;
+    int64_t at = held_answer_at(p);
+    if (at > now) {
+      if (at < next)
+        next = at;
+    } else {
+      char msg[600];
+      snprintf(msg, sizeof(msg),
+               "the lighthouse holds the quorum, ask again: %.500s", reason);
+      pending_unlink(s, p);
+      sg_rpc_call_respond(p->call, SG_GRPC_UNAVAILABLE, msg, NULL, 0);
+      if (!pending_has(s, p->replica_id))
+        sg__lh_leave(s->st, p->replica_id);
+      pending_free(p);
+    }
+    p = next_p;
+  }
+  return next;
+}
+
+/*
  * log_quorum: the "Quorum!" line.  A quorum with a new id (its members
  * changed) is always logged at INFO.  One with the id of the last line is
  * the same members asking again, a training step each: a line per step
@@ -343,6 +390,8 @@ static void rearm(sg_lh_server_t *s, int64_t now) {
     next = g;
   if (s->next_prune_ns < next)
     next = s->next_prune_ns;
+  if (s->holding && s->held_due_ns < next)
+    next = s->held_due_ns;
   if (s->status_unlogged &&
       s->status_logged_ns + ms_to_ns(STATUS_LOG_MS) < next)
     next = s->status_logged_ns + ms_to_ns(STATUS_LOG_MS);
@@ -373,6 +422,13 @@ static void after_join(sg_lh_server_t *s, int64_t now) {
   int64_t status_due = s->status_logged_ns + ms_to_ns(STATUS_LOG_MS);
   if (status_due < bound)
     bound = status_due;
+  if (s->holding && s->pending) { /* the request just made */
+    int64_t at = held_answer_at(s->pending);
+    if (at < s->held_due_ns)
+      s->held_due_ns = at;
+    if (at < bound)
+      bound = at;
+  }
   if (!uv_is_active((uv_handle_t *)&s->wake_timer) || s->wake_due_ns > bound)
     rearm(s, now);
 }
@@ -427,6 +483,9 @@ void sg__lh_process(sg_lh_server_t *s, int64_t event_ns, int join) {
   size_t regressions = sg__lh_step_regressions(s->st, NULL, NULL);
   int rc = sg__lh_tick(s->st, now, sg_wall_ns(), &s->qopts, &q, reason,
                        sizeof(reason));
+  s->holding = rc == 0 && strncmp(reason, "Holding", 7) == 0;
+  if (s->holding)
+    s->held_due_ns = answer_held(s, now, reason);
   if (rc < 0) {
     sg_log(SG_LOG_ERROR, LOG, "quorum tick failed: %s", sg_strerror(rc));
   } else {

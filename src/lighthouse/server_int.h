@@ -165,8 +165,10 @@ struct sg_lh_server_s {
   uint64_t dec_count;
   int64_t dec_last_ns;      /* the last quorum's decision time; -1: none yet */
   int64_t status_logged_ns; /* when the last "Quorum status" line went out */
-  int status_unlogged;    /* the reason changed since, and is not logged yet */
-  sg__lh_history_t *hist; /* owned: the dashboard's recent past */
+  int status_unlogged; /* the reason changed since, and is not logged yet */
+  int holding;         /* the last decision held a quorum for the step floor */
+  int64_t held_due_ns; /* then, when the next held call is answered */
+  sg__lh_history_t *hist;    /* owned: the dashboard's recent past */
   int64_t quorum_logged_id;  /* the id on the last "Quorum!" line; -1: none */
   int64_t quorum_logged_ns;  /* when that line went out */
   uint64_t quorums_unlogged; /* quorums of that id since, logged at DEBUG */

@@ -399,8 +399,9 @@ int sg__mgr_lh_start_async(sg_mgr_server_t *s, sg__mgr_job_t *j) {
  * outage, not an attempt: it is retried with backoff (100 ms doubling to
  * 1 s) until the round's deadline, and then the round fails with
  * "lighthouse unreachable", which the Python Manager retries up to its
- * outage deadline, so a lighthouse restart costs no trainer.  Called
- * without mu.
+ * outage deadline, so a lighthouse restart costs no trainer.  A quorum the
+ * lighthouse holds for the step floor past a call's deadline is answered
+ * UNAVAILABLE and waited out the same way.  Called without mu.
  */
 static int quorum_with_retries(sg_mgr_server_t *s, const sg__mgr_job_t *j,
                                Torchft__LighthouseQuorumResponse **out,
@@ -438,7 +439,12 @@ static int quorum_with_retries(sg_mgr_server_t *s, const sg__mgr_job_t *j,
       pthread_mutex_lock(&s->mu);
       uint64_t back = s->lh_back;
       pthread_mutex_unlock(&s->mu);
-      if (outages++ == 0)
+      /* a quorum held for the step floor is answered as an outage, so
+       * that the trainer waits it out (lighthouse/server.c, answer_held) */
+      if (outages++ == 0 && strstr(why, "holds the quorum"))
+        sg_log(SG_LOG_WARN, LOG, "[Replica %s] lighthouse %s: %s", s->name,
+               s->lighthouse_addr, why);
+      else if (outages == 1)
         sg_log(SG_LOG_WARN, LOG,
                "[Replica %s] lighthouse %s unreachable (%s): retrying", s->name,
                s->lighthouse_addr, why);

@@ -440,6 +440,23 @@ def test_a_quorum_that_would_start_the_job_over_waits_for_its_state(tmp_path, po
         assert status(s.port())["step_regressions"] == 0
 
 
+def test_a_held_call_is_answered_before_its_deadline_as_an_outage():
+    """A hold can outlast a caller's deadline; the call is answered
+    UNAVAILABLE before it, which a manager waits through as an outage,
+    instead of expiring (an attempt against quorum_retries)."""
+    kw = dict(heartbeat_timeout_ms=300, join_timeout_ms=50, state_loss_wait_ms=-1)
+    with server(**kw) as s:
+        assert ids(client(s).quorum("a", td(10), step=10)) == ["a"]
+        with _beating(addr(s), "b"):
+            # a 3 s call is answered at 2.25 s: a reply after its deadline
+            # would be DEADLINE_EXCEEDED and fail the match
+            for _ in range(2):  # asking again is held again
+                with pytest.raises(RuntimeError, match="UNAVAILABLE.*holds the quorum, "
+                                   "ask again: Holding a quorum at step 0"):
+                    client(s).quorum("b", td(seconds=3), step=0)
+        assert status(s.port())["step_regressions"] == 0
+
+
 def test_a_bounded_wait_starts_the_job_over_loudly(procs):
     flags = ("--min_replicas", "1", "--heartbeat_timeout_ms", "300",
              "--join_timeout_ms", "50")

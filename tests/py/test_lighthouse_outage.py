@@ -7,6 +7,8 @@ goes on from the step it had reached, replicas bitwise identical.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -60,3 +62,39 @@ def test_lighthouse_down_longer_than_a_quorum_timeout(job_factory):
     # each quorum round gives up at its 3 s deadline; the Manager asks again
     job = job_factory(hard_timeout=240, heartbeat_timeout_ms=2000, min_replicas=3)
     run_outage(job, 8.0, "--quorum-timeout", "3")
+
+
+def test_a_hold_longer_than_a_quorum_timeout_costs_no_trainer(job_factory):
+    """The lighthouse holds a newcomer's quorum while the only replica
+    holding the job's step hangs (the step floor: issuing it would start the
+    job over).  The hold outlasts the newcomer's quorum timeout several
+    times; the newcomer waits it out, as through an outage, and heals from
+    the replica once it is back."""
+    job = job_factory(hard_timeout=240, heartbeat_timeout_ms=1000,
+                      lighthouse_args=("--state_loss_wait_ms", "120000"))
+    job.start_group("train_0", 1, "--steps", "100000", "--step-sleep", "0.05")
+    wait_for(lambda: job.committed("train_0") >= 5, 90, "train_0 to commit 5 steps", job)
+    hung = job.worker_pids("train_0")
+    for pid in hung:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        reached = job.committed("train_0")
+        job.start_group("train_1", 1, "--steps", "100000", "--step-sleep", "0.05",
+                        "--quorum-timeout", "2")
+        log = job.dir / "logs" / f"train_1.i{job.groups['train_1'].incarnation}.log"
+        wait_for(lambda: "holds the quorum" in log.read_text(errors="replace"), 90,
+                 "train_1's quorum to be held", job)
+        time.sleep(6.0)  # three of its quorum timeouts
+        assert job.alive("train_1"), job.summary()
+        assert job.committed("train_1") < 0, job.summary()  # nothing yet
+        assert "Holding a quorum at step 0" in job.lighthouse_log.read_text()
+    finally:
+        for pid in hung:
+            os.kill(pid, signal.SIGCONT)
+    wait_for(lambda: job.committed("train_1") > reached, 90,
+             "train_1 to heal from train_0 and commit", job)
+    assert any(e["healed"] for e in job.steps("train_1")), job.summary()
+    assert "starts over" not in job.lighthouse_log.read_text()
+    # steps up to the heal were train_0's alone: not compared
+    job.assert_went_on(("train_0", "train_1"), {"train_0": reached, "train_1": 0},
+                       slack=reached + 1)

@@ -805,7 +805,9 @@ static void test_auth_token_required(void **state) {
  * one that holds it is back. */
 static void test_restarted_lighthouse_learns_the_step_floor(void **state) {
   (void)state;
-  sg_lh_server_t *lh = lh_start(0, 1, 100, 500);
+  /* min_replicas 2: a alone (asking first) would be a quorum, and b then
+   * held for the floor while a heartbeats without asking again */
+  sg_lh_server_t *lh = lh_start(0, 2, 100, 500);
   int port = sg_lh_server_port(lh);
   char lh_addr[64];
   snprintf(lh_addr, sizeof(lh_addr), "http://127.0.0.1:%d", port);

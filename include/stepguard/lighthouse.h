@@ -47,6 +47,12 @@ typedef struct sg_lh_opts_s {
                                    "The step floor") */
 } sg_lh_opts_t;
 
+/* The message a Quorum call held for the step floor is answered with,
+ * UNAVAILABLE, shortly before its deadline: the caller asks again (on the
+ * same lighthouse: it is the leader) and waits the hold out as an outage
+ * (docs/lighthouse.md, "The step floor"). */
+#define SG_LH_HELD_MESSAGE "the lighthouse holds the quorum, ask again"
+
 /* sg_lh_opts_init: torchft's CLI defaults plus ours; min_replicas = -1
  * (must be set). */
 SG_EXPORT void sg_lh_opts_init(sg_lh_opts_t *o);

@@ -177,8 +177,7 @@ static int64_t answer_held(sg_lh_server_t *s, int64_t now, const char *reason) {
         next = at;
     } else {
       char msg[600];
-      snprintf(msg, sizeof(msg),
-               "the lighthouse holds the quorum, ask again: %.500s", reason);
+      snprintf(msg, sizeof(msg), SG_LH_HELD_MESSAGE ": %.500s", reason);
       pending_unlink(s, p);
       sg_rpc_call_respond(p->call, SG_GRPC_UNAVAILABLE, msg, NULL, 0);
       if (!pending_has(s, p->replica_id))

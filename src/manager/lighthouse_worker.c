@@ -23,6 +23,7 @@
 #include "rpc/client_async.h"
 #include "rpc/grpc.h"
 #include "rpc/pb.h"
+#include "stepguard/lighthouse.h"
 
 #define LOG "manager"
 #define MIN_RETRY_SLEEP_MS 100 /* torchft _quorum_with_retries */
@@ -107,10 +108,11 @@ static int wait_outage_ms(sg_mgr_server_t *s, int64_t ms, uint64_t back) {
  * lighthouses ("not the leader"), one that lost its leadership, or one
  * shutting down.  Drop the connection so that the channel's next attempt
  * goes to its next address (a channel of one address reconnects to it).
- * Not on the channel's I/O thread.
+ * A quorum held for the step floor (`msg` SG_LH_HELD_MESSAGE) came from
+ * the leader: the connection stays.  Not on the channel's I/O thread.
  */
-static void not_leader(sg_mgr_server_t *s, int grpc_status) {
-  if (grpc_status == SG_GRPC_UNAVAILABLE)
+static void not_leader(sg_mgr_server_t *s, int grpc_status, const char *msg) {
+  if (grpc_status == SG_GRPC_UNAVAILABLE && !strstr(msg, SG_LH_HELD_MESSAGE))
     sg_rpc_channel_disconnect(s->lh);
 }
 
@@ -181,7 +183,7 @@ static int lh_heartbeat(sg_mgr_server_t *s, sg_deadline_t deadline,
   if (!rc)
     note_lost(s, resp, resp_len);
   else
-    not_leader(s, status);
+    not_leader(s, status, err->msg);
   sg_free(resp);
   return rc;
 }
@@ -278,7 +280,7 @@ static int lh_quorum_once(sg_mgr_server_t *s, const sg__mgr_job_t *j,
   if (rc) {
     *local = local_timeout(rc, status, deadline);
     *gone = unreachable(rc, status, *local);
-    not_leader(s, status);
+    not_leader(s, status, err->msg);
     goto out;
   }
   rc = lh_quorum_decode(resp, resp_len, out, err);
@@ -441,7 +443,7 @@ static int quorum_with_retries(sg_mgr_server_t *s, const sg__mgr_job_t *j,
       pthread_mutex_unlock(&s->mu);
       /* a quorum held for the step floor is answered as an outage, so
        * that the trainer waits it out (lighthouse/server.c, answer_held) */
-      if (outages++ == 0 && strstr(why, "holds the quorum"))
+      if (outages++ == 0 && strstr(why, SG_LH_HELD_MESSAGE))
         sg_log(SG_LOG_WARN, LOG, "[Replica %s] lighthouse %s: %s", s->name,
                s->lighthouse_addr, why);
       else if (outages == 1)

@@ -63,6 +63,7 @@
 #include <uv.h>
 
 #include "manager/round.h"
+#include "rpc/grpc.h"
 #include "stepguard/base.h"
 #include "stepguard/manager.h"
 #include "stepguard/rpc.h"
@@ -266,12 +267,53 @@ static inline int64_t sg__mgr_ms_to_ns(int64_t ms) {
   return ms > INT64_MAX / 1000000 ? INT64_MAX : ms * 1000000;
 }
 
+/* sg__mgr_wire: where the answer to a call from the wire goes. */
+static inline sg__mgr_reply_t sg__mgr_wire(sg_rpc_call_t *call) {
+  sg__mgr_reply_t to = {call, NULL};
+  return to;
+}
+
 /* ---- server.c: answers, waiters, rounds --------------------------------- */
+
+/* sg__mgr_respond: answer `to` with gRPC `status`, detail `msg` and the
+ * encoded message `body` (`len` bytes, copied).  Any thread that may
+ * answer `to`. */
+void sg__mgr_respond(sg__mgr_reply_t to, int status, const char *msg,
+                     const uint8_t *body, size_t len);
 
 /* sg__mgr_respond_err: answer `to` with gRPC `status` and a printf-style
  * message (logged at debug).  Any thread that may answer `to`. */
 void sg__mgr_respond_err(sg__mgr_reply_t to, int status, const char *fmt, ...)
     SG_PRINTF(3, 4);
+
+/* sg__mgr_check_wire: 0 if the request `body` (`len` bytes) is well formed
+ * protobuf whose string fields (`spec`) are UTF-8 without NUL; otherwise
+ * the call is answered INVALID_ARGUMENT and -1 returned.  Loop thread. */
+int sg__mgr_check_wire(sg_rpc_call_t *call, const uint8_t *body, size_t len,
+                       const sg__pb_spec_t *spec);
+
+/* sg__mgr_check_rank, sg__mgr_check_left: 0, or `to` is answered with the
+ * refusal (group rank g out of range; the group left the job) and -1
+ * returned. */
+int sg__mgr_check_rank(sg_mgr_server_t *s, sg__mgr_reply_t to, int64_t g);
+int sg__mgr_check_left(sg_mgr_server_t *s, sg__mgr_reply_t to);
+
+/* sg__mgr_note_speaker: group rank `g` spoke on wire connection `conn_id`
+ * (liveness).  Loop thread. */
+void sg__mgr_note_speaker(sg_mgr_server_t *s, int64_t g, uint64_t conn_id);
+
+/* sg__mgr_waiter_add: a waiter of `kind` for `to` (group rank g), pushed on
+ * its round's list (that round's lock held); an in-process call's waiter
+ * holds the server's reference to it from here on.  NULL when out of
+ * memory, `to` then answered. */
+sg__mgr_waiter_t *sg__mgr_waiter_add(sg_mgr_server_t *s, sg__mgr_reply_t to,
+                                     sg__mgr_kind_t kind, int64_t g);
+
+/* sg__mgr_waiter_unlink: take `w` off the list at *head.
+ * sg__mgr_waiter_free: free a waiter that left its list (answered or not)
+ * and drop the server's reference to its in-process call. */
+void sg__mgr_waiter_unlink(sg__mgr_waiter_t **head, sg__mgr_waiter_t *w);
+void sg__mgr_waiter_free(sg__mgr_waiter_t *w);
 
 /* sg__mgr_all_local: every call in the list starting at `w` is an
  * in-process one (quorum_mu held). */

@@ -67,18 +67,13 @@ static int authorized(const sg_mgr_server_t *s, sg_rpc_call_t *call) {
   return ct_equal(h + 7, s->auth_token);
 }
 
-/* respond: answer a call from the wire or from this process. */
-static void respond(sg__mgr_reply_t to, int status, const char *msg,
-                    const uint8_t *body, size_t len) {
+/* sg__mgr_respond: answer a call from the wire or from this process. */
+void sg__mgr_respond(sg__mgr_reply_t to, int status, const char *msg,
+                     const uint8_t *body, size_t len) {
   if (to.call)
     sg_rpc_call_respond(to.call, status, msg, body, len);
   else
     sg__mgr_local_complete(to.local, status, msg, body, len);
-}
-
-static sg__mgr_reply_t wire(sg_rpc_call_t *call) {
-  sg__mgr_reply_t to = {call, NULL};
-  return to;
 }
 
 void sg__mgr_respond_err(sg__mgr_reply_t to, int status, const char *fmt, ...)
@@ -92,22 +87,22 @@ void sg__mgr_respond_err(sg__mgr_reply_t to, int status, const char *fmt, ...) {
   sg_log(SG_LOG_DEBUG, LOG, "answering %s with %s: %s",
          to.call ? sg_rpc_call_method(to.call) : "an in-process call",
          sg__grpc_status_name(status), msg);
-  respond(to, status, msg, NULL, 0);
+  sg__mgr_respond(to, status, msg, NULL, 0);
 }
 
-/* check_wire: 0, or answers INVALID_ARGUMENT and returns -1. */
-static int check_wire(sg_rpc_call_t *call, const uint8_t *body, size_t len,
-                      const sg__pb_spec_t *spec) {
+/* sg__mgr_check_wire: 0, or answers INVALID_ARGUMENT and returns -1. */
+int sg__mgr_check_wire(sg_rpc_call_t *call, const uint8_t *body, size_t len,
+                       const sg__pb_spec_t *spec) {
   uint32_t field = 0;
   int rc = sg__pb_check_strings(body, len, spec, &field);
   if (rc == SG_EINVAL) {
-    sg__mgr_respond_err(wire(call), SG_GRPC_INVALID_ARGUMENT,
+    sg__mgr_respond_err(sg__mgr_wire(call), SG_GRPC_INVALID_ARGUMENT,
                         "string field %u is not valid UTF-8 or contains NUL",
                         field);
     return -1;
   }
   if (rc) {
-    sg__mgr_respond_err(wire(call), SG_GRPC_INVALID_ARGUMENT,
+    sg__mgr_respond_err(sg__mgr_wire(call), SG_GRPC_INVALID_ARGUMENT,
                         "malformed protobuf message");
     return -1;
   }
@@ -123,11 +118,11 @@ static void respond_msg(sg__mgr_reply_t to, const ProtobufCMessage *m) {
     return;
   }
   protobuf_c_message_pack(m, buf);
-  respond(to, SG_GRPC_OK, NULL, buf, len);
+  sg__mgr_respond(to, SG_GRPC_OK, NULL, buf, len);
   sg_free(buf);
 }
 
-static void waiter_unlink(sg__mgr_waiter_t **head, sg__mgr_waiter_t *w) {
+void sg__mgr_waiter_unlink(sg__mgr_waiter_t **head, sg__mgr_waiter_t *w) {
   if (w->prev)
     w->prev->next = w->next;
   else
@@ -145,9 +140,9 @@ static void waiter_push(sg__mgr_waiter_t **head, sg__mgr_waiter_t *w) {
   *head = w;
 }
 
-/* waiter_free: free a waiter that left its list (answered or not), and
+/* sg__mgr_waiter_free: free a waiter that left its list (answered or not), and
  * drop the server's reference to its in-process call. */
-static void waiter_free(sg__mgr_waiter_t *w) {
+void sg__mgr_waiter_free(sg__mgr_waiter_t *w) {
   sg_mgr_call_t *c = w->to.local;
   if (c) {
     c->w = NULL;
@@ -171,10 +166,10 @@ static void fail_quorum_waiters(sg_mgr_server_t *s, int status,
                                 const char *msg) {
   while (s->quorum_waiters) {
     sg__mgr_waiter_t *w = s->quorum_waiters;
-    waiter_unlink(&s->quorum_waiters, w);
+    sg__mgr_waiter_unlink(&s->quorum_waiters, w);
     quorum_waiter_gone(s, w);
-    respond(w->to, status, msg, NULL, 0);
-    waiter_free(w);
+    sg__mgr_respond(w->to, status, msg, NULL, 0);
+    sg__mgr_waiter_free(w);
   }
 }
 
@@ -187,16 +182,16 @@ static void fail_all(sg_mgr_server_t *s, int status, const char *msg) {
   pthread_mutex_lock(&s->commit_mu);
   while (s->commit_waiters) {
     sg__mgr_waiter_t *w = s->commit_waiters;
-    waiter_unlink(&s->commit_waiters, w);
-    respond(w->to, status, msg, NULL, 0);
-    waiter_free(w);
+    sg__mgr_waiter_unlink(&s->commit_waiters, w);
+    sg__mgr_respond(w->to, status, msg, NULL, 0);
+    sg__mgr_waiter_free(w);
   }
   pthread_mutex_unlock(&s->commit_mu);
   while (s->lost_calls) {
     sg__mgr_waiter_t *w = s->lost_calls;
-    waiter_unlink(&s->lost_calls, w);
-    respond(w->to, status, msg, NULL, 0);
-    waiter_free(w);
+    sg__mgr_waiter_unlink(&s->lost_calls, w);
+    sg__mgr_respond(w->to, status, msg, NULL, 0);
+    sg__mgr_waiter_free(w);
   }
 }
 
@@ -261,8 +256,8 @@ static void on_grace(uv_timer_t *t) {
   rearm_grace(s);
 }
 
-/* note_speaker: group rank `g` spoke on connection `conn_id`. */
-static void note_speaker(sg_mgr_server_t *s, int64_t g, uint64_t conn_id) {
+/* sg__mgr_note_speaker: group rank `g` spoke on connection `conn_id`. */
+void sg__mgr_note_speaker(sg_mgr_server_t *s, int64_t g, uint64_t conn_id) {
   sg__mgr_rank_t *r = &s->ranks[g];
   if (r->grace_deadline) { /* came back in time */
     r->grace_deadline = 0;
@@ -538,14 +533,14 @@ static void deliver(sg_mgr_server_t *s, int rc, const char *msg,
     sg_log(SG_LOG_WARN, LOG, "[Replica %s] quorum failed: %s", s->name, msg);
     while (s->quorum_waiters) {
       sg__mgr_waiter_t *w = s->quorum_waiters;
-      waiter_unlink(&s->quorum_waiters, w);
+      sg__mgr_waiter_unlink(&s->quorum_waiters, w);
       quorum_waiter_gone(s, w);
-      respond(w->to,
-              rc == SG_ENOMEM         ? SG_GRPC_RESOURCE_EXHAUSTED
-              : rc == SG_ECONNREFUSED ? SG_GRPC_UNAVAILABLE
-                                      : SG_GRPC_INTERNAL,
-              msg, NULL, 0);
-      waiter_free(w);
+      sg__mgr_respond(w->to,
+                      rc == SG_ENOMEM         ? SG_GRPC_RESOURCE_EXHAUSTED
+                      : rc == SG_ECONNREFUSED ? SG_GRPC_UNAVAILABLE
+                                              : SG_GRPC_INTERNAL,
+                      msg, NULL, 0);
+      sg__mgr_waiter_free(w);
     }
     sg_free(peers);
     sg_free(scratch);
@@ -555,7 +550,7 @@ static void deliver(sg_mgr_server_t *s, int rc, const char *msg,
   int logged = 0;
   while (s->quorum_waiters) {
     sg__mgr_waiter_t *w = s->quorum_waiters;
-    waiter_unlink(&s->quorum_waiters, w);
+    sg__mgr_waiter_unlink(&s->quorum_waiters, w);
     quorum_waiter_gone(s, w);
     sg__mgr_results_t r;
     sg_err_t e;
@@ -585,7 +580,7 @@ static void deliver(sg_mgr_server_t *s, int rc, const char *msg,
                           "%s", e.msg[0] ? e.msg : sg_strerror(crc));
     }
     sg__mgr_results_free(&r);
-    waiter_free(w);
+    sg__mgr_waiter_free(w);
   }
   sg_free(peers);
   sg_free(scratch);
@@ -650,10 +645,10 @@ int sg__mgr_deliver_here(sg_mgr_server_t *s, int rc, const char *msg,
 
 /* ---- calls -------------------------------------------------------------- */
 
-/* add_waiter: the waiter of `to`; an in-process call's waiter holds the
+/* sg__mgr_waiter_add: the waiter of `to`; an in-process call's waiter holds the
  * server's reference to it from here on. */
-static sg__mgr_waiter_t *add_waiter(sg_mgr_server_t *s, sg__mgr_reply_t to,
-                                    sg__mgr_kind_t kind, int64_t g) {
+sg__mgr_waiter_t *sg__mgr_waiter_add(sg_mgr_server_t *s, sg__mgr_reply_t to,
+                                     sg__mgr_kind_t kind, int64_t g) {
   sg__mgr_waiter_t *w = sg_calloc(1, sizeof(*w));
   if (!w) {
     sg__mgr_respond_err(to, SG_GRPC_RESOURCE_EXHAUSTED,
@@ -693,12 +688,12 @@ pthread_mutex_t *sg__mgr_round_mu(sg_mgr_server_t *s, sg__mgr_kind_t kind) {
  * counted (torchft).  Drops an in-process call's server reference. */
 void sg__mgr_waiter_drop(sg_mgr_server_t *s, sg__mgr_waiter_t *w) {
   if (w->kind == SG__MGR_QUORUM) {
-    waiter_unlink(&s->quorum_waiters, w);
+    sg__mgr_waiter_unlink(&s->quorum_waiters, w);
     quorum_waiter_gone(s, w);
   } else {
-    waiter_unlink(&s->commit_waiters, w);
+    sg__mgr_waiter_unlink(&s->commit_waiters, w);
   }
-  waiter_free(w);
+  sg__mgr_waiter_free(w);
 }
 
 /* waiter_cancel: sg__mgr_waiter_drop for a call from the wire. */
@@ -709,7 +704,7 @@ static void waiter_cancel(sg_mgr_server_t *s, sg__mgr_waiter_t *w) {
   pthread_mutex_unlock(mu);
 }
 
-static int check_rank(sg_mgr_server_t *s, sg__mgr_reply_t to, int64_t g) {
+int sg__mgr_check_rank(sg_mgr_server_t *s, sg__mgr_reply_t to, int64_t g) {
   if (g < 0 || g >= s->world_size) {
     sg__mgr_respond_err(to, SG_GRPC_INVALID_ARGUMENT,
                         "group_rank %lld out of range [0, %lld)", (long long)g,
@@ -719,7 +714,7 @@ static int check_rank(sg_mgr_server_t *s, sg__mgr_reply_t to, int64_t g) {
   return 0;
 }
 
-static int check_left(sg_mgr_server_t *s, sg__mgr_reply_t to) {
+int sg__mgr_check_left(sg_mgr_server_t *s, sg__mgr_reply_t to) {
   if (!atomic_load(&s->left))
     return 0;
   sg__mgr_respond_err(to, SG_GRPC_UNAVAILABLE,
@@ -731,7 +726,7 @@ static int check_left(sg_mgr_server_t *s, sg__mgr_reply_t to) {
  * quorum (quorum_mu held). */
 void sg__mgr_quorum_arrive_locked(sg_mgr_server_t *s, sg__mgr_reply_t to,
                                   const sg__mgr_qargs_t *a) {
-  if (check_rank(s, to, a->group_rank) || check_left(s, to))
+  if (sg__mgr_check_rank(s, to, a->group_rank) || sg__mgr_check_left(s, to))
     return;
   if (s->q_closed) {
     sg__mgr_respond_err(to, SG_GRPC_UNAVAILABLE, "manager shutting down");
@@ -762,7 +757,8 @@ void sg__mgr_quorum_arrive_locked(sg_mgr_server_t *s, sg__mgr_reply_t to,
                         "manager out of memory");
     return;
   }
-  sg__mgr_waiter_t *w = add_waiter(s, to, SG__MGR_QUORUM, a->group_rank);
+  sg__mgr_waiter_t *w =
+      sg__mgr_waiter_add(s, to, SG__MGR_QUORUM, a->group_rank);
   if (!w) {
     sg_free(md);
     sg_free(handle);
@@ -789,22 +785,22 @@ void sg__mgr_quorum_arrive(sg_mgr_server_t *s, sg__mgr_reply_t to,
   sg__mgr_quorum_arrive_locked(s, to, a);
   pthread_mutex_unlock(&s->quorum_mu);
   if (a->has_conn && a->group_rank >= 0 && a->group_rank < s->world_size)
-    note_speaker(s, a->group_rank, a->conn_id);
+    sg__mgr_note_speaker(s, a->group_rank, a->conn_id);
 }
 
 static void handle_quorum(sg_mgr_server_t *s, sg_rpc_call_t *call,
                           const uint8_t *body, size_t len) {
   Torchft__ManagerQuorumRequest *req = NULL;
   if (!sg_rpc_call_metadata(call, "grpc-timeout")) {
-    sg__mgr_respond_err(wire(call), SG_GRPC_INVALID_ARGUMENT,
+    sg__mgr_respond_err(sg__mgr_wire(call), SG_GRPC_INVALID_ARGUMENT,
                         "missing timeout");
     return;
   }
-  if (check_wire(call, body, len, &qreq_spec))
+  if (sg__mgr_check_wire(call, body, len, &qreq_spec))
     return;
   req = torchft__manager_quorum_request__unpack(&sg__pb_allocator, len, body);
   if (!req) {
-    sg__mgr_respond_err(wire(call), SG_GRPC_INVALID_ARGUMENT,
+    sg__mgr_respond_err(sg__mgr_wire(call), SG_GRPC_INVALID_ARGUMENT,
                         "invalid ManagerQuorumRequest");
     return;
   }
@@ -819,7 +815,7 @@ static void handle_quorum(sg_mgr_server_t *s, sg_rpc_call_t *call,
   a.deadline = sg_rpc_call_deadline(call);
   a.has_conn = 1;
   a.conn_id = sg_rpc_call_conn_id(call);
-  sg__mgr_quorum_arrive(s, wire(call), &a);
+  sg__mgr_quorum_arrive(s, sg__mgr_wire(call), &a);
   torchft__manager_quorum_request__free_unpacked(req, &sg__pb_allocator);
 }
 
@@ -848,9 +844,9 @@ static void finish_commit_round(sg_mgr_server_t *s, int decision) {
   size_t len = sg__mgr_encode_decision(decision, buf);
   while (s->commit_waiters) {
     sg__mgr_waiter_t *w = s->commit_waiters;
-    waiter_unlink(&s->commit_waiters, w);
-    respond(w->to, SG_GRPC_OK, NULL, buf, len);
-    waiter_free(w);
+    sg__mgr_waiter_unlink(&s->commit_waiters, w);
+    sg__mgr_respond(w->to, SG_GRPC_OK, NULL, buf, len);
+    sg__mgr_waiter_free(w);
   }
   sg__mgr_commit_round_end(s, decision);
 }
@@ -923,10 +919,10 @@ static void on_commit_timer(uv_timer_t *t) {
 void sg__mgr_commit_vote(sg_mgr_server_t *s, sg__mgr_reply_t to, int64_t g,
                          int64_t step, int vote, sg_deadline_t deadline,
                          int has_conn, uint64_t conn_id) {
-  if (check_rank(s, to, g) || check_left(s, to))
+  if (sg__mgr_check_rank(s, to, g) || sg__mgr_check_left(s, to))
     return;
   if (has_conn)
-    note_speaker(s, g, conn_id);
+    sg__mgr_note_speaker(s, g, conn_id);
   pthread_mutex_lock(&s->commit_mu);
   sg__mgr_rank_t *r = &s->ranks[g];
   if (r->vote_late) {
@@ -939,10 +935,10 @@ void sg__mgr_commit_vote(sg_mgr_server_t *s, sg__mgr_reply_t to, int64_t g,
            s->name, (long long)missed, (long long)g, (long long)step);
     uint8_t buf[16];
     size_t len = sg__mgr_encode_decision(0, buf);
-    respond(to, SG_GRPC_OK, NULL, buf, len);
+    sg__mgr_respond(to, SG_GRPC_OK, NULL, buf, len);
     return;
   }
-  sg__mgr_waiter_t *w = add_waiter(s, to, SG__MGR_COMMIT, g);
+  sg__mgr_waiter_t *w = sg__mgr_waiter_add(s, to, SG__MGR_COMMIT, g);
   if (!w) {
     pthread_mutex_unlock(&s->commit_mu);
     return;
@@ -962,16 +958,16 @@ void sg__mgr_commit_vote(sg_mgr_server_t *s, sg__mgr_reply_t to, int64_t g,
 
 static void handle_should_commit(sg_mgr_server_t *s, sg_rpc_call_t *call,
                                  const uint8_t *body, size_t len) {
-  if (check_wire(call, body, len, &no_strings_spec))
+  if (sg__mgr_check_wire(call, body, len, &no_strings_spec))
     return;
   Torchft__ShouldCommitRequest *req =
       torchft__should_commit_request__unpack(&sg__pb_allocator, len, body);
   if (!req) {
-    sg__mgr_respond_err(wire(call), SG_GRPC_INVALID_ARGUMENT,
+    sg__mgr_respond_err(sg__mgr_wire(call), SG_GRPC_INVALID_ARGUMENT,
                         "invalid ShouldCommitRequest");
     return;
   }
-  sg__mgr_commit_vote(s, wire(call), req->group_rank, req->step,
+  sg__mgr_commit_vote(s, sg__mgr_wire(call), req->group_rank, req->step,
                       req->should_commit != 0, sg_rpc_call_deadline(call), 1,
                       sg_rpc_call_conn_id(call));
   torchft__should_commit_request__free_unpacked(req, &sg__pb_allocator);
@@ -979,25 +975,26 @@ static void handle_should_commit(sg_mgr_server_t *s, sg_rpc_call_t *call,
 
 static void handle_checkpoint_metadata(sg_mgr_server_t *s, sg_rpc_call_t *call,
                                        const uint8_t *body, size_t len) {
-  if (check_wire(call, body, len, &no_strings_spec))
+  if (sg__mgr_check_wire(call, body, len, &no_strings_spec))
     return;
   Torchft__CheckpointMetadataRequest *req =
       torchft__checkpoint_metadata_request__unpack(&sg__pb_allocator, len,
                                                    body);
   if (!req) {
-    sg__mgr_respond_err(wire(call), SG_GRPC_INVALID_ARGUMENT,
+    sg__mgr_respond_err(sg__mgr_wire(call), SG_GRPC_INVALID_ARGUMENT,
                         "invalid CheckpointMetadataRequest");
     return;
   }
   pthread_mutex_lock(&s->quorum_mu);
   if (req->rank < 0 || req->rank >= s->world_size ||
       !s->ranks[req->rank].metadata) {
-    sg__mgr_respond_err(wire(call), SG_GRPC_INVALID_ARGUMENT, "rank not found");
+    sg__mgr_respond_err(sg__mgr_wire(call), SG_GRPC_INVALID_ARGUMENT,
+                        "rank not found");
   } else {
     Torchft__CheckpointMetadataResponse m =
         TORCHFT__CHECKPOINT_METADATA_RESPONSE__INIT;
     m.checkpoint_metadata = s->ranks[req->rank].metadata;
-    respond_msg(wire(call), &m.base);
+    respond_msg(sg__mgr_wire(call), &m.base);
   }
   pthread_mutex_unlock(&s->quorum_mu);
   torchft__checkpoint_metadata_request__free_unpacked(req, &sg__pb_allocator);
@@ -1032,9 +1029,9 @@ static void on_lost(uv_async_t *a) {
   while (w) {
     sg__mgr_waiter_t *next = w->next;
     if (w->after_qid < qid) {
-      waiter_unlink(&s->lost_calls, w);
+      sg__mgr_waiter_unlink(&s->lost_calls, w);
       respond_lost(w->to, qid);
-      waiter_free(w);
+      sg__mgr_waiter_free(w);
     }
     w = next;
   }
@@ -1050,36 +1047,36 @@ static void on_lost(uv_async_t *a) {
 static void handle_wait_lost(sg_mgr_server_t *s, sg_rpc_call_t *call,
                              const uint8_t *body, size_t len) {
   if (!sg_rpc_call_metadata(call, "grpc-timeout")) {
-    sg__mgr_respond_err(wire(call), SG_GRPC_INVALID_ARGUMENT,
+    sg__mgr_respond_err(sg__mgr_wire(call), SG_GRPC_INVALID_ARGUMENT,
                         "missing timeout");
     return;
   }
-  if (check_wire(call, body, len, &no_strings_spec))
+  if (sg__mgr_check_wire(call, body, len, &no_strings_spec))
     return;
   Torchft__ManagerWaitLostRequest *req =
       torchft__manager_wait_lost_request__unpack(&sg__pb_allocator, len, body);
   if (!req) {
-    sg__mgr_respond_err(wire(call), SG_GRPC_INVALID_ARGUMENT,
+    sg__mgr_respond_err(sg__mgr_wire(call), SG_GRPC_INVALID_ARGUMENT,
                         "invalid ManagerWaitLostRequest");
     return;
   }
   int64_t after = req->after_quorum_id;
   torchft__manager_wait_lost_request__free_unpacked(req, &sg__pb_allocator);
-  if (check_left(s, wire(call)))
+  if (sg__mgr_check_left(s, sg__mgr_wire(call)))
     return;
   int64_t qid = current_lost_qid(s);
   if (qid > after) {
-    respond_lost(wire(call), qid);
+    respond_lost(sg__mgr_wire(call), qid);
     return;
   }
   sg__mgr_waiter_t *w = sg_calloc(1, sizeof(*w));
   if (!w) {
-    sg__mgr_respond_err(wire(call), SG_GRPC_RESOURCE_EXHAUSTED,
+    sg__mgr_respond_err(sg__mgr_wire(call), SG_GRPC_RESOURCE_EXHAUSTED,
                         "manager out of memory");
     return;
   }
   w->kind = SG__MGR_LOST;
-  w->to = wire(call);
+  w->to = sg__mgr_wire(call);
   w->after_qid = after;
   waiter_push(&s->lost_calls, w);
   sg_rpc_call_set_user(call, w);
@@ -1096,12 +1093,12 @@ static void on_kill_timer(uv_timer_t *t) {
 
 static void handle_kill(sg_mgr_server_t *s, sg_rpc_call_t *call,
                         const uint8_t *body, size_t len) {
-  if (check_wire(call, body, len, &kill_spec))
+  if (sg__mgr_check_wire(call, body, len, &kill_spec))
     return;
   Torchft__KillRequest *req =
       torchft__kill_request__unpack(&sg__pb_allocator, len, body);
   if (!req) {
-    sg__mgr_respond_err(wire(call), SG_GRPC_INVALID_ARGUMENT,
+    sg__mgr_respond_err(sg__mgr_wire(call), SG_GRPC_INVALID_ARGUMENT,
                         "invalid KillRequest");
     return;
   }
@@ -1121,10 +1118,10 @@ static void on_call(void *ud, sg_rpc_call_t *call) {
   size_t len = 0;
   const uint8_t *body = sg_rpc_call_body(call, &len);
   if (s->closing) {
-    sg__mgr_respond_err(wire(call), SG_GRPC_UNAVAILABLE,
+    sg__mgr_respond_err(sg__mgr_wire(call), SG_GRPC_UNAVAILABLE,
                         "manager shutting down");
   } else if (!authorized(s, call)) {
-    sg__mgr_respond_err(wire(call), SG_GRPC_UNAUTHENTICATED,
+    sg__mgr_respond_err(sg__mgr_wire(call), SG_GRPC_UNAUTHENTICATED,
                         "missing or wrong authorization token");
   } else if (strcmp(method, "/torchft.ManagerService/Quorum") == 0) {
     handle_quorum(s, call, body, len);
@@ -1138,7 +1135,7 @@ static void on_call(void *ud, sg_rpc_call_t *call) {
   } else if (strcmp(method, "/torchft.ManagerService/WaitLost") == 0) {
     handle_wait_lost(s, call, body, len);
   } else {
-    sg__mgr_respond_err(wire(call), SG_GRPC_UNIMPLEMENTED,
+    sg__mgr_respond_err(sg__mgr_wire(call), SG_GRPC_UNIMPLEMENTED,
                         "unknown method %.200s", method);
   }
 }
@@ -1152,8 +1149,8 @@ static void on_call_cancel(void *ud, sg_rpc_call_t *call) {
   if (!w)
     return;
   if (w->kind == SG__MGR_LOST) {
-    waiter_unlink(&s->lost_calls, w);
-    waiter_free(w);
+    sg__mgr_waiter_unlink(&s->lost_calls, w);
+    sg__mgr_waiter_free(w);
   } else {
     waiter_cancel(s, w);
   }

@@ -6,6 +6,8 @@
  *
  *   files     server.c             RPC handlers, waiters, liveness, the
  *                                  loop, start and stop
+ *             vote.c               the commit vote: ShouldCommit, its
+ *                                  round and the commit timer
  *             local.c              in-process calls (sg_mgr_local_*)
  *             lighthouse_worker.c  the quorum and heartbeat threads and the
  *                                  asynchronous first attempt of a round
@@ -42,7 +44,7 @@
  *             with no (commit_timer; round.h); the round's state is
  *             the loop's but guarded by commit_mu, so that an in-process
  *             vote that ends a round nobody waits in is answered right on
- *             its caller's thread
+ *             its caller's thread (vote.c)
  *   liveness  which group ranks spoke on which connection; a rank whose
  *             connections all closed and who stays silent past the grace
  *             makes the group leave for good (manager.h)
@@ -350,6 +352,8 @@ void sg__mgr_quorum_arrive_locked(sg_mgr_server_t *s, sg__mgr_reply_t to,
 void sg__mgr_quorum_arrive(sg_mgr_server_t *s, sg__mgr_reply_t to,
                            const sg__mgr_qargs_t *a);
 
+/* ---- vote.c: the commit vote -------------------------------------------- */
+
 /* sg__mgr_encode_decision: a ShouldCommitResponse into buf (16 bytes);
  * returns its length. */
 size_t sg__mgr_encode_decision(int decision, uint8_t *buf);
@@ -366,6 +370,12 @@ void sg__mgr_commit_round_end(sg_mgr_server_t *s, int decision);
 void sg__mgr_commit_vote(sg_mgr_server_t *s, sg__mgr_reply_t to, int64_t g,
                          int64_t step, int vote, sg_deadline_t deadline,
                          int has_conn, uint64_t conn_id);
+
+/* sg__mgr_handle_should_commit: a ShouldCommit call from the wire (its
+ * request `body`, `len` bytes): sg__mgr_commit_vote, or answered
+ * INVALID_ARGUMENT.  Loop thread. */
+void sg__mgr_handle_should_commit(sg_mgr_server_t *s, sg_rpc_call_t *call,
+                                  const uint8_t *body, size_t len);
 
 /* ---- local.c: in-process calls ------------------------------------------ */
 

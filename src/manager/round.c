@@ -1,6 +1,7 @@
 /*
  * round.c: the decisions of the quorum and commit rounds (see round.h);
- * the server (server.c, local.c) keeps their state and answers the calls.
+ * the server (server.c, vote.c, local.c) keeps their state and answers the
+ * calls.
  *
  *   quorum round  sg__mgr_round_ready, sg__mgr_round_plan (the step rule is
  *                 results.c's sg__mgr_group_step)

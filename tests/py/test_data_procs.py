@@ -95,15 +95,46 @@ def check_epoch(job: Job, samples: int = SAMPLES, ranks: int = 1) -> dict:
     assert epoch0 == list(range(samples)), (
         f"epoch 0: {len(epoch0)} samples, {len(set(epoch0))} distinct, "
         f"missing {sorted(set(range(samples)) - set(epoch0))[:10]}")
+    # (the trainers go on past the epoch until told to stop: the stream on
+    # is contiguous, as checked above, and repeats nothing)
     rest = [k for k in seen if k[0] != 0]
-    assert all(e == 1 for e, _ in rest) and len(rest) == len(set(rest)), rest
+    assert len(rest) == len(set(rest)), rest
     return {"steps": len(steps), "shared": shared,
             "splits": sorted({n for _, n in split.values()})}
 
 
-def test_one_epoch_under_kills_restarts_and_a_discarded_step(job_factory):
+def finish(job: Job, samples: int) -> None:
+    """Ends the run without stranding anyone: once every rank of every
+    group (its current incarnation) has committed a step past the epoch and
+    the latest of those are all of one quorum, every trainer stops two steps
+    after the furthest.  (A trainer that exits on its own at the end of the
+    epoch can leave behind a peer that was stuck in a dead quorum's
+    collective until its deadline: with everyone else gone, that peer never
+    reaches a quorum again.)"""
+    def frontier():
+        last = []
+        for rid, g in job.groups.items():
+            for r in range(g.ranks):
+                ok = [e for e in job.steps(rid, g=r, inc=g.incarnation)
+                      if e["ok"] and e["pos"] >= samples]
+                if not ok:
+                    return None
+                last.append(ok[-1])
+        if len({e["qid"] for e in last}) != 1:
+            return None
+        return max(e["step"] for e in last)
+
+    step = wait_for(frontier, 120, "every trainer past the epoch in one quorum", job)
+    job.stop_at(step + 2)
+
+
+def test_one_epoch_under_kills_a_warm_spare_restarts_and_a_discarded_step(job_factory):
     job = job_factory(min_replicas=2, worker="data_worker", hard_timeout=240)
     common = ("--samples", str(SAMPLES), "--batch", str(BATCH), "--discard-at", "10", *PACE)
+    # a warm spare (stepguard.spares), set up and waiting before anything
+    # fails: not a quorum member, so the job runs with three replicas
+    spare = job.start_spare("spare0", *common, "--data-workers", "1")
+    waiting = wait_for(lambda: job.spare_waiting(spare), 90, "the spare to wait", job)
     job.start_group("data_0", 1, *common, "--data-workers", "2")
     job.start_group("data_1", 1, *common)
     job.start_group("data_2", 1, *common, "--mid-at", "16", "--mid-sleep", "60")
@@ -114,14 +145,18 @@ def test_one_epoch_under_kills_restarts_and_a_discarded_step(job_factory):
     job.kill_group("data_2")
     wait_for(lambda: len(committed_steps(job, "data_0", n=2)) >= 3, 60,
              "3 steps of two replicas", job)
-    job.restart_group("data_2", "--mid-at", "-1")
+    # the spare becomes data_2 mid-epoch: it heals from a peer (the data
+    # position with the parameters) and reads on where data_2 would have
+    job.take_over("data_2", spare)
     wait_for(lambda: len(committed_steps(job, "data_2", n=3)) >= 3, 90,
-             "the restarted data_2 to heal and commit 3 steps beside the others", job)
+             "the spare, as data_2, to heal and commit 3 steps beside the others", job)
     # the replica whose loader has worker processes dies at a random point
+    # and is restarted (no spare left)
     job.kill_group("data_0")
     wait_for(lambda: len(committed_steps(job, "data_1", n=2)) >= 3, 60,
              "3 steps of two replicas again", job)
     job.restart_group("data_0")
+    finish(job, SAMPLES)
     for rid in ("data_0", "data_1", "data_2"):
         assert job.wait_exit(rid, 120) == [0], job.summary()
     got = check_epoch(job)
@@ -145,10 +180,77 @@ def test_one_epoch_under_kills_restarts_and_a_discarded_step(job_factory):
             assert not at[0]["ok"], (rid, mid, at)
             with_victim += 1
     assert with_victim >= 1, "min_replicas=2: data_2's quorum held a survivor"
+    # data_2's second incarnation is the spare's process, set up before the
+    # kill; it took part in no quorum before the takeover
+    start = job.events("data_2", inc=1, ev="start")[0]
+    assert start["spare"] and start["pid"] == waiting["pid"], (start, waiting)
+    assert waiting["t"] < mid["t"], (waiting, mid)
     # the replacements healed: their first committed step is a peer's
     for rid in ("data_0", "data_2"):
         first = committed_steps(job, rid)[0]
-        assert first["before"] > 10, first
+        assert first["before"] > 10 and first["healed"], first
+    job.assert_identical(10)
+
+
+def test_one_epoch_with_a_hot_spare(job_factory):
+    """torchft's hot spares (WorldSizeMode.FIXED_WITH_SPARES): three groups,
+    two participants.  The spare (data_2: the quorum ranks replicas by id)
+    runs every step with zero weight; it is served a batch as if alone (the
+    first participant's slice), which is not consumption: a committed step
+    consumes its participants' slices only, the position moves by two
+    slices, and the spare's read neither takes nor skips a sample of the
+    epoch.  A participant dies mid-step; the spare takes its place at the
+    next quorum (no heal); the victim comes back, heals, and the spare is a
+    spare again.  Exactly one epoch is consumed throughout."""
+    job = job_factory(min_replicas=2, worker="data_worker", hard_timeout=240)
+    common = ("--samples", "600", "--batch", str(BATCH), "--fixed-with-spares",
+              "--min-replica-size", "2", *PACE)
+    job.start_group("data_0", 1, *common, "--data-workers", "1", "--mid-at", "20",
+                    "--mid-sleep", "60")
+    job.start_group("data_1", 1, *common)
+    job.start_group("data_2", 1, *common)
+
+    def spare_steps(rid: str, inc: int = 0) -> list[dict]:
+        return [e for e in job.steps(rid, inc=inc)
+                if e["ok"] and e["prank"] is None and not e["healed"]]
+
+    def active_steps(rid: str, inc: int) -> list[dict]:
+        return [e for e in job.steps(rid, inc=inc) if e["ok"] and e["prank"] is not None]
+
+    mid = wait_for(lambda: job.events("data_0", ev="mid"), 90, "data_0 mid-step", job)[0]
+    assert len(spare_steps("data_2")) >= 3, job.summary()
+    job.kill_group("data_0")
+    # the hot spare participates at once, in place of the victim
+    wait_for(lambda: [e for e in active_steps("data_2", 0) if e["before"] >= mid["step"]],
+             60, "the spare to take part", job)
+    wait_for(lambda: len([e for e in active_steps("data_2", 0)
+                          if e["before"] >= mid["step"]]) >= 3,
+             60, "3 steps with the spare taking part", job)
+    job.restart_group("data_0", "--mid-at", "-1")
+    wait_for(lambda: len(active_steps("data_0", 1)) >= 3, 90,
+             "the restarted data_0 to heal and take part in 3 steps", job)
+    back = active_steps("data_0", 1)[0]["step"]
+    wait_for(lambda: [e for e in spare_steps("data_2") if e["before"] >= back], 60,
+             "data_2 to be a spare again", job)
+    finish(job, 600)
+    for rid in ("data_0", "data_1", "data_2"):
+        assert job.wait_exit(rid, 120) == [0], job.summary()
+    got = check_epoch(job, samples=600)
+    assert got["splits"] == [2], got
+    # every committed step counted two participants, whoever was the spare
+    for e in job.steps():
+        if e["ok"]:
+            assert e["n"] == 2, e
+    # the spare's own reads were the first participant's slice, counted for
+    # nothing: each was served the same batch as participant 0 of that step
+    takes, committed = takes_and_commits(job)
+    spare_takes = [t for t in takes if t["prank"] is None and t["rid"] == "data_2"]
+    assert spare_takes
+    by_step = {(t["step"], t["pos"]): t for t in takes if t["prank"] == 0}
+    for t in spare_takes:
+        p0 = by_step.get((t["step"], t["pos"]))
+        if p0 is not None:
+            assert (t["n"], t["keys"], t["draw"]) == (1, p0["keys"], p0["draw"]), (t, p0)
     job.assert_identical(10)
 
 
@@ -164,6 +266,7 @@ def test_one_epoch_sync_quorum(job_factory):
     wait_for(lambda: len(committed_steps(job, "data_0", n=2)) >= 3, 60,
              "3 steps of two replicas", job)
     job.restart_group("data_1", "--mid-at", "-1")
+    finish(job, 600)
     for rid in ("data_0", "data_1", "data_2"):
         assert job.wait_exit(rid, 120) == [0], job.summary()
     got = check_epoch(job, samples=600)
@@ -182,6 +285,7 @@ def test_one_epoch_groups_of_two_ranks(job_factory):
     wait_for(lambda: len(committed_steps(job, "data_0", n=1)) >= 3, 60,
              "3 steps of data_0 alone", job)
     job.restart_group("data_1", "--mid-at", "-1")
+    finish(job, 480)
     for rid in ("data_0", "data_1"):
         assert job.wait_exit(rid, 120) == [0, 0], job.summary()
     got = check_epoch(job, samples=480, ranks=2)

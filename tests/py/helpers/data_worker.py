@@ -3,12 +3,28 @@
 each step, the samples it was served, before its forward pass (event
 ``take``: the step, quorum id, participants, participant rank, committed
 stream position, and per sample its epoch, index and the random draw it was
-read with), then whether the step committed (event ``step``).  It stops
-once the committed position has passed one epoch.  Run through the
+read with), then whether the step committed (event ``step``, with the
+committed position after it).  It trains on past the epoch until the test
+says when to stop: it exits once its committed position has passed one
+epoch and it has reached the step written in ``DIR/stop_at``
+(``Job.stop_at``), so that a replica that fell behind (stuck in a dead
+quorum's collective until its deadline) still finds peers to heal from.  Run through the
 training harness (tests/py/helpers/train_harness.py, ``worker="data_worker"``).
 
     python data_worker.py --lighthouse ADDR --replica-id data_0 --dir DIR \
         --samples 900 --batch 3 [--data-workers 2] [--discard-at 5]
+
+With ``--spare-sock PATH`` it is a warm spare (stepguard.spares): it
+connects to that Unix socket, sets up everything that does not depend on
+which replica group it is (torch, stepguard, model, optimizer, dataset,
+sampler, its group's TCPStore, the process group object), logs
+``waiting`` (with the store's port) to ``DIR/events/{replica_id}.waiting.jsonl``
+and waits in ``wait_for_takeover()``; the takeover message on the socket
+names the group (``data_{REPLICA_GROUP_ID}``, incarnation
+``STEPGUARD_INCARNATION``), whose event file it then writes as any trainer.
+With ``--fixed-with-spares`` the Manager runs in
+``WorldSizeMode.FIXED_WITH_SPARES`` (hot spares: replicas beyond
+``--min-replica-size`` take part with zero weight).
 """
 
 from __future__ import annotations
@@ -18,7 +34,8 @@ import os
 import sys
 import time
 from datetime import timedelta
-from train_worker import Log, child_pids, group_store, make_model, manager_kwargs, param_hash
+from train_worker import (Log, child_pids, group_store, make_model, manager_kwargs, param_hash,
+                          wait_file)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -45,6 +62,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "takes part in), after the forward pass, log 'mid' and sleep "
                     "--mid-sleep")
     ap.add_argument("--mid-sleep", type=float, default=0.0)
+    ap.add_argument("--fixed-with-spares", action="store_true")
+    ap.add_argument("--spare-sock", default=None,
+                    help="start as a warm spare waiting on this Unix socket")
+    ap.add_argument("--spare-timeout", type=float, default=300.0)
     a = ap.parse_args(argv)
     a.no_init_sync = False
     a.same_init = False
@@ -66,23 +87,68 @@ def make_dataset(torch, n: int):
     return Samples()
 
 
+def wait_as_spare(a: argparse.Namespace):
+    """The warm spare's wait: connects to the harness's socket, sets up what
+    does not depend on the group, waits for the takeover message and takes
+    its identity.  Returns (store, store port, log)."""
+    import socket
+
+    import torch
+
+    from stepguard.spares import wait_for_takeover
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(a.spare_sock)
+    os.environ["STEPGUARD_SPARE_FD"] = str(sock.detach())  # closed by the takeover
+    # a group's store, made before the group is known (the launcher's
+    # spares have one too): the takeover message hands its port back
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True,
+                                       wait_for_workers=False)
+    waiting = Log(os.path.join(a.dir, "events", f"{a.replica_id}.waiting.jsonl"),
+                  spare=a.replica_id)
+    waiting("waiting", pid=os.getpid(), store_port=store.port)
+    ident = wait_for_takeover(timeout=a.spare_timeout)
+    a.replica_id = f"data_{ident.replica_group}"
+    a.incarnation = int(os.environ["STEPGUARD_INCARNATION"])
+    a.group_rank, a.group_world_size = ident.rank, ident.world_size
+    log = Log(os.path.join(a.dir, "events",
+                           f"{a.replica_id}.g{a.group_rank}.i{a.incarnation}.jsonl"),
+              rid=a.replica_id, g=a.group_rank, inc=a.incarnation)
+    waiting("takeover", rid=a.replica_id, inc=a.incarnation, waited_s=ident.waited_s)
+    log("start", pid=os.getpid(), ppid=os.getppid(), spare=True, waited_s=ident.waited_s)
+    return store, ident.store_port, log
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    g = a.group_rank
     for sub in ("events", "stores"):
         os.makedirs(os.path.join(a.dir, sub), exist_ok=True)
-    log = Log(os.path.join(a.dir, "events", f"{a.replica_id}.g{g}.i{a.incarnation}.jsonl"),
-              rid=a.replica_id, g=g, inc=a.incarnation)
-    log("start", pid=os.getpid(), ppid=os.getppid())
+    if not a.spare_sock:
+        log = Log(os.path.join(a.dir, "events",
+                               f"{a.replica_id}.g{a.group_rank}.i{a.incarnation}.jsonl"),
+                  rid=a.replica_id, g=a.group_rank, inc=a.incarnation)
+        log("start", pid=os.getpid(), ppid=os.getppid())
 
     import torch
 
     import stepguard as ft
     from stepguard.data import DistributedSampler, ManagedDataLoader
+    from stepguard.manager import WorldSizeMode
 
     torch.set_num_threads(1)
-    store, store_port = group_store(a, g)
+    # everything up to the Manager is what a warm spare sets up before it
+    # knows its group (a spare's initial weights do not matter: it heals)
     model, inner_opt = make_model(a)
+    dataset = make_dataset(torch, a.samples)
+    pg = ft.ProcessGroupGloo(timeout=timedelta(seconds=a.timeout))
+    if a.spare_sock:
+        store, store_port, log = wait_as_spare(a)
+    else:
+        store, store_port = group_store(a, a.group_rank)
+    g = a.group_rank
+    sampler = DistributedSampler(dataset, replica_rank=0, num_replica_groups=1, group_rank=g,
+                                 num_replicas=a.group_world_size, shuffle=True, seed=17)
+
     def state_dict() -> dict:
         return {"model": model.state_dict(), "optim": inner_opt.state_dict()}
 
@@ -90,16 +156,17 @@ def main(argv: list[str] | None = None) -> int:
         model.load_state_dict(sd["model"])
         inner_opt.load_state_dict(sd["optim"])
 
+    kw = {}
+    if a.fixed_with_spares:
+        kw["world_size_mode"] = WorldSizeMode.FIXED_WITH_SPARES
     manager = ft.Manager(
-        pg=ft.ProcessGroupGloo(timeout=timedelta(seconds=a.timeout)),
+        pg=pg,
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         use_async_quorum=not a.sync_quorum,
         **manager_kwargs(a, g, a.group_world_size, "127.0.0.1", store_port),
+        **kw,
     )
-    dataset = make_dataset(torch, a.samples)
-    sampler = DistributedSampler(dataset, replica_rank=0, num_replica_groups=1, group_rank=g,
-                                 num_replicas=a.group_world_size, shuffle=True, seed=17)
     loader = ManagedDataLoader(manager, dataset, a.batch, sampler=sampler,
                                num_workers=a.data_workers)
     manager.register_state_dict_fn("data", loader.load_state_dict, loader.state_dict)
@@ -108,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
 
     last = manager.current_step()
     first = True
-    while loader.position() < a.samples:
+    stop_file = os.path.join(a.dir, "stop_at")
+    while loader.position() < a.samples or not (
+            os.path.exists(stop_file)
+            and manager.current_step() >= int(wait_file(stop_file, 1))):
         opt.zero_grad()  # starts the quorum
         x, y, idx = next(loader)
         sl = loader.last
@@ -139,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         log("step", before=before, step=after, ok=after == before + 1,
             healed=before != last, n=manager.num_participants(),
             prank=manager.participating_rank(), batches=manager.batches_committed(),
-            qid=getattr(manager, "_quorum_id", None), hash=param_hash(model))
+            qid=getattr(manager, "_quorum_id", None), pos=loader.position(),
+            hash=param_hash(model))
         last = after
         if a.step_sleep:
             time.sleep(a.step_sleep)

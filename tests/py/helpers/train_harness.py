@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from lighthouse_util import LISTEN_RE, OURS_CODE, TORCHFT_LIGHTHOUSE_SCRIPT
+from train_worker import replica_index
 
 WORKER = str(Path(__file__).with_name("train_worker.py"))
 ZYGOTE = str(Path(__file__).with_name("train_zygote.py"))
@@ -247,6 +248,15 @@ class Group:
         self.popens: list[subprocess.Popen] = []
 
 
+class Spare:
+    """A warm spare the Job started: its process and takeover channel."""
+
+    def __init__(self, name: str, popen, conn) -> None:
+        self.name = name
+        self.popen = popen
+        self.conn = conn
+
+
 class Job:
     """A lighthouse and replica groups; every process it starts is killed by
     pid in ``close()`` (worker pids under torchrun are read from their
@@ -398,6 +408,67 @@ class Job:
 
     def restart_group(self, rid: str, *extra: str) -> None:
         self._launch(self.groups[rid], extra)
+
+    # ---- warm spares (stepguard.spares), one-rank groups -------------
+
+    def start_spare(self, name: str, *args: str) -> Spare:
+        """Starts a warm spare of the job's worker (``--spare-sock``): it
+        connects to a Unix socket of ours, which is its takeover channel,
+        sets up and waits (its ``waiting`` event, :meth:`spare_waiting`)."""
+        import socket
+
+        path = str(self.dir / f"{name}.sock")
+        if len(path) > 100:  # a Unix socket's path has at most 107 bytes
+            import tempfile
+
+            path = os.path.join(tempfile.mkdtemp(prefix="sg-spare-"), "s")
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(path)
+        srv.listen(1)
+        srv.settimeout(60)
+        log = self.dir / "logs" / f"{name}.log"
+        argv = ["--impl", self.impl, "--lighthouse", self.addr, "--replica-id", name,
+                "--dir", str(self.dir), "--spare-sock", path, *args]
+        try:
+            if self.zygote is not None and self.impl == self.zygote.impl:
+                p = self.zygote.spawn(argv, log, worker=self.worker)
+            else:
+                script = str(Path(WORKER).with_name(f"{self.worker}.py"))
+                with open(log, "ab") as f:
+                    p = subprocess.Popen([sys.executable, script, *argv], stdout=f,
+                                         stderr=f, env=worker_env())
+            self._popens.append(p)
+            conn, _ = srv.accept()
+        finally:
+            srv.close()
+        return Spare(name, p, conn)
+
+    def spare_waiting(self, spare: Spare) -> dict | None:
+        """The spare's ``waiting`` event (pid, its store's port), or None."""
+        path = self.dir / "events" / f"{spare.name}.waiting.jsonl"
+        if not path.exists():
+            return None
+        return next((e for e in self._read(path) if e["ev"] == "waiting"), None)
+
+    def take_over(self, rid: str, spare: Spare) -> None:
+        """Makes the waiting spare the next incarnation of one-rank group
+        ``rid``: writes it the takeover message (the group's identity, the
+        spare's own store, this job's lighthouse) and closes the channel."""
+        from stepguard.spares import send_takeover
+
+        g = self.groups[rid]
+        assert g.ranks == 1 and not g.torchrun, "spares here replace one-rank groups"
+        waiting = self.spare_waiting(spare)
+        assert waiting is not None, f"spare {spare.name} is not waiting yet"
+        g.incarnation += 1
+        g.popens = [spare.popen]
+        env = {"REPLICA_GROUP_ID": str(replica_index(rid)), "RANK": "0", "WORLD_SIZE": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(waiting["store_port"]),
+               "TORCHFT_LIGHTHOUSE": self.addr, "STEPGUARD_INCARNATION": str(g.incarnation)}
+        try:
+            send_takeover(spare.conn.fileno(), env)
+        finally:
+            spare.conn.close()
 
     def wait_exit(self, rid: str, timeout: float) -> list[int]:
         g = self.groups[rid]

@@ -1,10 +1,13 @@
 """The data position survives crashes, in real processes: three replica
 groups read one epoch through ManagedDataLoader (one of them with loader
 worker processes) while the test discards a step everywhere, SIGKILLs a
-replica in the middle of a step and another at a random point, and
-restarts both (each heals from a peer); the number of participants goes
-3, 2, 3, 2, 3.  The samples of the committed steps must be exactly the
-epoch: no sample skipped, none repeated.
+replica in the middle of a step (a warm spare, waiting since before,
+takes over its identity mid-epoch) and another at a random point
+(restarted); each replacement heals from a peer; the number of
+participants goes 3, 2, 3, 2, 3.  Then the same epoch with torchft's hot
+spares (FIXED_WITH_SPARES: two participants of three groups), a
+participant killed and restarted.  The samples of the committed steps
+must be exactly the epoch: no sample skipped, none repeated.
 (tests/py/helpers/data_worker.py, tests/py/helpers/train_harness.py)
 """
 

@@ -8,8 +8,9 @@ committed position after it).  It trains on past the epoch until the test
 says when to stop: it exits once its committed position has passed one
 epoch and it has reached the step written in ``DIR/stop_at``
 (``Job.stop_at``), so that a replica that fell behind (stuck in a dead
-quorum's collective until its deadline) still finds peers to heal from.  Run through the
-training harness (tests/py/helpers/train_harness.py, ``worker="data_worker"``).
+quorum's collective until its deadline) still finds peers to heal from.
+Run through the training harness (tests/py/helpers/train_harness.py,
+``worker="data_worker"``).
 
     python data_worker.py --lighthouse ADDR --replica-id data_0 --dir DIR \
         --samples 900 --batch 3 [--data-workers 2] [--discard-at 5]
@@ -17,7 +18,7 @@ training harness (tests/py/helpers/train_harness.py, ``worker="data_worker"``).
 With ``--spare-sock PATH`` it is a warm spare (stepguard.spares): it
 connects to that Unix socket, sets up everything that does not depend on
 which replica group it is (torch, stepguard, model, optimizer, dataset,
-sampler, its group's TCPStore, the process group object), logs
+the process group object, a TCPStore for its group), logs
 ``waiting`` (with the store's port) to ``DIR/events/{replica_id}.waiting.jsonl``
 and waits in ``wait_for_takeover()``; the takeover message on the socket
 names the group (``data_{REPLICA_GROUP_ID}``, incarnation

@@ -289,16 +289,22 @@ def test_spares_refused_in_network_namespaces(tmp_path: Path) -> None:
 
 def _run_llama(tmp_path: Path, groups: int, nproc: int, kill_rank: int | None,
                limit: float, refill: str) -> list[dict]:
-    """Kills group 1 once the spare waits; finishes once the replacement
-    committed and the next spare reached ``refill`` (an event name)."""
+    """Kills group 1 once the spare waits and every running group is in the
+    quorum; finishes once the replacement committed and the next spare
+    reached ``refill`` (an event name)."""
     tl: list[dict] = []
     state = {"killed": False, "stop": None}
 
     def on_tick(la: Launcher) -> None:
         if not state["killed"]:
+            # A group slow to start (load) joins late: until then the others
+            # commit without it (min_replicas=1) and the lighthouse has not
+            # heard of it.  So the snapshot waits for commits that counted
+            # every running group after the spare was ready: each of them
+            # had joined, and a member's heartbeat record stays while it runs.
             ready = _of(tl, "spare_ready")
             after = [r for r in _of(tl, "commit", group=1, rank=0)
-                     if ready and r["t"] > ready[0]["t"]]
+                     if ready and r["t"] > ready[0]["t"] and r["participants"] == groups]
             if len(after) >= 5:
                 # what the lighthouse knows while the spare waits
                 addr = _of(tl, "lighthouse")[0]["address"]

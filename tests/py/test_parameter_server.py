@@ -364,21 +364,50 @@ def test_slow_client_is_cut_and_others_go_on(servers) -> None:
     assert st["refused"] == 1 and st["sessions_started"] == 1
 
 
+class _Gated(AddServer):
+    """Two request slots; each request thread waits at ``gate`` before it
+    reads, so the test, not the request deadline, decides how long the slots
+    stay taken, and ``ended`` counts the request threads that let theirs go."""
+
+    backend = "tcp"
+    request_timeout = timedelta(seconds=2)
+    max_pending = 2
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.ended = 0
+        super().__init__()
+
+    def _handle(self, conn: socket.socket, peer: object) -> None:
+        self.gate.wait(60)
+        try:
+            super()._handle(conn, peer)
+        finally:
+            with self._lock:
+                self.ended += 1
+
+
 def test_connections_beyond_the_limit_get_503(servers) -> None:
-    cls = _server_class("tcp", request_timeout=timedelta(seconds=2), max_pending=2)
-    ps = _start(servers, cls)
+    # Both slots are held until the gate opens, however long the third
+    # connection takes to come (an idle one would otherwise be cut at its
+    # deadline and free its slot first).
+    ps = _start(servers, _Gated)
     idle = [socket.create_connection(("127.0.0.1", _port(ps)), timeout=30) for _ in range(2)]
     try:
         _until(lambda: ps.stats()["requests"] == 2, 10, "two connections accepted")
         resp = _raw(_port(ps), b"GET /new_session HTTP/1.1\r\n\r\n")
         assert _status(resp) == 503, resp
+        ps.gate.set()
         for s in idle:  # the two idle ones are cut at the request deadline
             s.settimeout(30)
             assert _status(_read_all(s)) == 408
     finally:
+        ps.gate.set()
         for s in idle:
             s.close()
-    _assert_still_serving(ps, cls, 0)
+    # their threads free the slots after the client's close, not at once
+    _until(lambda: ps.ended == 2, 30, "the idle connections' slots freed")
+    _assert_still_serving(ps, _Gated, 0)
 
 
 def test_sessions_beyond_the_limit_get_503(servers) -> None:

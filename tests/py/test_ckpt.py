@@ -621,15 +621,25 @@ def test_fetches_from_a_torchft_http_peer() -> None:
         b.shutdown()
 
 
+# "ready" comes once the fetch's connection reached the silent source, so
+# the SIGINT lands in the fetch, never before its try (a traceback then).
 _CTRL_C = r"""
-import socket, sys, time
+import socket, sys, threading, time
 from datetime import timedelta
 from stepguard.checkpointing.native_transport import NativeTransport
 silent = socket.socket()
 silent.bind(("127.0.0.1", 0))
 silent.listen(4)
+held = []
+
+
+def announce():
+    held.append(silent.accept()[0])  # kept open, never answered
+    print("ready", flush=True)
+
+
+threading.Thread(target=announce, daemon=True).start()
 t = NativeTransport(timedelta(seconds=5), hostname="127.0.0.1")
-print("ready", flush=True)
 t0 = time.monotonic()
 try:
     t.recv_checkpoint(0, "sgckpt://127.0.0.1:%d" % silent.getsockname()[1], 1,
@@ -647,8 +657,7 @@ def test_ctrl_c_stops_a_fetch(procs) -> None:
     import subprocess
 
     p = procs.spawn(_CTRL_C, stdout=subprocess.PIPE, text=True)
-    assert p.stdout.readline().strip() == "ready"
-    time.sleep(0.5)
+    assert p.stdout.readline().strip() == "ready"  # the fetch is in flight
     p.send_signal(signal.SIGINT)
     out = procs.rest_of_stdout(p, timeout=30)
     assert p.returncode == 0, out

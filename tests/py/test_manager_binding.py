@@ -210,15 +210,26 @@ def test_default_kill_handler_logs_and_exits_1(procs):
     assert "got kill request: operator says bye" in p.stderr.read()
 
 
+# "waiting" comes once the lighthouse holds the manager's request, so the
+# SIGINT lands in the call, never before its try (a traceback then).
 QUORUM_CHILD = """
-import sys
+import json, sys, threading, time, urllib.request
 from datetime import timedelta
 from stepguard.coordination import LighthouseServer, ManagerClient, ManagerServer
 lh = LighthouseServer("127.0.0.1:0", 2)  # never reached by one group
 m = ManagerServer("w", lh.address(), "127.0.0.1", "127.0.0.1:0", "s:1", 1,
                   timedelta(seconds=0.1), timedelta(seconds=5))
 c = ManagerClient(m.address(), timedelta(seconds=5))
-print("waiting", flush=True)
+
+
+def announce():
+    url = "http://127.0.0.1:%d/status" % lh.port()
+    while json.load(urllib.request.urlopen(url, timeout=5))["pending"] < 1:
+        time.sleep(0.01)
+    print("waiting", flush=True)
+
+
+threading.Thread(target=announce, daemon=True).start()
 try:
     c._quorum(0, 0, "", False, True, 0, timedelta(seconds=600))
 except KeyboardInterrupt:
@@ -359,8 +370,8 @@ print(len(tids() ^ before), flush=True)
 m2 = ManagerServer("x", lh.address(), "127.0.0.1", "127.0.0.1:0", "s:1", 2,
                    td(0.1), td(5))
 c2 = ManagerClient(m2.address(), td(5), server=m2)
-print("waiting", flush=True)
-try:
+try:  # a SIGINT right after the line below still lands in here
+    print("waiting", flush=True)
     c2.should_commit(0, 0, True, td(600))
 except KeyboardInterrupt:
     print("interrupted", flush=True)

@@ -70,11 +70,19 @@ def test_context_timeout_fires_only_when_late() -> None:
     fired = threading.Event()
     with context_timeout(fired.set, timedelta(milliseconds=30)):
         assert fired.wait(10)
-    quiet = threading.Event()
-    with context_timeout(quiet.set, timedelta(milliseconds=200)):
-        pass
-    time.sleep(0.4)
-    assert not quiet.is_set()
+    # A block that ended before its deadline is never called back.  Load can
+    # hold even an empty block past 200 ms, and then a call is right: such a
+    # try proves nothing, so the check is made on the first quick one.
+    for _ in range(5):
+        quiet = threading.Event()
+        t0 = time.monotonic()
+        with context_timeout(quiet.set, timedelta(milliseconds=200)):
+            pass
+        if time.monotonic() - t0 < 0.2:
+            time.sleep(0.4)
+            assert not quiet.is_set()
+            return
+    pytest.fail("five empty blocks each took 200 ms or more")
 
 
 def test_blocking_callback_does_not_delay_other_deadlines() -> None:

@@ -201,8 +201,9 @@ def test_min_replicas_blocks(pool):
 
 
 def test_split_brain_waits_for_a_strict_majority(pool):
-    """3 heartbeating, 1 requesting: waits (1 <= 3/2); a second joins: quorum."""
-    with server(min_replicas=1, join_timeout_ms=300) as s:
+    """3 heartbeating, 1 requesting: waits (1 <= 3/2); a second joins: quorum.
+    The one heartbeat each keeps all three healthy for the whole test."""
+    with server(min_replicas=1, join_timeout_ms=300, heartbeat_timeout_ms=60000) as s:
         cs = {r: client(s) for r in "abc"}
         for r, c in cs.items():
             c.heartbeat(r)

@@ -292,12 +292,10 @@ out:
 
 /*
  * on_lh_quorum: the outcome of a round's asynchronous first attempt (the
- * lighthouse channel's I/O thread).  An answer is delivered here when only
- * in-process calls wait, else posted to the loop, as the quorum thread
- * does; a failure goes to the quorum thread, which applies torchft's retry
- * rule from there.  While the server stops, a failure is delivered here
- * (or left to the stop, which fails every waiting call) and nothing is
- * posted: the loop and the workers may be gone.
+ * lighthouse channel's I/O thread).  An answer ends the round
+ * (sg__mgr_round_done, as the quorum thread ends the others); a failure
+ * goes to the quorum thread, which applies torchft's retry rule from
+ * there, except while the server stops: then the failure ends the round.
  */
 static void on_lh_quorum(void *ud, int rc, int grpc_status, uint8_t *resp,
                          size_t resp_len, const char *msg) {
@@ -329,21 +327,7 @@ static void on_lh_quorum(void *ud, int rc, int grpc_status, uint8_t *resp,
   }
   pthread_mutex_unlock(&s->mu);
   sg__mgr_job_clear(&j);
-  if (sg__mgr_deliver_here(s, rc, rc ? e.msg : "", out))
-    return;
-  if (stopping) { /* a call from the wire waits: the stop answers it */
-    if (out)
-      torchft__lighthouse_quorum_response__free_unpacked(out,
-                                                         &sg__pb_allocator);
-    return;
-  }
-  pthread_mutex_lock(&s->mu);
-  s->result = out;
-  s->result_rc = rc;
-  snprintf(s->result_msg, sizeof(s->result_msg), "%s", rc ? e.msg : "");
-  s->result_ready = 1;
-  uv_async_send(&s->result_async);
-  pthread_mutex_unlock(&s->mu);
+  sg__mgr_round_done(s, rc, rc ? e.msg : "", out);
 }
 
 /*
@@ -502,18 +486,8 @@ void *sg__mgr_quorum_main(void *arg) {
     sg_err_clear(&e);
     int rc = quorum_with_retries(s, &j, &resp, &e);
     sg__mgr_job_clear(&j);
-    if (rc != SG_ECANCELED &&
-        sg__mgr_deliver_here(s, rc, e.msg[0] ? e.msg : sg_strerror(rc), resp)) {
-      pthread_mutex_lock(&s->mu);
-      continue;
-    }
+    sg__mgr_round_done(s, rc, e.msg[0] ? e.msg : sg_strerror(rc), resp);
     pthread_mutex_lock(&s->mu);
-    s->result = resp;
-    s->result_rc = rc;
-    snprintf(s->result_msg, sizeof(s->result_msg), "%s",
-             e.msg[0] ? e.msg : sg_strerror(rc));
-    s->result_ready = 1;
-    uv_async_send(&s->result_async);
   }
   pthread_mutex_unlock(&s->mu);
   return NULL;

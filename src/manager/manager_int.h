@@ -322,17 +322,23 @@ void sg__mgr_waiter_free(sg__mgr_waiter_t *w);
 int sg__mgr_all_local(const sg__mgr_waiter_t *w);
 
 /*
- * sg__mgr_deliver_here: the quorum thread (or the I/O thread, for an
- * asynchronous attempt) answers the round itself when only in-process calls
- * wait, so the loop is not woken.  Takes quorum_mu.  Returns 1 if it did
- * (`resp`, owned by the caller until then, is consumed and freed); 0 leaves
- * it to the loop (the caller keeps `resp`).
+ * sg__mgr_round_done: a round's outcome (rc 0 with `resp`, or rc and
+ * `msg`), from the thread that ended it: the quorum thread, or the
+ * lighthouse channel's I/O thread when a round's first attempt succeeded.
+ * The one road to the waiting calls: answered right there when only
+ * in-process calls wait (the loop is not woken), else handed to the loop
+ * (on_result), which answers the calls on the wire; while the server stops,
+ * dropped (the stop answers them).  Consumes `resp`.  Called without mu and
+ * quorum_mu.
  */
-int sg__mgr_deliver_here(sg_mgr_server_t *s, int rc, const char *msg,
-                         Torchft__LighthouseQuorumResponse *resp);
+void sg__mgr_round_done(sg_mgr_server_t *s, int rc, const char *msg,
+                        Torchft__LighthouseQuorumResponse *resp);
+
+/* sg__mgr_quorum_idle: no Quorum call counts as arrived and no round is
+ * under way (tests wait for this where a cancel must have been seen). */
+int sg__mgr_quorum_idle(sg_mgr_server_t *s);
 
 /* sg__mgr_round_mu: the lock the round of calls of `kind` is under. */
-int sg__mgr_quorum_idle(sg_mgr_server_t *s);
 pthread_mutex_t *sg__mgr_round_mu(sg_mgr_server_t *s, sg__mgr_kind_t kind);
 
 /* sg__mgr_waiter_drop: the caller of w's call gave up (its round's lock

@@ -620,14 +620,13 @@ int sg__mgr_all_local(const sg__mgr_waiter_t *w) {
 }
 
 /*
- * sg__mgr_deliver_here: the quorum thread (or the I/O thread, for an
- * asynchronous attempt) answers the round itself when only in-process calls
- * wait (nobody on the wire needs the loop to answer), so the loop is not woken.
- * Returns 1 if it did (the result is consumed and freed); 0 leaves it to the
- * loop.
+ * deliver_here: answer the round right here when only in-process calls
+ * wait (nobody on the wire needs the loop to answer), so the loop is not
+ * woken.  Returns 1 if it did (the result is consumed and freed); 0 leaves
+ * it to the loop.
  */
-int sg__mgr_deliver_here(sg_mgr_server_t *s, int rc, const char *msg,
-                         Torchft__LighthouseQuorumResponse *resp) {
+static int deliver_here(sg_mgr_server_t *s, int rc, const char *msg,
+                        Torchft__LighthouseQuorumResponse *resp) {
   pthread_mutex_lock(&s->quorum_mu);
   if (s->q_closed || atomic_load(&s->left) ||
       !sg__mgr_all_local(s->quorum_waiters)) {
@@ -641,6 +640,26 @@ int sg__mgr_deliver_here(sg_mgr_server_t *s, int rc, const char *msg,
   if (resp)
     torchft__lighthouse_quorum_response__free_unpacked(resp, &sg__pb_allocator);
   return 1;
+}
+
+void sg__mgr_round_done(sg_mgr_server_t *s, int rc, const char *msg,
+                        Torchft__LighthouseQuorumResponse *resp) {
+  if (deliver_here(s, rc, msg, resp))
+    return;
+  pthread_mutex_lock(&s->mu);
+  if (s->stopping) { /* the loop may be gone: the stop answers the calls */
+    pthread_mutex_unlock(&s->mu);
+    if (resp)
+      torchft__lighthouse_quorum_response__free_unpacked(resp,
+                                                         &sg__pb_allocator);
+    return;
+  }
+  s->result = resp;
+  s->result_rc = rc;
+  snprintf(s->result_msg, sizeof(s->result_msg), "%s", msg);
+  s->result_ready = 1;
+  uv_async_send(&s->result_async);
+  pthread_mutex_unlock(&s->mu);
 }
 
 /* ---- calls -------------------------------------------------------------- */

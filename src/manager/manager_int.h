@@ -334,6 +334,11 @@ int sg__mgr_all_local(const sg__mgr_waiter_t *w);
 void sg__mgr_round_done(sg_mgr_server_t *s, int rc, const char *msg,
                         Torchft__LighthouseQuorumResponse *resp);
 
+/* sg__mgr_timer_at: arm loop timer `t` to run `cb` at monotonic time `at`
+ * (ns); INT64_MAX, or a closing server, stops it.  On the loop. */
+void sg__mgr_timer_at(sg_mgr_server_t *s, uv_timer_t *t, uv_timer_cb cb,
+                      int64_t at);
+
 /* sg__mgr_quorum_idle: no Quorum call counts as arrived and no round is
  * under way (tests wait for this where a cancel must have been seen). */
 int sg__mgr_quorum_idle(sg_mgr_server_t *s);

@@ -222,18 +222,23 @@ static void leave(sg_mgr_server_t *s, const char *why) {
 
 static void on_grace(uv_timer_t *t);
 
+void sg__mgr_timer_at(sg_mgr_server_t *s, uv_timer_t *t, uv_timer_cb cb,
+                      int64_t at) {
+  if (at == INT64_MAX || s->closing) {
+    uv_timer_stop(t);
+    return;
+  }
+  int64_t now = sg_now_ns();
+  int64_t ms = at <= now ? 0 : (at - now + 999999) / 1000000;
+  uv_timer_start(t, cb, (uint64_t)ms, 0);
+}
+
 static void rearm_grace(sg_mgr_server_t *s) {
   int64_t best = INT64_MAX;
   for (int64_t g = 0; g < s->world_size; g++)
     if (s->ranks[g].grace_deadline && s->ranks[g].grace_deadline < best)
       best = s->ranks[g].grace_deadline;
-  if (best == INT64_MAX || s->closing) {
-    uv_timer_stop(&s->grace_timer);
-    return;
-  }
-  int64_t now = sg_now_ns();
-  int64_t ms = best <= now ? 0 : (best - now + 999999) / 1000000;
-  uv_timer_start(&s->grace_timer, on_grace, (uint64_t)ms, 0);
+  sg__mgr_timer_at(s, &s->grace_timer, on_grace, best);
 }
 
 static void on_grace(uv_timer_t *t) {

@@ -72,13 +72,7 @@ static void rearm_commit(sg_mgr_server_t *s) {
   pthread_mutex_lock(&s->commit_mu);
   int64_t cutoff = commit_cutoff(s);
   pthread_mutex_unlock(&s->commit_mu);
-  if (cutoff == INT64_MAX || s->closing) {
-    uv_timer_stop(&s->commit_timer);
-    return;
-  }
-  int64_t now = sg_now_ns();
-  int64_t ms = cutoff <= now ? 0 : (cutoff - now + 999999) / 1000000;
-  uv_timer_start(&s->commit_timer, on_commit_timer, (uint64_t)ms, 0);
+  sg__mgr_timer_at(s, &s->commit_timer, on_commit_timer, cutoff);
 }
 
 /* on_commit_timer: a round some rank is late to ends on its cutoff with

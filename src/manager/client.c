@@ -31,7 +31,6 @@ static const uint32_t qresp_strings[] = {2, 5, 13, 14, 100};
 static const sg__pb_spec_t qresp_spec = {qresp_strings, 5, NULL, 0};
 static const uint32_t md_strings[] = {1};
 static const sg__pb_spec_t md_spec = {md_strings, 1, NULL, 0};
-static const sg__pb_spec_t no_strings_spec = {NULL, 0, NULL, 0};
 
 int sg_mgr_client_new(const char *addr, int64_t connect_timeout_ms,
                       const char *auth_token, sg_mgr_client_t **out,
@@ -217,7 +216,7 @@ static void remote_done(void *ud, int rc, int grpc_status, uint8_t *resp,
   uint32_t field = 0;
   (void)grpc_status;
   if (rc == 0 && call->kind == SG__MGR_COMMIT &&
-      sg__pb_check_strings(resp, len, &no_strings_spec, &field) != 0) {
+      sg__pb_check_strings(resp, len, &sg__pb_no_strings, &field) != 0) {
     rc = SG_EPROTO;
     msg = "malformed response to /torchft.ManagerService/ShouldCommit";
   }
@@ -397,7 +396,7 @@ int sg_mgr_client_kill(sg_mgr_client_t *c, const char *msg,
   size_t resp_len = 0;
   Torchft__KillRequest q = TORCHFT__KILL_REQUEST__INIT;
   q.msg = (char *)(msg ? msg : "");
-  int rc = call(c, "/torchft.ManagerService/Kill", &q.base, &no_strings_spec,
+  int rc = call(c, "/torchft.ManagerService/Kill", &q.base, &sg__pb_no_strings,
                 deadline, &resp, &resp_len, err);
   sg_free(resp);
   return rc;
@@ -412,7 +411,7 @@ int sg_mgr_client_wait_lost(sg_mgr_client_t *c, int64_t after_quorum_id,
   Torchft__ManagerWaitLostRequest q = TORCHFT__MANAGER_WAIT_LOST_REQUEST__INIT;
   q.after_quorum_id = after_quorum_id;
   int rc = call(c, "/torchft.ManagerService/WaitLost", &q.base,
-                &no_strings_spec, deadline, &resp, &resp_len, err);
+                &sg__pb_no_strings, deadline, &resp, &resp_len, err);
   if (rc)
     return rc;
   Torchft__ManagerWaitLostResponse *m =

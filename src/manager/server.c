@@ -39,7 +39,6 @@ struct conn {
 
 static const uint32_t qreq_strings[] = {3, 7};
 static const sg__pb_spec_t qreq_spec = {qreq_strings, 2, NULL, 0};
-static const sg__pb_spec_t no_strings_spec = {NULL, 0, NULL, 0};
 static const uint32_t kill_strings[] = {1};
 static const sg__pb_spec_t kill_spec = {kill_strings, 1, NULL, 0};
 
@@ -845,7 +844,7 @@ static void handle_quorum(sg_mgr_server_t *s, sg_rpc_call_t *call,
 
 static void handle_checkpoint_metadata(sg_mgr_server_t *s, sg_rpc_call_t *call,
                                        const uint8_t *body, size_t len) {
-  if (sg__mgr_check_wire(call, body, len, &no_strings_spec))
+  if (sg__mgr_check_wire(call, body, len, &sg__pb_no_strings))
     return;
   Torchft__CheckpointMetadataRequest *req =
       torchft__checkpoint_metadata_request__unpack(&sg__pb_allocator, len,
@@ -921,7 +920,7 @@ static void handle_wait_lost(sg_mgr_server_t *s, sg_rpc_call_t *call,
                         "missing timeout");
     return;
   }
-  if (sg__mgr_check_wire(call, body, len, &no_strings_spec))
+  if (sg__mgr_check_wire(call, body, len, &sg__pb_no_strings))
     return;
   Torchft__ManagerWaitLostRequest *req =
       torchft__manager_wait_lost_request__unpack(&sg__pb_allocator, len, body);

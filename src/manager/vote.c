@@ -20,8 +20,6 @@
 
 #define LOG "manager"
 
-static const sg__pb_spec_t no_strings_spec = {NULL, 0, NULL, 0};
-
 /* sg__mgr_encode_decision: a ShouldCommitResponse into buf (16 bytes); its
  * length. */
 size_t sg__mgr_encode_decision(int decision, uint8_t *buf) {
@@ -155,7 +153,7 @@ void sg__mgr_commit_vote(sg_mgr_server_t *s, sg__mgr_reply_t to, int64_t g,
 
 void sg__mgr_handle_should_commit(sg_mgr_server_t *s, sg_rpc_call_t *call,
                                   const uint8_t *body, size_t len) {
-  if (sg__mgr_check_wire(call, body, len, &no_strings_spec))
+  if (sg__mgr_check_wire(call, body, len, &sg__pb_no_strings))
     return;
   Torchft__ShouldCommitRequest *req =
       torchft__should_commit_request__unpack(&sg__pb_allocator, len, body);

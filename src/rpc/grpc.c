@@ -314,6 +314,8 @@ static int pb_check(const uint8_t *p, size_t n, const sg__pb_spec_t *spec,
   return 0;
 }
 
+const sg__pb_spec_t sg__pb_no_strings = {NULL, 0, NULL, 0};
+
 int sg__pb_check_strings(const uint8_t *p, size_t n, const sg__pb_spec_t *spec,
                          uint32_t *field) {
   *field = 0;

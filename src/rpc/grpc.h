@@ -123,4 +123,8 @@ struct sg__pb_spec_s {
 int sg__pb_check_strings(const uint8_t *p, size_t n, const sg__pb_spec_t *spec,
                          uint32_t *field);
 
+/* sg__pb_no_strings: the spec of a message without string fields (the
+ * walk still checks its wire format). */
+extern const sg__pb_spec_t sg__pb_no_strings;
+
 #endif /* SG_RPC_GRPC_H */

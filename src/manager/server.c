@@ -1152,15 +1152,13 @@ static int validate(const sg_mgr_server_opts_t *o, sg_err_t *err) {
   return 0;
 }
 
-int sg_mgr_server_start(const sg_mgr_server_opts_t *o, sg_mgr_server_t **out,
-                        sg_err_t *err) {
-  sg_mgr_server_t *s = NULL;
-  int rc = validate(o, err);
-  if (rc)
-    return rc;
-  s = sg_calloc(1, sizeof(*s));
+/* server_new: the server object with its locks, its copies of the
+ * options and the heartbeat request encoded once; NULL when out of memory
+ * (freed). */
+static sg_mgr_server_t *server_new(const sg_mgr_server_opts_t *o) {
+  sg_mgr_server_t *s = sg_calloc(1, sizeof(*s));
   if (!s)
-    return sg_err_set(err, SG_ENOMEM, "out of memory");
+    return NULL;
   pthread_mutex_init(&s->mu, NULL);
   pthread_mutex_init(&s->commit_mu, NULL);
   pthread_mutex_init(&s->quorum_mu, NULL);
@@ -1187,8 +1185,8 @@ int sg_mgr_server_start(const sg_mgr_server_opts_t *o, sg_mgr_server_t **out,
   s->world_size = o->world_size;
   s->ranks = sg_calloc((size_t)o->world_size, sizeof(*s->ranks));
   if (fail || !s->ranks) {
-    rc = sg_err_set(err, SG_ENOMEM, "out of memory");
-    goto fail;
+    server_free(s);
+    return NULL;
   }
   Torchft__LighthouseHeartbeatRequest h =
       TORCHFT__LIGHTHOUSE_HEARTBEAT_REQUEST__INIT;
@@ -1196,8 +1194,8 @@ int sg_mgr_server_start(const sg_mgr_server_opts_t *o, sg_mgr_server_t **out,
   s->hb_req_len = torchft__lighthouse_heartbeat_request__get_packed_size(&h);
   s->hb_req = sg_malloc(s->hb_req_len ? s->hb_req_len : 1);
   if (!s->hb_req) {
-    rc = sg_err_set(err, SG_ENOMEM, "out of memory");
-    goto fail;
+    server_free(s);
+    return NULL;
   }
   torchft__lighthouse_heartbeat_request__pack(&h, s->hb_req);
   char *colon = strchr(s->name, ':');
@@ -1212,7 +1210,12 @@ int sg_mgr_server_start(const sg_mgr_server_opts_t *o, sg_mgr_server_t **out,
                                             : o->disconnect_grace_ms;
   s->kill = o->kill;
   s->kill_ud = o->kill_ud;
+  return s;
+}
 
+/* lighthouse_channel: the channel to the lighthouse (it connects by
+ * itself, on the first call). */
+static int lighthouse_channel(sg_mgr_server_t *s, sg_err_t *err) {
   sg_rpc_channel_opts_t co = {0};
   co.target = s->lighthouse_addr;
   co.connect_timeout_ms = s->connect_timeout_ms;
@@ -1223,15 +1226,14 @@ int sg_mgr_server_start(const sg_mgr_server_opts_t *o, sg_mgr_server_t **out,
    * met the drop (queued before or after the channel saw it), and the retry
    * rule takes over; a reachable lighthouse still gets the whole timeout. */
   co.fail_fast = 1;
-  rc = sg_rpc_channel_new(&co, &s->lh, err);
-  if (rc)
-    goto fail;
+  return sg_rpc_channel_new(&co, &s->lh, err);
+}
 
-  rc = uv_loop_init(&s->loop);
-  if (rc) {
-    sg_err_set(err, rc, "uv_loop_init: %s", uv_strerror(rc));
-    goto fail;
-  }
+/* loop_init: the loop and its handles (not running yet). */
+static int loop_init(sg_mgr_server_t *s, sg_err_t *err) {
+  int rc = uv_loop_init(&s->loop);
+  if (rc)
+    return sg_err_set(err, rc, "uv_loop_init: %s", uv_strerror(rc));
   uv_timer_init(&s->loop, &s->grace_timer);
   uv_timer_init(&s->loop, &s->kill_timer);
   uv_timer_init(&s->loop, &s->commit_timer);
@@ -1243,37 +1245,54 @@ int sg_mgr_server_start(const sg_mgr_server_opts_t *o, sg_mgr_server_t **out,
   s->stop_async.data = s->result_async.data = s->local_async.data = s;
   s->lost_async.data = s;
   s->handles_open = 7;
+  return 0;
+}
 
+/* start_listening: the RPC server on the loop, and the address to advertise. On
+ * failure the loop is closed. */
+static int start_listening(sg_mgr_server_t *s, const char *hostname,
+                           sg_err_t *err) {
   sg_rpc_server_opts_t ro = {0};
   ro.bind = s->bind;
   ro.on_call = on_call;
   ro.on_call_cancel = on_call_cancel;
   ro.on_conn_close = on_conn_close;
   ro.ud = s;
-  rc = sg_rpc_server_start(&s->loop, &ro, &s->rpc, err);
+  int rc = sg_rpc_server_start(&s->loop, &ro, &s->rpc, err);
   if (rc) {
     close_handles(s);
     uv_run(&s->loop, UV_RUN_DEFAULT);
     uv_loop_close(&s->loop);
-    goto fail;
+    return rc;
   }
   s->port = sg_rpc_server_port(s->rpc);
   char host[MAX_HOST_LEN + 1];
-  sg_addr_advertised(o->hostname, NULL, host, sizeof(host));
+  sg_addr_advertised(hostname, NULL, host, sizeof(host));
   int v6 = strchr(host, ':') && host[0] != '[';
   size_t alen = strlen(host) + 40;
   s->address = sg_malloc(alen);
   if (!s->address) {
-    rc = sg_err_set(err, SG_ENOMEM, "out of memory");
-    goto fail_loop;
+    uv_async_send(&s->stop_async);
+    uv_run(&s->loop, UV_RUN_DEFAULT);
+    uv_loop_close(&s->loop);
+    return sg_err_set(err, SG_ENOMEM, "out of memory");
   }
   snprintf(s->address, alen, v6 ? "http://[%s]:%d" : "http://%s:%d", host,
            s->port);
+  return 0;
+}
 
-  rc = uv_thread_create(&s->thread, run_loop, s);
+/* start_threads: the loop's, the quorum thread and the heartbeat thread.
+ * On failure the server is stopped and freed. */
+static int start_threads(sg_mgr_server_t *s, sg_err_t *err) {
+  int rc = uv_thread_create(&s->thread, run_loop, s);
   if (rc) {
     sg_err_set(err, rc, "thread: %s", uv_strerror(rc));
-    goto fail_loop;
+    uv_async_send(&s->stop_async);
+    uv_run(&s->loop, UV_RUN_DEFAULT);
+    uv_loop_close(&s->loop);
+    server_free(s);
+    return rc;
   }
   s->loop_started = 1;
   rc = -pthread_create(&s->q_thread, NULL, sg__mgr_quorum_main, s);
@@ -1285,8 +1304,25 @@ int sg_mgr_server_start(const sg_mgr_server_opts_t *o, sg_mgr_server_t **out,
   if (rc) {
     sg_err_set(err, rc, "thread: %s", sg_strerror(rc));
     sg_mgr_server_stop(s);
+  }
+  return rc;
+}
+
+int sg_mgr_server_start(const sg_mgr_server_opts_t *o, sg_mgr_server_t **out,
+                        sg_err_t *err) {
+  int rc = validate(o, err);
+  if (rc)
+    return rc;
+  sg_mgr_server_t *s = server_new(o);
+  if (!s)
+    return sg_err_set(err, SG_ENOMEM, "out of memory");
+  if ((rc = lighthouse_channel(s, err)) != 0 || (rc = loop_init(s, err)) != 0 ||
+      (rc = start_listening(s, o->hostname, err)) != 0) {
+    server_free(s);
     return rc;
   }
+  if ((rc = start_threads(s, err)) != 0)
+    return rc; /* the server is gone */
   sg_log(SG_LOG_INFO, LOG,
          "[Replica %s] manager listening on %s (bind %s), lighthouse %s, "
          "world_size %lld",
@@ -1294,13 +1330,6 @@ int sg_mgr_server_start(const sg_mgr_server_opts_t *o, sg_mgr_server_t **out,
          (long long)s->world_size);
   *out = s;
   return 0;
-fail_loop:
-  uv_async_send(&s->stop_async);
-  uv_run(&s->loop, UV_RUN_DEFAULT);
-  uv_loop_close(&s->loop);
-fail:
-  server_free(s);
-  return rc;
 }
 
 const char *sg_mgr_server_address(const sg_mgr_server_t *s) {

@@ -502,55 +502,60 @@ static void remember_quorum(sg_mgr_server_t *s, const Torchft__Quorum *q) {
   s->last_qid = q->quorum_id;
 }
 
+/* deliver_failure: answer every waiting Quorum call with the round's
+ * failure (quorum_mu held). */
+static void deliver_failure(sg_mgr_server_t *s, int rc, const char *msg) {
+  sg_log(SG_LOG_WARN, LOG, "[Replica %s] quorum failed: %s", s->name, msg);
+  int status = rc == SG_ENOMEM         ? SG_GRPC_RESOURCE_EXHAUSTED
+               : rc == SG_ECONNREFUSED ? SG_GRPC_UNAVAILABLE
+                                       : SG_GRPC_INTERNAL;
+  while (s->quorum_waiters) {
+    sg__mgr_waiter_t *w = s->quorum_waiters;
+    sg__mgr_waiter_unlink(&s->quorum_waiters, w);
+    quorum_waiter_gone(s, w);
+    sg__mgr_respond(w->to, status, msg, NULL, 0);
+    sg__mgr_waiter_free(w);
+  }
+}
+
+/* peers_of: quorum `q`'s participants as the results computation takes
+ * them (strings borrowed from `q`); NULL when out of memory. */
+static sg__mgr_peer_t *peers_of(const Torchft__Quorum *q) {
+  size_t n = q->n_participants;
+  sg__mgr_peer_t *peers = sg_calloc(n ? n : 1, sizeof(*peers));
+  for (size_t i = 0; peers && i < n; i++) {
+    const Torchft__QuorumMember *p = q->participants[i];
+    peers[i].replica_id = p->replica_id;
+    peers[i].address = p->address;
+    peers[i].store_address = p->store_address;
+    peers[i].step = p->step;
+    peers[i].world_size = p->world_size;
+    peers[i].commit_failures = p->commit_failures;
+    peers[i].shrink_only = p->shrink_only;
+  }
+  return peers;
+}
+
 /* deliver: answer every waiting Quorum call with the round's outcome
  * (quorum_mu held; on the loop, or where every waiter is in-process). */
 static void deliver(sg_mgr_server_t *s, int rc, const char *msg,
                     Torchft__LighthouseQuorumResponse *resp) {
-  sg__mgr_peer_t *peers = NULL;
-  char **scratch = NULL;
-  size_t n = 0;
-  int64_t qid = 0;
-  if (!rc) {
-    Torchft__Quorum *q = resp->quorum;
-    n = q->n_participants;
-    qid = q->quorum_id;
-    peers = sg_calloc(n ? n : 1, sizeof(*peers));
-    scratch = sg_calloc(n ? n : 1, sizeof(*scratch));
-    if (!peers || !scratch) {
-      sg_free(peers);
-      peers = NULL;
-      rc = SG_ENOMEM;
-      msg = "manager out of memory";
-    }
-    for (size_t i = 0; peers && i < n; i++) {
-      const Torchft__QuorumMember *p = q->participants[i];
-      peers[i].replica_id = p->replica_id;
-      peers[i].address = p->address;
-      peers[i].store_address = p->store_address;
-      peers[i].step = p->step;
-      peers[i].world_size = p->world_size;
-      peers[i].commit_failures = p->commit_failures;
-      peers[i].shrink_only = p->shrink_only;
-    }
-  }
   if (rc) {
-    sg_log(SG_LOG_WARN, LOG, "[Replica %s] quorum failed: %s", s->name, msg);
-    while (s->quorum_waiters) {
-      sg__mgr_waiter_t *w = s->quorum_waiters;
-      sg__mgr_waiter_unlink(&s->quorum_waiters, w);
-      quorum_waiter_gone(s, w);
-      sg__mgr_respond(w->to,
-                      rc == SG_ENOMEM         ? SG_GRPC_RESOURCE_EXHAUSTED
-                      : rc == SG_ECONNREFUSED ? SG_GRPC_UNAVAILABLE
-                                              : SG_GRPC_INTERNAL,
-                      msg, NULL, 0);
-      sg__mgr_waiter_free(w);
-    }
-    sg_free(peers);
-    sg_free(scratch);
+    deliver_failure(s, rc, msg);
     return;
   }
-  remember_quorum(s, resp->quorum);
+  Torchft__Quorum *q = resp->quorum;
+  size_t n = q->n_participants;
+  int64_t qid = q->quorum_id;
+  sg__mgr_peer_t *peers = peers_of(q);
+  char **scratch = sg_calloc(n ? n : 1, sizeof(*scratch));
+  if (!peers || !scratch) {
+    sg_free(peers);
+    sg_free(scratch);
+    deliver_failure(s, SG_ENOMEM, "manager out of memory");
+    return;
+  }
+  remember_quorum(s, q);
   int logged = 0;
   while (s->quorum_waiters) {
     sg__mgr_waiter_t *w = s->quorum_waiters;
@@ -575,7 +580,7 @@ static void deliver(sg_mgr_server_t *s, int rc, const char *msg,
                r.heal ? "yes" : "no");
         logged = 1;
       }
-      encode_results(w->to, &r, resp->quorum, w->group_rank, scratch);
+      encode_results(w->to, &r, q, w->group_rank, scratch);
     } else {
       sg__mgr_respond_err(w->to,
                           crc == SG_ENOTFOUND ? SG_GRPC_NOT_FOUND

@@ -509,13 +509,7 @@ static void deliver_failure(sg_mgr_server_t *s, int rc, const char *msg) {
   int status = rc == SG_ENOMEM         ? SG_GRPC_RESOURCE_EXHAUSTED
                : rc == SG_ECONNREFUSED ? SG_GRPC_UNAVAILABLE
                                        : SG_GRPC_INTERNAL;
-  while (s->quorum_waiters) {
-    sg__mgr_waiter_t *w = s->quorum_waiters;
-    sg__mgr_waiter_unlink(&s->quorum_waiters, w);
-    quorum_waiter_gone(s, w);
-    sg__mgr_respond(w->to, status, msg, NULL, 0);
-    sg__mgr_waiter_free(w);
-  }
+  fail_quorum_waiters(s, status, msg);
 }
 
 /* peers_of: quorum `q`'s participants as the results computation takes

@@ -13,9 +13,10 @@ so the load of the moment cancels; the change's cost is the ratio of the
 two builds' figures in the same round, reported as the median over rounds
 with the lowest and highest.  Raw medians are printed too.
 
-The old build is installed (not editable) into a virtual environment of its
-own under ``--cache`` (built once per revision), which reads every other
-package from this environment's site-packages.  The benchmark script is the
+The old build (and the new one, given ``--new REV``, to compare two
+revisions, as a bisection does) is installed (not editable) into a virtual
+environment of its own under ``--cache`` (built once per revision), which
+reads every other package from this environment's site-packages.  The benchmark script is the
 working tree's for both builds.
 
     .venv/bin/python bench/ab.py --old fc58c18                 # bench/manager.py
@@ -44,7 +45,7 @@ def sh(*cmd: str, cwd: Path | None = None, env: dict | None = None) -> str:
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT).stdout
 
 
-def build_old(rev: str, cache: Path) -> Path:
+def build_at(rev: str, cache: Path) -> Path:
     """The python of a virtual environment holding stepguard at `rev`."""
     full = sh("git", "-C", str(ROOT), "rev-parse", "--verify", rev + "^{commit}").strip()
     home = cache / full[:12]
@@ -102,6 +103,8 @@ def run_step(py: Path, a: argparse.Namespace, out: Path) -> dict[str, tuple[floa
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--old", required=True, help="git revision of the old build")
+    ap.add_argument("--new", default="", help="git revision of the new build "
+                    "(default: this tree's, as installed in this environment)")
     ap.add_argument("--bench", choices=("manager", "step"), default="manager")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "stepguard-ab"))
@@ -114,7 +117,8 @@ def main() -> int:
     ap.add_argument("--out", default="")
     a = ap.parse_args()
 
-    builds = {"old": build_old(a.old, Path(a.cache)), "new": Path(sys.executable)}
+    builds = {"old": build_at(a.old, Path(a.cache)),
+              "new": build_at(a.new, Path(a.cache)) if a.new else Path(sys.executable)}
     for name, py in builds.items():
         print(f"{name}: stepguard from {where_from(py)}", flush=True)
     run = run_manager if a.bench == "manager" else run_step

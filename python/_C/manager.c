@@ -527,14 +527,26 @@ static sg_mgr_call_t *call_start(mgr_client_obj *self, const struct scall *a) {
   sg_mgr_call_t *c = NULL;
   sg_err_t err;
   sg_err_clear(&err);
-  int rc =
-      a->commit
-          ? sg_mgr_client_should_commit_start(self->cli, a->group_rank, a->step,
-                                              a->vote, deadline, &c, &err)
-          : sg_mgr_client_quorum_start(self->cli, a->group_rank, a->step,
-                                       a->metadata, a->shrink_only,
-                                       a->init_sync, a->commit_failures,
-                                       a->handle, deadline, &c, &err);
+  sg_mgr_client_t *cli = self->cli;
+  int rc;
+  /* Over the wire, without the GIL: the start allocates, encodes and wakes
+   * the channel's thread, and the ranks of a group start theirs at the same
+   * moment.  An abort() meanwhile still ends the call: the channel fails
+   * it.  An in-process start keeps the GIL, so that abort() cannot come
+   * between it and call_wait's list, from which abort() ends calls. */
+  PyThreadState *ts = NULL;
+  self->inflight++;
+  if (!self->server)
+    ts = PyEval_SaveThread();
+  rc = a->commit ? sg_mgr_client_should_commit_start(
+                       cli, a->group_rank, a->step, a->vote, deadline, &c, &err)
+                 : sg_mgr_client_quorum_start(cli, a->group_rank, a->step,
+                                              a->metadata, a->shrink_only,
+                                              a->init_sync, a->commit_failures,
+                                              a->handle, deadline, &c, &err);
+  if (ts)
+    PyEval_RestoreThread(ts);
+  self->inflight--;
   if (rc) {
     sg_py_raise_rpc(sg_py_state_of_type(Py_TYPE(self)), rc, err.msg);
     return NULL;
@@ -550,7 +562,10 @@ static PyObject *quorum_finish(mgr_client_obj *self, sg_mgr_call_t *c) {
     sg_mgr_quorum_result_t r;
     sg_err_t err;
     sg_err_clear(&err);
-    int rc = sg_mgr_call_quorum_result(c, &r, &err);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS /* the decode: the others may run meanwhile */
+    rc = sg_mgr_call_quorum_result(c, &r, &err);
+    Py_END_ALLOW_THREADS
     if (rc)
       sg_py_raise_rpc(sg_py_state_of_type(Py_TYPE(self)), rc, err.msg);
     else

@@ -27,18 +27,21 @@
 
 /* ---- references and answers --------------------------------------------- */
 
-void sg__mgr_call_unref(sg_mgr_call_t *c) {
-  pthread_mutex_lock(&c->mu);
-  int last = --c->refs == 0;
-  pthread_mutex_unlock(&c->mu);
-  if (!last)
-    return;
+static void call_free(sg_mgr_call_t *c) {
   sg_free(c->metadata);
   sg_free(c->handle);
   sg_free(c->resp);
   pthread_cond_destroy(&c->cv);
   pthread_mutex_destroy(&c->mu);
   sg_free(c);
+}
+
+void sg__mgr_call_unref(sg_mgr_call_t *c) {
+  pthread_mutex_lock(&c->mu);
+  int last = --c->refs == 0;
+  pthread_mutex_unlock(&c->mu);
+  if (last)
+    call_free(c);
 }
 
 void sg__mgr_call_ref(sg_mgr_call_t *c) {

@@ -491,8 +491,7 @@ void sg__lh_process(sg_lh_server_t *s, int64_t event_ns, int join) {
     s->status_unlogged = 0;
     if (strcmp(reason, s->reason) != 0) {
       if (now - s->status_logged_ns >= ms_to_ns(STATUS_LOG_MS)) {
-        int held = strncmp(reason, "Holding", 7) == 0;
-        sg_log(held ? SG_LOG_WARN : SG_LOG_INFO, LOG, "Quorum status: %s",
+        sg_log(s->holding ? SG_LOG_WARN : SG_LOG_INFO, LOG, "Quorum status: %s",
                reason);
         snprintf(s->reason, sizeof(s->reason), "%s", reason);
         s->status_logged_ns = now;

@@ -33,17 +33,28 @@ among them.  A message longer than :data:`MAX_MESSAGE` bytes, one that is
 not that JSON, a channel closed before a whole line, or no message within
 the deadline (``STEPGUARD_SPARE_TIMEOUT_SEC``) raise :class:`TakeoverError`
 with the reason: a spare that cannot learn its identity must fail, not
-train as somebody else.  See ``docs/spares.md``.
+train as somebody else.
+
+A spare's setup competes with the training for the CPUs.  A launcher should
+start it at a low priority and give it the group's priority back at the
+takeover: :func:`renice` sets the nice value of every thread of the given
+processes (and of their sessions' scheduler autogroups, which decide
+between sessions where the kernel uses them), and :func:`can_renice` says
+whether this process may lower it again (root, ``CAP_SYS_NICE``, or a high
+enough ``RLIMIT_NICE``); when it may not, leave the spare at the group's
+priority.  See ``docs/spares.md``.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import select
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Mapping, Optional
+from pathlib import Path
+from typing import Dict, Iterable, Mapping, Optional
 
 from stepguard import config
 
@@ -52,7 +63,10 @@ __all__ = [
     "REQUIRED",
     "Takeover",
     "TakeoverError",
+    "can_renice",
     "is_spare",
+    "renice",
+    "set_autogroup",
     "send_takeover",
     "takeover_message",
     "wait_for_takeover",
@@ -135,6 +149,78 @@ def send_takeover(fd: int, env: Mapping[str, object]) -> None:
     while view:
         n = os.write(fd, view)
         view = view[n:]
+
+
+_CAP_SYS_NICE = 23
+
+
+def can_renice(nice: int) -> bool:
+    """True if this process may set another of its user's processes to
+    ``nice`` from any higher value: it has ``CAP_SYS_NICE`` (root has), or
+    its ``RLIMIT_NICE`` lets it go as low as ``nice``."""
+    import resource
+
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:") and int(line.split()[1], 16) >> _CAP_SYS_NICE & 1:
+                return True
+    except (OSError, ValueError, IndexError):
+        pass
+    soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
+    return soft == resource.RLIM_INFINITY or 20 - soft <= nice
+
+
+def renice(pids: Iterable[int], nice: int, autogroup: Optional[int] = None) -> int:
+    """Sets the nice value of every thread of each process in ``pids``
+    (Linux keeps one per thread; a thread inherits its creator's).
+
+    With ``autogroup``, also sets the autogroup nice value of each of them
+    that leads its own session.  Where the kernel groups each session's
+    processes for the scheduler (``/proc/sys/kernel/sched_autogroup_enabled``),
+    a thread's nice value only weighs it against its own session, and the
+    session's autogroup value weighs the session against the others: a
+    process started in a session of its own needs both.
+
+    Processes or threads that are gone are skipped.  Returns how many
+    threads were set.  Raises PermissionError if not allowed
+    (:func:`can_renice`).
+    """
+    done = 0
+    for pid in pids:
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for tid in tids:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+                done += 1
+            except ProcessLookupError:
+                continue
+        if autogroup is not None:
+            try:
+                if os.getsid(pid) == pid:
+                    set_autogroup(pid, autogroup)
+            except ProcessLookupError:
+                continue
+    return done
+
+
+def set_autogroup(pid: int, nice: int) -> bool:
+    """Sets the autogroup nice value of ``pid``'s session (``0`` for
+    ``pid``: this process's).  False where the kernel has no autogroups or
+    the process is gone; PermissionError if not allowed."""
+    path = f"/proc/{pid or 'self'}/autogroup"
+    try:
+        with open(path, "w") as f:
+            f.write(str(nice))
+        return True
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    except OSError as e:
+        if e.errno == errno.EPERM or e.errno == errno.EACCES:
+            raise PermissionError(e.errno, f"{path}: {e.strerror}") from None
+        return False  # EINVAL: autogroups compiled in but not in use
 
 
 def _parse(line: bytes) -> Dict[str, str]:

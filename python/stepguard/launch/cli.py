@@ -53,6 +53,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--spares", type=int, default=0, metavar="N",
                    help="keep N warm spares (each a group's worth of ranks, set up and "
                    "waiting); a lost group's restart takes one over (docs/spares.md)")
+    p.add_argument("--spare-nice", type=int, default=19, metavar="N",
+                   help="a spare runs N nicer than the trainers until its takeover, so "
+                   "its setup takes the CPU the training leaves (default 19, the lowest "
+                   "priority; 0: the trainers' priority)")
     p.add_argument("--term-grace", type=float, default=2.0, metavar="SECONDS",
                    help="SIGTERM to SIGKILL when ending a group (default 2)")
     p.add_argument("--duration", type=float, default=None, metavar="SECONDS",
@@ -113,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         restart_delay=args.restart_delay, duration=args.duration, failures=failures,
         timeline=args.timeline, log_dir=args.log_dir, stop_file=args.stop_file,
         master_addr=args.master_addr, quiet=args.quiet, term_grace=args.term_grace,
-        netns=args.netns, links=links, spares=args.spares,
+        netns=args.netns, links=links, spares=args.spares, spare_nice=args.spare_nice,
         state_loss_wait_ms=args.state_loss_wait_ms,
     )
     if cfg.netns or links or any(f.kind in ("partition", "link") for f in failures):

@@ -86,6 +86,9 @@ class LaunchConfig:
     # Warm spares: this many idle groups' worth of trainers, set up and
     # waiting; a lost group's restart takes one over (spare_pool.py).
     spares: int = 0
+    # How much nicer than the trainers a spare runs until its takeover, so
+    # that its setup takes CPU the training leaves (0: the same priority).
+    spare_nice: int = 19
     # The lighthouse it starts keeps its quorum ids here (stepguard's).
     quorum_id_file: str | None = None
     # Its --state_loss_wait_ms (stepguard's; None: the lighthouse's 60 s).
@@ -202,6 +205,8 @@ class Launcher:
             raise ValueError("no worker command")
         if config.spares < 0:
             raise ValueError("spares must be at least 0")
+        if not 0 <= config.spare_nice <= 39:
+            raise ValueError("spare_nice must be 0 to 39")
         if config.spares and (config.netns or any(s.kind == "partition"
                                                   for s in config.failures)):
             raise ValueError("warm spares cannot run in network namespaces (a spare "

@@ -20,6 +20,14 @@ imports do not compete for the CPU with the heal), or after
 waiting is replaced; after ``max_failed_starts`` such deaths in a row the
 launcher stops keeping spares (groups restart as without them).
 
+A spare runs ``spare_nice`` nicer than the launcher (every thread of every
+process of it, and its session's scheduler autogroup:
+:func:`stepguard.spares.renice`) until its takeover, when it gets the
+launcher's priority back before the message is written: its setup
+takes the CPU the training leaves, and the replacement trains at full
+speed.  Where the launcher could not give the priority back
+(:func:`stepguard.spares.can_renice`), spares run at its priority.
+
 Timeline events: ``spare_start`` (pids), ``spare_ready`` (every rank is
 waiting; ``setup_s`` from its start), ``takeover`` (group, incarnation,
 spare, whether it was ready, ``idle_s`` it had waited), ``spare_exit``.
@@ -28,6 +36,7 @@ spare, whether it was ready, ``idle_s`` it had waited), ``spare_exit``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -36,12 +45,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stepguard.launch.worker import EVENTS_FD_ENV, INCARNATION_ENV
-from stepguard.spares import send_takeover
+from stepguard.launch.cgroups import _group_pids
+from stepguard.spares import can_renice, renice, send_takeover, set_autogroup
 
 if TYPE_CHECKING:
     from stepguard.launch.launcher import Launcher, _Group, _Worker
 
 REFILL_AFTER = 5.0  # seconds after a takeover when the next spare starts at the latest
+
+
+def _lower(nice: int) -> None:
+    """In a spare's child between fork and exec, after it began its own
+    session: its nice value, and its session's autogroup's (without the
+    latter a kernel with autogroups weighs its session as any other)."""
+    os.setpriority(os.PRIO_PROCESS, 0, nice)
+    set_autogroup(0, nice)
 
 
 class _Spare:
@@ -74,6 +92,17 @@ class _SparePool:
         # (group, incarnation) taken over -> spare id, and refills due
         self.took: dict[tuple[int, int], int] = {}
         self.refills: list[tuple[float, int, int]] = []  # (monotonic due, group, inc)
+        # the launcher's nice value, which a spare gets back at its takeover,
+        # and the one it waits at (None: the same, not lowered)
+        self.base_nice = os.getpriority(os.PRIO_PROCESS, 0)
+        self.nice: int | None = None
+        if launcher.cfg.spare_nice:
+            if can_renice(min(self.base_nice, 0)):
+                self.nice = min(19, self.base_nice + launcher.cfg.spare_nice)
+            else:
+                launcher._say(f"spares run at the trainers' priority: this launcher may not "
+                              f"set a spare back to nice {self.base_nice} at its takeover "
+                              "(that needs CAP_SYS_NICE or RLIMIT_NICE)")
 
     # -- starting --
 
@@ -117,6 +146,8 @@ class _SparePool:
         self.next_id += 1
         sp.store = TCPStore(c.master_addr, 0, None, True, wait_for_workers=False)
         base = self._env(sp)
+        # in the child before exec, so every thread and process it starts inherits it
+        lower = None if self.nice is None else functools.partial(_lower, self.nice)
         try:
             for r in range(c.nproc_per_group):
                 rfd, wfd = os.pipe2(os.O_CLOEXEC)
@@ -134,7 +165,7 @@ class _SparePool:
                         c.cmd, env=env, stdout=out,
                         stderr=subprocess.STDOUT if out else None,
                         stdin=subprocess.DEVNULL, start_new_session=True,
-                        pass_fds=(self.l._pipe_w, rfd),
+                        pass_fds=(self.l._pipe_w, rfd), preexec_fn=lower,
                     )
                 finally:
                     os.close(rfd)
@@ -147,7 +178,8 @@ class _SparePool:
         sp.started = time.time()
         self.spares.append(sp)
         self.l._record("spare_start", t=sp.started, spare=sp.sid,
-                       pids=[w.pid for w in sp.workers], master_port=sp.store.port)
+                       pids=[w.pid for w in sp.workers], master_port=sp.store.port,
+                       nice=self.base_nice if self.nice is None else self.nice)
         self.l._say(f"spare {sp.sid} started (pids {[w.pid for w in sp.workers]})")
 
     # -- watching --
@@ -254,6 +286,12 @@ class _SparePool:
             "NUM_REPLICA_GROUPS": c.groups, "TORCHFT_LIGHTHOUSE": l.lighthouse_addr,
             "TORCHELASTIC_RESTART_COUNT": inc, INCARNATION_ENV: inc,
         }
+        if self.nice is not None:
+            try:
+                # (the autogroup of a new session starts at 0, as a group's has)
+                renice(_group_pids([w.pid for w in sp.workers]), self.base_nice, autogroup=0)
+            except PermissionError as e:  # can_renice said yes; the takeover goes on
+                l._say(f"spare {sp.sid} keeps nice {self.nice}: {e}")
         try:
             for w, fd in zip(sp.workers, sp.fds):
                 send_takeover(fd, {**common, "RANK": w.rank, "LOCAL_RANK": w.rank})

@@ -172,6 +172,28 @@ def stdlib_corpus(max_bytes: int = 4 << 20) -> torch.Tensor:
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
 
 
+class CorpusWindows(torch.utils.data.Dataset):
+    """The corpus cut into consecutive windows of ``seq_len + 1`` bytes:
+    sample ``i`` is window ``i``'s inputs and next-byte targets.  ``samples``
+    (0: every whole window) keeps the first that many."""
+
+    def __init__(self, corpus: torch.Tensor, seq_len: int, samples: int = 0) -> None:
+        whole = (corpus.numel() - 1) // seq_len
+        if samples < 0 or samples > whole:
+            raise ValueError(f"{samples} samples asked for; the corpus has {whole} windows "
+                             f"of {seq_len} + 1 bytes")
+        self.corpus, self.seq_len, self.n = corpus, seq_len, samples or whole
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < self.n:
+            raise IndexError(f"sample {i} of {self.n}")
+        w = self.corpus[i * self.seq_len:(i + 1) * self.seq_len + 1].long()
+        return w[:-1], w[1:]
+
+
 def batch_at(corpus: torch.Tensor, step: int, stream: int, batch_size: int,
              seq_len: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A deterministic batch for (step, stream): inputs and next-byte targets."""

@@ -15,10 +15,20 @@ do all the setup below up to the Manager, then wait in
 ``stepguard.spares.wait_for_takeover`` until they are told which replica
 group to become (see ``docs/spares.md``).
 
+Its data: by default each step's batch is drawn from (step, replica group),
+so a replacement reads the stream of the group it replaces.  With ``--data
+loader`` (stepguard only) the corpus is a dataset of windows read through
+``stepguard.data.ManagedDataLoader``, whose position is committed state: one
+epoch's committed steps read every window exactly once, whatever dies, heals
+or takes over (``docs/data.md``); each rank reports the samples of every
+batch it reads (event ``batch``: step, stream position, participants, its
+participant rank, the (epoch, index) of each sample) before its forward pass.
+
 Each rank reports every step (committed or discarded, loss, quorum,
-participants, time) to the launcher's timeline, stops at ``--steps`` or at
-the step the launcher asks for, and with ``--save-dir`` writes its final
-parameters there for a bit-for-bit comparison across replicas.
+participants, time) to the launcher's timeline, stops at ``--steps``,
+``--epochs`` or at the step the launcher asks for, and with ``--save-dir``
+writes its final parameters there for a bit-for-bit comparison across
+replicas.
 """
 
 from __future__ import annotations
@@ -36,7 +46,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama_model import Llama, LlamaConfig, batch_at, num_parameters, stdlib_corpus  # noqa: E402
+from llama_model import (CorpusWindows, Llama, LlamaConfig, batch_at,  # noqa: E402
+                         num_parameters, stdlib_corpus)
 
 from stepguard.launch import report, stop_step  # noqa: E402
 from stepguard.spares import is_spare, wait_for_takeover  # noqa: E402
@@ -77,9 +88,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "stepguard's Manager across groups (stepguard.hsdp)")
     p.add_argument("--step-sleep", type=float, default=0.0, metavar="SECONDS",
                    help="sleep this long after each step (paces tiny models in tests)")
+    p.add_argument("--data", choices=("keyed", "loader"), default="keyed",
+                   help="keyed: each step's batch drawn from (step, group); loader: "
+                   "stepguard.data.ManagedDataLoader over the corpus's windows, its position "
+                   "committed state (stepguard only)")
+    p.add_argument("--samples", type=int, default=0,
+                   help="--data loader: the dataset's length (0: every window of the corpus)")
+    p.add_argument("--data-workers", type=int, default=0,
+                   help="--data loader: the loader's worker processes")
+    p.add_argument("--epochs", type=int, default=0,
+                   help="--data loader: stop once the committed steps have read this many "
+                   "epochs (0: never)")
     p.add_argument("--save-dir", default=None,
                    help="write the final parameters to SAVE_DIR/params_g{group}_r{rank}.pt")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.data == "loader" and (args.plain or args.impl != "stepguard"):
+        p.error("--data loader needs stepguard's Manager (--impl stepguard, not --plain)")
+    return args
 
 
 def load_impl(name: str):
@@ -155,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                         ).backward()
         model.zero_grad(set_to_none=True)
     report("ready")  # imports, corpus and model are done
-    manager = None
+    manager = loader = None
     if args.plain:
         import torch.distributed as dist
 
@@ -211,21 +236,43 @@ def main(argv: list[str] | None = None) -> int:
             ddp = ft.DistributedDataParallel(manager, model)
         optim = ft.Optimizer(manager, inner)
         stream = group * world + rank
+        if args.data == "loader":
+            from stepguard.data import DistributedSampler, ManagedDataLoader
+
+            dataset = CorpusWindows(corpus, args.seq_len, args.samples)
+            # the order and this rank's place in its group; the quorum
+            # decides the rest (docs/data.md)
+            sampler = DistributedSampler(dataset, replica_rank=0, num_replica_groups=1,
+                                         group_rank=rank, num_replicas=world, shuffle=True,
+                                         seed=args.seed)
+            loader = ManagedDataLoader(manager, dataset, args.batch_size, sampler=sampler,
+                                       num_workers=args.data_workers)
+            # a healer receives the position with the parameters
+            manager.register_state_dict_fn("data", loader.load_state_dict, loader.state_dict)
 
     step = 0
     while True:
         current = manager.current_step() if manager is not None else step
         stop = stop_step()
-        if (args.steps and current >= args.steps) or (stop is not None and current >= stop):
+        if (args.steps and current >= args.steps) or (stop is not None and current >= stop) \
+                or (loader is not None and args.epochs and loader.epoch >= args.epochs):
             break
         t0 = time.time()
         optim.zero_grad()  # starts the quorum under fault tolerance
-        if manager is not None:
-            # The batch depends on the step the quorum settles on, so a
-            # healed replica continues the same data stream as the others.
-            current = manager.current_step()
-        inputs, targets = batch_at(corpus, current, stream, args.batch_size, args.seq_len,
-                                   args.seed)
+        if loader is not None:
+            # this rank's slice of the step's global batch, from the
+            # committed position (waits for the quorum)
+            inputs, targets = next(loader)
+            current, sl = manager.current_step(), loader.last
+            report("batch", step=current, pos=sl.position, n=sl.participants,
+                   prank=sl.participant_rank, keys=[list(k) for k in sl.keys])
+        else:
+            if manager is not None:
+                # The batch depends on the step the quorum settles on, so a
+                # healed replica continues the same data stream as the others.
+                current = manager.current_step()
+            inputs, targets = batch_at(corpus, current, stream, args.batch_size,
+                                       args.seq_len, args.seed)
         inputs, targets = inputs.to(device), targets.to(device)
         logits = ddp(inputs)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
@@ -257,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
                                               model.state_dict().items()}}, tmp)
         os.replace(tmp, out / f"params_g{group}_r{rank}.pt")
     report("finished", step=final)
+    if loader is not None:
+        loader.close()
     if manager is not None:
         manager.shutdown(wait=False)
     return 0

@@ -10,7 +10,10 @@
   lighthouse never counts the waiting spare (every quorum before the
   takeover has the running groups only), a kill is followed by a takeover,
   a heal and a committed step, the parameters of every group are identical
-  at the same step, and a new spare comes up; a two-rank group (long).
+  at the same step, and a new spare comes up; a two-rank group (long);
+- the same with its data read through ``ManagedDataLoader`` (``--data
+  loader``): across the kill and the takeover, the committed steps read
+  every sample of every whole epoch exactly once.
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 from stepguard.launch import FailureSpec, LaunchConfig, Launcher
-from stepguard.spares import MAX_MESSAGE, takeover_message
+from stepguard.spares import MAX_MESSAGE, can_renice, takeover_message
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_LLAMA = [str(ROOT / "examples" / "train_llama.py"), "--dim", "32", "--layers", "1",
@@ -160,13 +164,25 @@ def test_a_trainer_spare_given_garbage_exits_with_the_reason() -> None:
 # -- the launcher's pool, with a light fake trainer --
 
 FAKE_SPARE = r'''
-import os, sys, time
+import os, sys, threading, time
 from stepguard.launch import report, stop_step
 from stepguard.spares import wait_for_takeover
 if os.environ.get("FAKE_SPARE_CRASH") and os.environ.get("STEPGUARD_SPARE_FD"):
     sys.exit(7)
+worker = threading.Thread(target=lambda: time.sleep(3600), daemon=True)  # a setup's thread
+worker.start()
+def nice():  # the main thread's, the other thread's, the session's autogroup's
+    try:
+        with open("/proc/self/autogroup") as f:
+            group = int(f.read().split()[-1])
+    except (OSError, ValueError):
+        group = None
+    return [os.getpriority(os.PRIO_PROCESS, t) for t in (threading.get_native_id(),
+                                                         worker.native_id)] + [group]
+if os.environ.get("STEPGUARD_SPARE_FD"):
+    report("set_up", nice=nice())
 t = wait_for_takeover()
-report("hello", spare=t.spare, env={k: os.environ.get(k) for k in (
+report("hello", spare=t.spare, nice=nice(), env={k: os.environ.get(k) for k in (
     "REPLICA_GROUP_ID", "RANK", "WORLD_SIZE", "MASTER_PORT", "STEPGUARD_INCARNATION",
     "TORCHELASTIC_RESTART_COUNT", "TORCHFT_LIGHTHOUSE")})
 step = 0
@@ -178,6 +194,15 @@ while True:
     report("step", step=step, committed=True, quorum_id=1, participants=1)
     step += 1
 '''
+
+
+def _autogroups() -> bool:
+    """The kernel groups each session for the scheduler."""
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1" \
+            and Path("/proc/self/autogroup").exists()
+    except OSError:
+        return False
 
 
 def _timeline(path: Path) -> list[dict]:
@@ -241,6 +266,18 @@ def test_launcher_hands_a_killed_groups_identity_to_a_spare(tmp_path: Path) -> N
         assert r["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"
         assert r["env"]["MASTER_PORT"] == str(start0["master_port"])
         assert r["env"]["WORLD_SIZE"] == "2" and r["env"]["RANK"] == str(r["rank"])
+    # a spare sets up at the lowest priority, its session's scheduler
+    # autogroup too where the kernel has them, and trains at the launcher's
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    low = min(19, base + 19) if can_renice(min(base, 0)) else base
+    group = _autogroups()
+    set_up = _of(tl, "set_up")
+    assert len(set_up) >= 4 and all(r["nice"][:2] == [low, low] for r in set_up), set_up
+    assert start0["nice"] == low
+    assert all(r["nice"][:2] == [base, base] for r in hello), hello
+    if group:
+        assert all(r["nice"][2] == low for r in set_up), set_up
+        assert all(r["nice"][2] == 0 for r in hello), hello
     # a spare's events before its takeover carry no group
     waiting = _of(tl, "spare_waiting")
     assert waiting and all("group" not in r and r["spare"] in (0, 1) for r in waiting)
@@ -381,3 +418,92 @@ def test_llama_two_rank_spare_group(tmp_path: Path) -> None:
     tl = _run_llama(tmp_path, groups=2, nproc=2, kill_rank=1, limit=240.0,
                     refill="spare_ready")
     _check_llama(tmp_path, tl, groups=2, nproc=2, refill="spare_ready")
+
+
+def _committed_batches(tl: list[dict]) -> dict[int, list[dict]]:
+    """{step: the batch events whose step then committed}: each rank's
+    events in order, a ``batch`` followed by its ``commit``."""
+    last: dict[tuple, dict] = {}
+    out: dict[int, list[dict]] = defaultdict(list)
+    for r in tl:
+        who = (r.get("group"), r.get("rank"), r.get("incarnation"))
+        if r["event"] == "batch":
+            last[who] = r
+        elif r["event"] in ("commit", "discard"):
+            b = last.pop(who, None)
+            if r["event"] == "commit":
+                assert b is not None and b["step"] == r["step"], (who, r, b)
+                out[r["step"]].append(b)
+    return out
+
+
+def test_one_epoch_after_another_through_a_warm_spares_takeover(tmp_path: Path) -> None:
+    """stepguard-launch --spares 1 and train_llama.py --data loader: group 1
+    is killed mid-stream and the spare takes over its identity, heals the
+    loader's position with the parameters and reads on; the committed steps
+    read each whole epoch's samples exactly once (a 240-sample epoch is 30
+    steps at full strength, so the run crosses several)."""
+    samples, batch, groups = 240, 4, 2
+    tl: list[dict] = []
+    state: dict = {"killed": False, "stop": None}
+
+    def on_tick(la: Launcher) -> None:
+        if not state["killed"]:
+            ready = _of(tl, "spare_ready")
+            after = [r for r in _of(tl, "commit", group=1, rank=0)
+                     if ready and r["t"] > ready[0]["t"] and r["participants"] == groups]
+            if len(after) >= 5:
+                state["killed"] = True
+                la.inject(FailureSpec(kind="kill", group=1))
+        elif state["stop"] is None and _of(tl, "recovery", kind="full_strength"):
+            # two more epochs at least, so the epoch of the takeover is whole
+            last = max(r["step"] for r in _of(tl, "commit"))
+            state["stop"] = last + 2 * samples // (groups * batch) + 2
+            la.finish(step=state["stop"])
+
+    cmd = [sys.executable, *TINY_LLAMA, "--data", "loader", "--samples", str(samples)]
+    cfg = LaunchConfig(
+        cmd=cmd, groups=groups, spares=1, min_replicas=1, omp_threads=1, duration=240.0,
+        timeline=str(tmp_path / "tl.jsonl"), log_dir=str(tmp_path / "logs"),
+        stop_file=str(tmp_path / "stop"), quiet=True)
+    rc = Launcher(cfg, on_event=tl.append, on_tick=on_tick).run()
+    tl = _timeline(tmp_path / "tl.jsonl")
+    assert rc == 0 and not _of(tl, "duration_reached"), \
+        f"see {tmp_path}/logs: " + json.dumps(tl[-8:])
+    take = _of(tl, "takeover")
+    assert len(take) == 1 and take[0]["group"] == 1 and take[0]["ready"], take
+    # the replacement read batches from the committed position and committed them
+    committed = _committed_batches(tl)
+    theirs = [b for bs in committed.values() for b in bs
+              if b["group"] == 1 and b["incarnation"] == 1 and b["prank"] is not None]
+    assert theirs, "the spare never took part in a committed step"
+    # the committed steps begin where the previous ones ended, every
+    # committer of a step agreeing on its position and split
+    steps = sorted(committed)
+    assert steps == list(range(len(steps))), steps
+    pos, seen = 0, []
+    by_slice: dict[tuple, dict] = {}
+    for b in _of(tl, "batch"):
+        if b["prank"] is not None:  # the same slice is the same samples, whoever reads it
+            prev = by_slice.setdefault((b["step"], b["pos"], b["n"], b["prank"]), b)
+            assert prev["keys"] == b["keys"], (prev, b)
+    for s in steps:
+        views = {(b["pos"], b["n"]) for b in committed[s] if b["prank"] is not None}
+        assert len(views) == 1, f"step {s}: committers disagree: {committed[s]}"
+        (p, n), = views
+        assert p == pos, f"step {s} began at {p}, the steps before it end at {pos}"
+        for r in range(n):  # every participant's slice, by whoever read it
+            b = by_slice.get((s, pos, n, r))
+            assert b is not None, f"step {s}: no batch event for participant {r}"
+            seen.extend(tuple(k) for k in b["keys"])
+        pos += n * batch
+    whole = pos // samples
+    takeover_epoch = min(b["pos"] for b in theirs) // samples
+    assert whole > takeover_epoch >= 0, (whole, takeover_epoch, pos)
+    for e in range(whole):
+        got = sorted(i for ep, i in seen if ep == e)
+        assert got == list(range(samples)), (
+            f"epoch {e}: {len(got)} samples, {len(set(got))} distinct, missing "
+            f"{sorted(set(range(samples)) - set(got))[:10]}")
+    left = [p for p in _pids(tl) if not _gone(p)]
+    assert not left, f"processes left running: {left}"

@@ -40,7 +40,9 @@ like torchft; only when stepguard provides the training API),
 ``stepguard-tcp`` (the same with stepguard's native ProcessGroupTCP),
 ``sg-lighthouse`` (torchft's trainer under stepguard's lighthouse, which
 isolates what the lighthouse changes), ``stepguard-warm`` (``stepguard-tcp``
-with one warm spare, ``--spares 1``: docs/spares.md) and ``stepguard-hot``
+with one warm spare, ``--spares 1``: docs/spares.md; ``stepguard-warm-flat``
+the same with the spare at the trainers' priority, ``--spare-nice 0``) and
+``stepguard-hot``
 (``stepguard-tcp`` with one group more under ``FIXED_WITH_SPARES``,
 ``--min-replicas`` = ``--groups``); ``torchft-hot`` is torchft's hot spares
 (``bench/spares.py`` uses the same table).  (a)-(c) go to
@@ -103,6 +105,7 @@ CONFIGS = {
     "stepguard-tcp": ("stepguard", "stepguard", "tcp", False, 0),
     "sg-lighthouse": ("torchft", "stepguard", "gloo", False, 0),
     "stepguard-warm": ("stepguard", "stepguard", "tcp", False, 1),
+    "stepguard-warm-flat": ("stepguard", "stepguard", "tcp", False, 1),
     "stepguard-hot": ("stepguard", "stepguard", "tcp", True, 0),
     "torchft-hot": ("torchft", "torchft", "gloo", True, 0),
 }
@@ -153,7 +156,7 @@ def run_config(name: str, args: argparse.Namespace, out: Path, scenario: str = "
         quorum_tick_ms=100, heartbeat_timeout_ms=hb,
         omp_threads=args.omp_threads, duration=duration, failures=failures,
         timeline=str(out / f"{tag}.jsonl"), log_dir=str(out / f"logs-{tag}"), quiet=True,
-        max_restarts=1000, spares=warm,
+        max_restarts=1000, spares=warm, spare_nice=0 if name.endswith("-flat") else 19,
     )
     print(f"{who}: {tag}: trainer {trainer}, lighthouse {lh}, process group {pg}, "
           f"{'%d ranks of plain DDP' % nproc if trainer == 'plain' else '%d groups' % groups}"
@@ -484,7 +487,9 @@ def main(argv: list[str] | None = None) -> int:
                  "stepguard's native ProcessGroupTCP; `sg-lighthouse` runs torchft's "
                  "trainer under stepguard's lighthouse; `stepguard-warm` and `stepguard-hot` "
                  "are `stepguard-tcp` with one warm spare (`--spares 1`) and with one hot "
-                 "spare (one group more, `FIXED_WITH_SPARES`).  The ratio column is torchft "
+                 "spare (one group more, `FIXED_WITH_SPARES`); `stepguard-warm-flat` is "
+                 "`stepguard-warm` with the spare at the trainers' priority (`--spare-nice 0`) "
+                 "instead of nice 19 until its takeover.  The ratio column is torchft "
                  "over the first of stepguard-tcp, stepguard, sg-lighthouse present.")
     scenarios = [x.strip() for x in args.scenarios.split(",") if x.strip()]
     faults = [x for x in scenarios if x in ("hang", "partition")]

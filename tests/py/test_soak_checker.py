@@ -409,3 +409,36 @@ def test_goodput_steady_rate_skips_faults_and_setups():
     assert goodput.steady_rate(tl, 2, busy=goodput.setup_spans(tl)) == pytest.approx(2.0)
     assert goodput.steady_rate(tl, 2, 20.0, 25.0) == pytest.approx(2.0)
     assert goodput.steady_rate(tl, 1) == pytest.approx(1.0)  # the short-handed stretch
+
+
+def test_goodput_setup_spans_leave_out_low_priority_spares_unless_asked():
+    # spare 0 sets up at the trainers' priority (0 to 8 s), spare 1 at nice
+    # 19 (10 to 30 s, taken over at 30 s by group 1, whose first step is at
+    # 31 s); a record without trainer_nice counts the trainers at 0
+    tl = [{"event": "launch", "t": 0.0, "group": 0, "incarnation": 0},
+          {"event": "ready", "t": 1.0, "group": 0, "incarnation": 0},
+          {"event": "spare_start", "t": 0.0, "spare": 0, "nice": 0, "trainer_nice": 0},
+          {"event": "spare_ready", "t": 8.0, "spare": 0},
+          {"event": "spare_start", "t": 10.0, "spare": 1, "nice": 19},
+          {"event": "takeover", "t": 30.0, "spare": 1, "group": 1, "incarnation": 1},
+          {"event": "commit", "rank": 0, "t": 31.0, "group": 1, "incarnation": 1, "step": 5},
+          {"event": "spare_start", "t": 32.0, "spare": 2, "nice": 5, "trainer_nice": 5}]
+    assert not goodput.lowered(tl[2]) and goodput.lowered(tl[4]) and not goodput.lowered(tl[7])
+    assert goodput.setup_spans(tl) == [(0.0, 1.0), (0.0, 8.0), (32.0, 32.0)]
+    assert goodput.setup_spans(tl, spares="lowered") == [(10.0, 31.0)]
+    assert goodput.setup_spans(tl, spares="all") == [(0.0, 1.0), (0.0, 8.0), (10.0, 31.0),
+                                                       (32.0, 32.0)]
+    with pytest.raises(ValueError):
+        goodput.setup_spans(tl, spares="some")
+
+
+def test_goodput_steady_rate_within_spans():
+    # one group, a step every 0.5 s from 0 to 10 s, every 1.0 s from 10 to 20 s
+    tl, t = [], 0.0
+    while t <= 20.0:
+        tl.append({"event": "commit", "rank": 0, "t": t, "group": 0, "incarnation": 0,
+                   "step": len(tl), "participants": 1})
+        t += 0.5 if t < 10.0 else 1.0
+    assert goodput.steady_rate(tl, 1, within=[(10.0, 20.0)]) == pytest.approx(1.0)
+    assert goodput.steady_rate(tl, 1, within=[(0.0, 10.0)]) == pytest.approx(2.0)
+    assert goodput.steady_rate(tl, 1, busy=[(0.0, 10.0)], within=[(0.0, 10.0)]) is None

@@ -273,7 +273,7 @@ def test_launcher_hands_a_killed_groups_identity_to_a_spare(tmp_path: Path) -> N
     group = _autogroups()
     set_up = _of(tl, "set_up")
     assert len(set_up) >= 4 and all(r["nice"][:2] == [low, low] for r in set_up), set_up
-    assert start0["nice"] == low
+    assert start0["nice"] == low and start0["trainer_nice"] == base, start0
     assert all(r["nice"][:2] == [base, base] for r in hello), hello
     if group:
         assert all(r["nice"][2] == low for r in set_up), set_up

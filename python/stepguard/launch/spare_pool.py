@@ -179,7 +179,8 @@ class _SparePool:
         self.spares.append(sp)
         self.l._record("spare_start", t=sp.started, spare=sp.sid,
                        pids=[w.pid for w in sp.workers], master_port=sp.store.port,
-                       nice=self.base_nice if self.nice is None else self.nice)
+                       nice=self.base_nice if self.nice is None else self.nice,
+                       trainer_nice=self.base_nice)
         self.l._say(f"spare {sp.sid} started (pids {[w.pid for w in sp.workers]})")
 
     # -- watching --

@@ -14,7 +14,13 @@ one replica while every replica trains and nothing is injected), so 1.0
 means the faults cost nothing and 0.5 that half the possible work was done.
 The soak measures it in its fault-free phase; ``bench/e2e.py`` and the demo
 with ``window_rate`` in the window itself (the full-quorum steps while no
-process sets up), since the load of a shared machine drifts.
+process sets up), since the load of a shared machine drifts.  A warm spare
+set up at a lower priority than the trainers (``--spare-nice``) does not
+count as setting up there: it takes only the CPU the training leaves, and
+with kills closer together than its setup one is always setting up, which
+would leave no step to measure.  That it does not slow the steps is
+measured, not assumed: ``bench/e2e.py`` prints the step rate while such a
+spare sets up beside the rate otherwise (``steady_rate``'s ``within``).
 
 The *wall time* is a window fixed by the fault schedule, not by when a
 configuration happened to start or stop: the soak takes its fault phase,
@@ -29,7 +35,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Iterable
 
-__all__ = ["committed_replica_steps", "fault_free_rate", "goodput", "kill_window",
+__all__ = ["committed_replica_steps", "fault_free_rate", "goodput", "kill_window", "lowered",
            "rate_from_step_times", "setup_spans", "steady_rate", "window_rate"]
 
 
@@ -91,11 +97,28 @@ def kill_window(timeline: Iterable[dict[str, Any]], every: float,
     return kills[0], kills[0] + (window if window is not None else len(kills) * every)
 
 
-def setup_spans(timeline: Iterable[dict[str, Any]]) -> list[tuple[float, float]]:
+def lowered(record: dict[str, Any]) -> bool:
+    """Whether a ``spare_start`` record's spare sets up at a lower priority
+    than the trainers (its ``nice`` above ``trainer_nice``, 0 where the
+    record does not say)."""
+    nice = record.get("nice")
+    return nice is not None and nice > record.get("trainer_nice", 0)
+
+
+def setup_spans(timeline: Iterable[dict[str, Any]],
+                spares: str = "trainers") -> list[tuple[float, float]]:
     """(start, end) of every process setting up while others train: a
     launch or restart until its ``ready`` (or first step), a warm spare's
     start until ``spare_ready`` (or, when it took over first, until its
-    group's ``ready`` or first step).  Open ones end at the last record."""
+    group's ``ready`` or first step).  Open ones end at the last record.
+
+    ``spares``: which warm spares count: ``"trainers"`` (the default)
+    those set up at the trainers' priority, since one set up at a lower
+    priority (:func:`lowered`) takes only the CPU they leave; ``"lowered"``
+    only those at a lower priority, and no launch or restart; ``"all"``
+    every one."""
+    if spares not in ("trainers", "lowered", "all"):
+        raise ValueError(f"spares: 'trainers', 'lowered' or 'all', not {spares!r}")
     tl = sorted(timeline, key=lambda r: r["t"])
     if not tl:
         return []
@@ -115,9 +138,9 @@ def setup_spans(timeline: Iterable[dict[str, Any]]) -> list[tuple[float, float]]
     spans = []
     for r in tl:
         ev = r.get("event")
-        if ev in ("launch", "restart"):
+        if ev in ("launch", "restart") and spares != "lowered":
             stop = done.get((r.get("group"), r.get("incarnation")), end)
-        elif ev == "spare_start":
+        elif ev == "spare_start" and (spares == "all" or lowered(r) == (spares == "lowered")):
             s = r.get("spare")
             stop = spare_done.get(s, done.get(spare_group.get(s, (None, None)), end))
         else:
@@ -128,7 +151,8 @@ def setup_spans(timeline: Iterable[dict[str, Any]]) -> list[tuple[float, float]]
 
 def steady_rate(timeline: Iterable[dict[str, Any]], replicas: int, t0: float | None = None,
                 t1: float | None = None,
-                busy: Iterable[tuple[float, float]] = ()) -> float | None:
+                busy: Iterable[tuple[float, float]] = (),
+                within: Iterable[tuple[float, float]] | None = None) -> float | None:
     """The fault-free step rate from a run's own fault-free steps: over the
     gaps between consecutive step records of one incarnation of a replica
     group (group rank 0) that are both commits of a full quorum
@@ -136,8 +160,10 @@ def steady_rate(timeline: Iterable[dict[str, Any]], replicas: int, t0: float | N
     ``[t0, t1]`` and overlapping no ``busy`` span (``setup_spans``: a
     process setting up on the same CPUs), the number of gaps over their
     total length.  It samples the same stretch of time as the faults, so
-    a change in the machine's load moves both alike."""
+    a change in the machine's load moves both alike.  With ``within``, only
+    the gaps that lie inside one of those spans."""
     spans = list(busy)
+    inside = None if within is None else list(within)
     last: dict[tuple[Any, Any], dict[str, Any]] = {}
     n, total = 0, 0.0
     for r in sorted(timeline, key=lambda r: r["t"]):
@@ -151,7 +177,8 @@ def steady_rate(timeline: Iterable[dict[str, Any]], replicas: int, t0: float | N
             continue
         a, b = prev["t"], r["t"]
         if (t0 is not None and a < t0) or (t1 is not None and b > t1) \
-                or any(s < b and a < e for s, e in spans):
+                or any(s < b and a < e for s, e in spans) \
+                or (inside is not None and not any(s <= a and b <= e for s, e in inside)):
             continue
         n += 1
         total += b - a
@@ -163,7 +190,7 @@ def window_rate(timeline: Iterable[dict[str, Any]], replicas: int, t0: float,
     """The fault-free rate for a window ``[t0, t1)`` of faults: ``steady_rate``
     in the window, or where it has no fault-free step (a replacement still
     setting up at every kill), in the whole run (its start and end without
-    kills), processes setting up left out either way."""
+    kills), processes setting up (``setup_spans``) left out either way."""
     tl = list(timeline)
     busy = setup_spans(tl)
     return steady_rate(tl, replicas, t0, t1, busy) or steady_rate(tl, replicas, busy=busy)

@@ -24,7 +24,10 @@ the launcher's timeline it measures:
     costs.  The fault-free rate is measured in the same window
     (``goodput.window_rate``): one replica's steps per second over the
     gaps between consecutive commits of a full quorum while no process
-    (a relaunch, a warm spare) sets up.  Taken there rather than before
+    (a relaunch, a warm spare) sets up at the trainers' priority (a spare
+    niced by ``--spare-nice`` takes only the CPU they leave; the table
+    shows the rate while one sets up beside the rate while none does, so
+    that this is checked).  Taken there rather than before
     the first kill because the shared machine's load drifts within a run
     (a rate taken before the kills put one window at 1.5).  Hot spares
     count only as participants (at most ``--groups`` commits per step).
@@ -40,8 +43,9 @@ like torchft; only when stepguard provides the training API),
 ``stepguard-tcp`` (the same with stepguard's native ProcessGroupTCP),
 ``sg-lighthouse`` (torchft's trainer under stepguard's lighthouse, which
 isolates what the lighthouse changes), ``stepguard-warm`` (``stepguard-tcp``
-with one warm spare, ``--spares 1``: docs/spares.md; ``stepguard-warm-flat``
-the same with the spare at the trainers' priority, ``--spare-nice 0``) and
+with one warm spare, ``--spares 1``: docs/spares.md; ``stepguard-warm2``
+with two; ``stepguard-warm-flat`` the same as ``stepguard-warm`` with the
+spare at the trainers' priority, ``--spare-nice 0``) and
 ``stepguard-hot``
 (``stepguard-tcp`` with one group more under ``FIXED_WITH_SPARES``,
 ``--min-replicas`` = ``--groups``); ``torchft-hot`` is torchft's hot spares
@@ -105,6 +109,7 @@ CONFIGS = {
     "stepguard-tcp": ("stepguard", "stepguard", "tcp", False, 0),
     "sg-lighthouse": ("torchft", "stepguard", "gloo", False, 0),
     "stepguard-warm": ("stepguard", "stepguard", "tcp", False, 1),
+    "stepguard-warm2": ("stepguard", "stepguard", "tcp", False, 2),
     "stepguard-warm-flat": ("stepguard", "stepguard", "tcp", False, 1),
     "stepguard-hot": ("stepguard", "stepguard", "tcp", True, 0),
     "torchft-hot": ("torchft", "torchft", "gloo", True, 0),
@@ -161,7 +166,7 @@ def run_config(name: str, args: argparse.Namespace, out: Path, scenario: str = "
     print(f"{who}: {tag}: trainer {trainer}, lighthouse {lh}, process group {pg}, "
           f"{'%d ranks of plain DDP' % nproc if trainer == 'plain' else '%d groups' % groups}"
           f"{', a hot spare (FIXED_WITH_SPARES)' if hot else ''}"
-          f"{', %d warm spare' % warm if warm else ''}", flush=True)
+          f"{', %d warm spare%s' % (warm, 's' * (warm > 1)) if warm else ''}", flush=True)
     t0 = time.monotonic()
     rc = Launcher(cfg).run()
     if rc != 0:
@@ -318,7 +323,15 @@ def measure_goodput(tl: list[dict[str, Any]], name: str, groups: int, every: flo
                         groups)
     else:
         back = sorted(r["duration_s"] for r in rec if r["kind"] == "full_strength")
+    # that a spare set up at a low priority leaves the steps alone, which
+    # window_rate takes for granted: the rate while one sets up, and otherwise
+    low = goodput.setup_spans(tl, spares="lowered")
+    every_setup = goodput.setup_spans(tl, spares="all")
     res = {"rate": rate, "goodput": gp, "replica_steps": n, "wall_s": window,
+           "rate_lowered": (goodput.steady_rate(tl, groups, w0, w1, busy, within=low)
+                            if low else None,
+                            goodput.steady_rate(tl, groups, w0, w1, every_setup)
+                            if low else None),
            "kills": len(in_win), "per_kill": sorted(g for g in per_kill if g is not None),
            "survivors": sorted(surv.values()), "full": back,
            "discards": sum(1 for r in tl if r["event"] == "discard" and r.get("rank") == 0
@@ -423,6 +436,9 @@ def goodput_table(gres: dict[float, dict[str, dict[str, Any]]], cols: list[str],
             f"{len(m['takeovers'])} ({m['takeovers'].count(False)})" if m.get("takeovers")
             else "n/a"))
         row("fault-free rate (steps/s per replica)", lambda m: num(m.get("rate"), "{:.2f}"))
+        row("warm: that rate while a low-priority spare sets up / while none does",
+            lambda m: " / ".join(num(x, "{:.2f}") for x in m["rate_lowered"])
+            if m.get("rate_lowered") and m["rate_lowered"][0] is not None else "n/a")
         row("kills in window / replica-steps / discarded", lambda m: (
             f"{m.get('kills', 0)} / {m.get('replica_steps', 'n/a')} / {m.get('discards', 0)}"))
         row("load average (1 min), start / end", lambda m: (
@@ -487,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
                  "stepguard's native ProcessGroupTCP; `sg-lighthouse` runs torchft's "
                  "trainer under stepguard's lighthouse; `stepguard-warm` and `stepguard-hot` "
                  "are `stepguard-tcp` with one warm spare (`--spares 1`) and with one hot "
-                 "spare (one group more, `FIXED_WITH_SPARES`); `stepguard-warm-flat` is "
+                 "spare (one group more, `FIXED_WITH_SPARES`); `stepguard-warm2` keeps two "
+                 "warm spares; `stepguard-warm-flat` is "
                  "`stepguard-warm` with the spare at the trainers' priority (`--spare-nice 0`) "
                  "instead of nice 19 until its takeover.  The ratio column is torchft "
                  "over the first of stepguard-tcp, stepguard, sg-lighthouse present.")
@@ -590,7 +607,9 @@ def main(argv: list[str] | None = None) -> int:
         f"configuration, from its first kill to {args.window:g} s later (a whole number of "
         f"kill intervals).  Fault-free rate: the same window's, over the gaps between "
         f"consecutive commits of a full quorum while no process (a relaunch, a warm spare) "
-        f"sets up (`goodput.window_rate`); per kill interval, that interval's own.  "
+        f"sets up at the trainers' priority (`goodput.window_rate`; a spare set up at a "
+        f"lower one takes only the CPU the training leaves: the 'rate while a low-priority "
+        f"spare sets up' row checks it); per kill interval, that interval's own.  "
         f"Hot spares: {args.groups} of the {args.groups + 1} groups take part, so at most "
         f"{args.groups} commits count per step.  'Against plain DDP's rate' puts plain "
         f"DDP's rate in the denominator instead (the cost of fault tolerance without "

@@ -339,10 +339,7 @@ def _run_llama(tmp_path: Path, groups: int, nproc: int, kill_rank: int | None,
             # heard of it.  So the snapshot waits for commits that counted
             # every running group after the spare was ready: each of them
             # had joined, and a member's heartbeat record stays while it runs.
-            ready = _of(tl, "spare_ready")
-            after = [r for r in _of(tl, "commit", group=1, rank=0)
-                     if ready and r["t"] > ready[0]["t"] and r["participants"] == groups]
-            if len(after) >= 5:
+            if _full_commits_after_ready(tl, groups) >= 5:
                 # what the lighthouse knows while the spare waits
                 addr = _of(tl, "lighthouse")[0]["address"]
                 with urllib.request.urlopen(addr + "/status", timeout=10) as resp:
@@ -420,6 +417,14 @@ def test_llama_two_rank_spare_group(tmp_path: Path) -> None:
     _check_llama(tmp_path, tl, groups=2, nproc=2, refill="spare_ready")
 
 
+def _full_commits_after_ready(tl: list[dict], groups: int) -> int:
+    """Group 1's commits that counted all ``groups`` groups after the first
+    spare was ready."""
+    ready = _of(tl, "spare_ready")
+    return sum(1 for r in _of(tl, "commit", group=1, rank=0)
+               if ready and r["t"] > ready[0]["t"] and r["participants"] == groups)
+
+
 def _committed_batches(tl: list[dict]) -> dict[int, list[dict]]:
     """{step: the batch events whose step then committed}: each rank's
     events in order, a ``batch`` followed by its ``commit``."""
@@ -449,10 +454,7 @@ def test_one_epoch_after_another_through_a_warm_spares_takeover(tmp_path: Path) 
 
     def on_tick(la: Launcher) -> None:
         if not state["killed"]:
-            ready = _of(tl, "spare_ready")
-            after = [r for r in _of(tl, "commit", group=1, rank=0)
-                     if ready and r["t"] > ready[0]["t"] and r["participants"] == groups]
-            if len(after) >= 5:
+            if _full_commits_after_ready(tl, groups) >= 5:
                 state["killed"] = True
                 la.inject(FailureSpec(kind="kill", group=1))
         elif state["stop"] is None and _of(tl, "recovery", kind="full_strength"):

@@ -413,8 +413,10 @@ def test_goodput_steady_rate_skips_faults_and_setups():
 
 def test_goodput_setup_spans_leave_out_low_priority_spares_unless_asked():
     # spare 0 sets up at the trainers' priority (0 to 8 s), spare 1 at nice
-    # 19 (10 to 30 s, taken over at 30 s by group 1, whose first step is at
-    # 31 s); a record without trainer_nice counts the trainers at 0
+    # 19 from 10 s until it is taken over at 30 s, still setting up, by
+    # group 1, and at the trainers' priority from then until group 1's first
+    # step at 31 s; spare 3 at nice 19 from 40 s, ready at 50 s; a record
+    # without trainer_nice counts the trainers at 0
     tl = [{"event": "launch", "t": 0.0, "group": 0, "incarnation": 0},
           {"event": "ready", "t": 1.0, "group": 0, "incarnation": 0},
           {"event": "spare_start", "t": 0.0, "spare": 0, "nice": 0, "trainer_nice": 0},
@@ -422,12 +424,15 @@ def test_goodput_setup_spans_leave_out_low_priority_spares_unless_asked():
           {"event": "spare_start", "t": 10.0, "spare": 1, "nice": 19},
           {"event": "takeover", "t": 30.0, "spare": 1, "group": 1, "incarnation": 1},
           {"event": "commit", "rank": 0, "t": 31.0, "group": 1, "incarnation": 1, "step": 5},
-          {"event": "spare_start", "t": 32.0, "spare": 2, "nice": 5, "trainer_nice": 5}]
+          {"event": "spare_start", "t": 32.0, "spare": 2, "nice": 5, "trainer_nice": 5},
+          {"event": "spare_start", "t": 40.0, "spare": 3, "nice": 19, "trainer_nice": 0},
+          {"event": "spare_ready", "t": 50.0, "spare": 3},
+          {"event": "takeover", "t": 60.0, "spare": 3, "group": 0, "incarnation": 1}]
     assert not goodput.lowered(tl[2]) and goodput.lowered(tl[4]) and not goodput.lowered(tl[7])
-    assert goodput.setup_spans(tl) == [(0.0, 1.0), (0.0, 8.0), (32.0, 32.0)]
-    assert goodput.setup_spans(tl, spares="lowered") == [(10.0, 31.0)]
+    assert goodput.setup_spans(tl) == [(0.0, 1.0), (0.0, 8.0), (30.0, 31.0), (32.0, 60.0)]
+    assert goodput.setup_spans(tl, spares="lowered") == [(10.0, 30.0), (40.0, 50.0)]
     assert goodput.setup_spans(tl, spares="all") == [(0.0, 1.0), (0.0, 8.0), (10.0, 31.0),
-                                                       (32.0, 32.0)]
+                                                       (32.0, 60.0), (40.0, 50.0)]
     with pytest.raises(ValueError):
         goodput.setup_spans(tl, spares="some")
 

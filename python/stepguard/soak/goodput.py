@@ -114,9 +114,9 @@ def setup_spans(timeline: Iterable[dict[str, Any]],
 
     ``spares``: which warm spares count: ``"trainers"`` (the default)
     those set up at the trainers' priority, since one set up at a lower
-    priority (:func:`lowered`) takes only the CPU they leave; ``"lowered"``
-    only those at a lower priority, and no launch or restart; ``"all"``
-    every one."""
+    priority (:func:`lowered`) takes only the CPU they leave, until a
+    takeover gives it theirs; ``"lowered"`` only those at a lower priority
+    (until a takeover), and no launch or restart; ``"all"`` every one."""
     if spares not in ("trainers", "lowered", "all"):
         raise ValueError(f"spares: 'trainers', 'lowered' or 'all', not {spares!r}")
     tl = sorted(timeline, key=lambda r: r["t"])
@@ -125,6 +125,7 @@ def setup_spans(timeline: Iterable[dict[str, Any]],
     done: dict[tuple[Any, Any], float] = {}
     spare_done: dict[Any, float] = {}
     spare_group: dict[Any, tuple[Any, Any]] = {}
+    taken: dict[Any, float] = {}
     for r in tl:
         ev = r.get("event")
         key = (r.get("group"), r.get("incarnation"))
@@ -134,18 +135,29 @@ def setup_spans(timeline: Iterable[dict[str, Any]],
             spare_done.setdefault(r.get("spare"), r["t"])
         elif ev == "takeover":
             spare_group.setdefault(r.get("spare"), key)
+            taken.setdefault(r.get("spare"), r["t"])
     end = tl[-1]["t"]
     spans = []
     for r in tl:
         ev = r.get("event")
+        start = r["t"]
         if ev in ("launch", "restart") and spares != "lowered":
             stop = done.get((r.get("group"), r.get("incarnation")), end)
-        elif ev == "spare_start" and (spares == "all" or lowered(r) == (spares == "lowered")):
+        elif ev == "spare_start":
             s = r.get("spare")
             stop = spare_done.get(s, done.get(spare_group.get(s, (None, None)), end))
+            if spares != "all" and lowered(r):
+                # lowered until a takeover that came before it was ready
+                took = taken.get(s)
+                if took is not None and took < stop:
+                    start, stop = (took, stop) if spares == "trainers" else (start, took)
+                elif spares == "trainers":
+                    continue
+            elif spares == "lowered":
+                continue
         else:
             continue
-        spans.append((r["t"], max(r["t"], stop)))
+        spans.append((start, max(start, stop)))
     return spans
 
 

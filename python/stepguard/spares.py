@@ -50,6 +50,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import resource
 import select
 import time
 from dataclasses import dataclass, field
@@ -152,14 +153,13 @@ def send_takeover(fd: int, env: Mapping[str, object]) -> None:
 
 
 _CAP_SYS_NICE = 23
+_RENICE_ROUNDS = 4
 
 
 def can_renice(nice: int) -> bool:
     """True if this process may set another of its user's processes to
     ``nice`` from any higher value: it has ``CAP_SYS_NICE`` (root has), or
     its ``RLIMIT_NICE`` lets it go as low as ``nice``."""
-    import resource
-
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("CapEff:") and int(line.split()[1], 16) >> _CAP_SYS_NICE & 1:
@@ -182,21 +182,28 @@ def renice(pids: Iterable[int], nice: int, autogroup: Optional[int] = None) -> i
     process started in a session of its own needs both.
 
     Processes or threads that are gone are skipped.  Returns how many
-    threads were set.  Raises PermissionError if not allowed
-    (:func:`can_renice`).
+    threads were set.  A thread started while they are being set may have
+    taken its creator's old value: the threads are listed again until no
+    new one appears (a few rounds at most).  Raises PermissionError if not
+    allowed (:func:`can_renice`).
     """
     done = 0
     for pid in pids:
-        try:
-            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        for tid in tids:
+        seen: set[int] = set()
+        for _ in range(_RENICE_ROUNDS):
             try:
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
-                done += 1
-            except ProcessLookupError:
-                continue
+                tids = {int(t) for t in os.listdir(f"/proc/{pid}/task")} - seen
+            except (FileNotFoundError, ProcessLookupError):
+                break
+            if not tids:
+                break
+            for tid in tids:
+                try:
+                    os.setpriority(os.PRIO_PROCESS, tid, nice)
+                    done += 1
+                except ProcessLookupError:
+                    continue
+            seen |= tids
         if autogroup is not None:
             try:
                 if os.getsid(pid) == pid:

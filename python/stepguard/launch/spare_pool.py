@@ -57,9 +57,12 @@ REFILL_AFTER = 5.0  # seconds after a takeover when the next spare starts at the
 def _lower(nice: int) -> None:
     """In a spare's child between fork and exec, after it began its own
     session: its nice value, and its session's autogroup's (without the
-    latter a kernel with autogroups weighs its session as any other)."""
+    latter a kernel with autogroups weighs its session as any other).  A
+    refused autogroup value leaves the session's as it was: the spare still
+    starts, niced within its session."""
     os.setpriority(os.PRIO_PROCESS, 0, nice)
-    set_autogroup(0, nice)
+    with contextlib.suppress(PermissionError):
+        set_autogroup(0, nice)
 
 
 class _Spare:

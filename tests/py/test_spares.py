@@ -509,3 +509,25 @@ def test_one_epoch_after_another_through_a_warm_spares_takeover(tmp_path: Path) 
             f"{sorted(set(range(samples)) - set(got))[:10]}")
     left = [p for p in _pids(tl) if not _gone(p)]
     assert not left, f"processes left running: {left}"
+
+
+def test_llama_data_loader_stops_after_its_epochs(tmp_path: Path) -> None:
+    """train_llama.py --data loader --epochs 1 with a loader worker: two
+    groups read a 48-sample epoch (8 samples a step) and both leave at the
+    step that completes it, having committed each sample once."""
+    samples, epochs = 48, 1
+    cmd = [sys.executable, *TINY_LLAMA, "--data", "loader", "--samples", str(samples),
+           "--epochs", str(epochs), "--data-workers", "1"]
+    cfg = LaunchConfig(
+        cmd=cmd, groups=2, min_replicas=2, omp_threads=1, duration=180.0,
+        timeline=str(tmp_path / "tl.jsonl"), log_dir=str(tmp_path / "logs"), quiet=True)
+    rc = Launcher(cfg).run()
+    tl = _timeline(tmp_path / "tl.jsonl")
+    assert rc == 0 and not _of(tl, "duration_reached"), \
+        f"see {tmp_path}/logs: " + json.dumps(tl[-8:])
+    committed = _committed_batches(tl)
+    assert sorted(committed) == list(range(samples // 8)), sorted(committed)
+    seen = sorted(tuple(k) for bs in committed.values() for b in bs for k in b["keys"])
+    assert seen == [(0, i) for i in range(samples)], seen
+    finished = _of(tl, "finished")
+    assert len(finished) == 2 and {r["step"] for r in finished} == {samples // 8}, finished
